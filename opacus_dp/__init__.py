@@ -1,0 +1,26 @@
+"""opacus_dp: differentially private training (DP-SGD) for PyTorch.
+
+The public entry points are imported lazily so that ``import opacus_dp`` stays cheap
+and sub-packages can be used on their own (e.g. only the accountants).
+"""
+
+from opacus_dp.version import __version__
+
+_LAZY = {
+    "PrivacyEngine": "opacus_dp.privacy_engine",
+    "GradSampleModule": "opacus_dp.grad_sample",
+    "DPOptimizer": "opacus_dp.optim",
+    "DPDataLoader": "opacus_dp.data",
+    "BatchMemoryManager": "opacus_dp.data",
+    "PrivacyBudgetExceededError": "opacus_dp.errors",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'opacus_dp' has no attribute {name!r}")

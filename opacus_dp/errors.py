@@ -1,0 +1,12 @@
+"""Exceptions raised by opacus_dp."""
+
+
+class PrivacyBudgetExceededError(RuntimeError):
+    """Raised *before* a step whose privacy cost would push ε above the configured budget.
+
+    No parameter, accountant record or sampler state is changed by the refused step.
+    """
+
+
+class UnsupportedModuleError(ValueError):
+    """A module cannot be trained privately as it is (see ``ModuleValidator.fix``)."""

@@ -1,0 +1,53 @@
+"""Registries of per-layer per-sample gradient functions.
+
+A *grad sampler* is a pure function
+
+    sampler(layer, activations, backprops) -> {param: per_sample_grad}
+
+where ``activations`` is the list of positional tensor inputs of one call of ``layer``
+and ``backprops`` the gradient of the loss w.r.t. that call's output, both with the batch
+on dimension 0. ``per_sample_grad`` has shape ``(B, *param.shape)`` and is the gradient of
+the *summed* loss restricted to sample i (the caller undoes any ``mean`` reduction).
+Only parameters with ``requires_grad`` must be returned.
+
+A *norm sampler* has the same signature but returns ``{param: per_sample_sq_norm}`` with
+shape ``(B,)``: the squared L2 norm of each sample's gradient, for ghost clipping.
+"""
+
+from typing import Callable, Dict, Iterable, Type, Union
+
+import torch.nn as nn
+
+GradSampler = Callable
+GRAD_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
+NORM_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
+
+
+def _register(table, target_types):
+    types = target_types if isinstance(target_types, (list, tuple)) else [target_types]
+
+    def decorator(fn):
+        for t in types:
+            table[t] = fn
+        return fn
+
+    return decorator
+
+
+def register_grad_sampler(target_types: Union[Type[nn.Module], Iterable[Type[nn.Module]]]):
+    """Decorator: register ``fn`` as the per-sample gradient function of ``target_types``."""
+    return _register(GRAD_SAMPLERS, target_types)
+
+
+def register_norm_sampler(target_types: Union[Type[nn.Module], Iterable[Type[nn.Module]]]):
+    """Decorator: register ``fn`` as the per-sample squared-norm function of ``target_types``."""
+    return _register(NORM_SAMPLERS, target_types)
+
+
+def find_sampler(table, layer: nn.Module):
+    """The sampler registered for exactly ``type(layer)``, else None.
+
+    Subclasses do not inherit a sampler: a subclass may override ``forward`` and the
+    dedicated formula would then be silently wrong; they go to the generic fallback.
+    """
+    return table.get(type(layer))

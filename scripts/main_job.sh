@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The main job: a private (DP-SGD) training run on scikit-learn's handwritten digits,
+# a real dataset shipped inside the installed scikit-learn package (no download).
+# Creates ./.venv (if absent) with the package and its example extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${OPACUS_DP_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --upgrade pip
+fi
+"$VENV/bin/pip" install --quiet -e ".[examples]"
+exec "$VENV/bin/python" examples/quickstart.py "$@"
