@@ -1,0 +1,143 @@
+"""Privacy budget guard: refuse the step that would push ε above a maximum.
+
+The guard runs before a step changes anything (it is a pre-step hook of the DPOptimizer).
+It never touches the live accountant: prospective ε values are computed on a copy with
+extra steps appended to its privacy history.
+
+Computing ε can be expensive (PRV). For a constant schedule ``(σ, q)`` the guard computes
+once, by exponential search then bisection over ``k``, the largest number ``k_max`` of further
+steps with ``ε(history + k·(σ, q)) ≤ max_epsilon`` (ε is non-decreasing in ``k``), and then only
+compares step counters. The cache is recomputed whenever σ or q change or the accountant's
+history changes in any other way (e.g. ``load_state_dict``).
+"""
+
+import copy
+import math
+from typing import Callable, List, Optional, Tuple
+
+from opacus_dp.errors import PrivacyBudgetExceededError
+
+MAX_SEARCHED_STEPS = 2**40  # beyond this the budget counts as unlimited for the schedule
+
+History = List[Tuple[float, float, int]]
+
+
+def _normalized(history) -> History:
+    return [(float(s), float(q), int(n)) for s, q, n in history]
+
+
+def with_extra_steps(accountant, noise_multiplier: float, sample_rate: float, steps: int):
+    """A copy of ``accountant`` whose history has ``steps`` more steps of ``(σ, q)``."""
+    prospective = copy.deepcopy(accountant)
+    if steps <= 0:
+        return prospective
+    history = prospective.history
+    if history and tuple(history[-1][:2]) == (noise_multiplier, sample_rate):
+        sigma, q, n = history[-1]
+        history[-1] = (sigma, q, n + steps)
+    else:
+        history.append((noise_multiplier, sample_rate, steps))
+    return prospective
+
+
+def steps_added(base: History, now: History, noise_multiplier: float, sample_rate: float) -> Optional[int]:
+    """How many ``(σ, q)`` steps turn ``base`` into ``now`` (None if ``now`` differs otherwise)."""
+    key = (noise_multiplier, sample_rate)
+    if len(now) < len(base) or now[: max(len(base) - 1, 0)] != base[: max(len(base) - 1, 0)]:
+        return None
+    extra, rest = 0, now[len(base):]
+    if base:
+        last, current = base[-1], now[len(base) - 1]
+        if current[:2] != last[:2] or current[2] < last[2]:
+            return None
+        extra = current[2] - last[2]
+        if extra and last[:2] != key:
+            return None
+    if len(rest) > 1 or (rest and rest[0][:2] != key):
+        return None
+    return extra + (rest[0][2] if rest else 0)
+
+
+class BudgetGuard:
+    """Pre-step check raising :class:`PrivacyBudgetExceededError` before ε > ``max_epsilon``.
+
+    Args:
+        accountant: the engine's accountant (read, never modified).
+        max_epsilon: the budget ε_max (> 0).
+        delta: the δ at which ε is measured.
+        sample_rate: q of the coming steps (a number, or a callable returning it).
+        epsilon_of: ``f(accountant) -> ε`` (default ``accountant.get_epsilon(delta)``).
+    """
+
+    def __init__(self, accountant, *, max_epsilon: float, delta: float, sample_rate,
+                 epsilon_of: Optional[Callable] = None):
+        if isinstance(max_epsilon, bool) or not isinstance(max_epsilon, (int, float)) \
+                or not (max_epsilon > 0 and not math.isnan(max_epsilon)):
+            raise ValueError(f"max_epsilon must be a number > 0, got {max_epsilon!r}")
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
+            raise ValueError(f"delta for max_epsilon must lie in (0, 1), got {delta!r}")
+        self.accountant = accountant
+        self.max_epsilon = float(max_epsilon)
+        self.delta = float(delta)
+        self._sample_rate = sample_rate
+        self.epsilon_of = epsilon_of or (lambda acc: acc.get_epsilon(self.delta))
+        self._cache = None  # (σ, q, base history, k_max)
+        self.evaluations = 0  # number of ε computations, for cost tests
+
+    def sample_rate(self) -> float:
+        return float(self._sample_rate() if callable(self._sample_rate) else self._sample_rate)
+
+    def __call__(self, optimizer) -> None:
+        """Pre-step hook: raise if one more step with ``optimizer.noise_multiplier`` is too many."""
+        self.check(float(optimizer.noise_multiplier), self.sample_rate())
+
+    def check(self, noise_multiplier: float, sample_rate: float) -> None:
+        """Raise :class:`PrivacyBudgetExceededError` if one more ``(σ, q)`` step exceeds the budget."""
+        remaining = self.remaining_steps(noise_multiplier, sample_rate)
+        if remaining >= 1:
+            return
+        eps_next = self._epsilon_after(noise_multiplier, sample_rate, 1)
+        raise PrivacyBudgetExceededError(
+            f"privacy budget exhausted: one more step (noise_multiplier={noise_multiplier}, "
+            f"sample_rate={sample_rate}) would raise epsilon to {eps_next:.4g} > "
+            f"max_epsilon={self.max_epsilon} at delta={self.delta} after "
+            f"{len(self.accountant)} steps; the step was refused and nothing was changed"
+        )
+
+    def remaining_steps(self, noise_multiplier: float, sample_rate: float) -> int:
+        """Number of further ``(σ, q)`` steps allowed by the budget (cached, see module doc)."""
+        now = _normalized(self.accountant.history)
+        if self._cache is not None:
+            sigma, q, base, k_max = self._cache
+            if (sigma, q) == (noise_multiplier, sample_rate):
+                done = steps_added(base, now, noise_multiplier, sample_rate)
+                if done is not None:
+                    return max(k_max - done, 0)
+        k_max = self._max_steps(noise_multiplier, sample_rate)
+        self._cache = (noise_multiplier, sample_rate, now, k_max)
+        return k_max
+
+    def _epsilon_after(self, noise_multiplier, sample_rate, steps) -> float:
+        self.evaluations += 1
+        prospective = with_extra_steps(self.accountant, noise_multiplier, sample_rate, steps)
+        return float(self.epsilon_of(prospective))
+
+    def _fits(self, noise_multiplier, sample_rate, steps) -> bool:
+        return self._epsilon_after(noise_multiplier, sample_rate, steps) <= self.max_epsilon
+
+    def _max_steps(self, noise_multiplier: float, sample_rate: float) -> int:
+        """Largest ``k`` with ε(history + k steps) ≤ max_epsilon (0 if none)."""
+        if not self._fits(noise_multiplier, sample_rate, 1):
+            return 0
+        lo, hi = 1, 2
+        while self._fits(noise_multiplier, sample_rate, hi):
+            lo, hi = hi, hi * 2
+            if hi > MAX_SEARCHED_STEPS:
+                return MAX_SEARCHED_STEPS
+        while hi - lo > 1:  # invariant: lo fits, hi does not
+            mid = (lo + hi) // 2
+            if self._fits(noise_multiplier, sample_rate, mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo

@@ -1,0 +1,100 @@
+"""Checkpoints of a private training run: everything needed to resume it exactly.
+
+Saved entries (a dict written with ``torch.save``):
+
+* ``module_state_dict`` — the user's model, *without* wrapper prefixes (``_module.``,
+  ``module.``), so it loads into a plain model as well as into a wrapped one;
+* ``privacy_accountant_state_dict`` — the full privacy history (every (σ, q, steps) record);
+* ``optimizer_state_dict`` — the wrapped optimizer's own state (momentum, Adam moments, ...);
+* ``noise_generator_state`` / ``sampler_generator_state`` — generator states, so that a seeded
+  resumed run draws the same noise and the same Poisson batches as an uninterrupted one;
+* ``<name>_state_dict`` for the optional schedulers.
+"""
+
+import warnings
+from typing import Dict, Optional
+
+import torch
+import torch.nn as nn
+
+from opacus_dp.engine_setup import unwrap_model
+
+WRAPPER_PREFIXES = ("_module.", "module.")
+
+
+def _strip_wrapper_prefixes(state_dict: dict, expected_keys) -> dict:
+    """Remove leading wrapper prefixes from keys that ``expected_keys`` does not know."""
+    expected = set(expected_keys)
+    result = {}
+    for key, value in state_dict.items():
+        stripped = key
+        while stripped not in expected and stripped.startswith(WRAPPER_PREFIXES):
+            stripped = stripped.split(".", 1)[1]
+        result[stripped if stripped in expected else key] = value
+    return result
+
+
+def _sampler_generator(data_loader) -> Optional[torch.Generator]:
+    generator = getattr(data_loader, "generator", None) if data_loader is not None else None
+    return generator if isinstance(generator, torch.Generator) else None
+
+
+def save(path, *, module: nn.Module, optimizer=None, accountant=None, data_loader=None,
+         schedulers: Optional[Dict[str, object]] = None, checkpoint_dict=None,
+         module_state_dict_kwargs=None, torch_save_kwargs=None) -> dict:
+    """Write the checkpoint described in the module doc to ``path``; return the dict."""
+    state = dict(checkpoint_dict or {})
+    state["module_state_dict"] = unwrap_model(module).state_dict(**(module_state_dict_kwargs or {}))
+    if accountant is not None:
+        state["privacy_accountant_state_dict"] = accountant.state_dict()
+    if optimizer is not None:
+        state["optimizer_state_dict"] = optimizer.state_dict()
+        if hasattr(optimizer, "noise_state_dict"):
+            state["noise_generator_state"] = optimizer.noise_state_dict()
+    generator = _sampler_generator(data_loader)
+    if generator is not None:
+        state["sampler_generator_state"] = generator.get_state()
+    for name, scheduler in (schedulers or {}).items():
+        if scheduler is not None:
+            state[f"{name}_state_dict"] = scheduler.state_dict()
+    torch.save(state, path, **(torch_save_kwargs or {}))
+    return state
+
+
+def load(path, *, module: nn.Module, optimizer=None, accountant=None, data_loader=None,
+         schedulers: Optional[Dict[str, object]] = None, map_location=None,
+         module_load_dict_kwargs=None, torch_load_kwargs=None) -> dict:
+    """Restore a checkpoint written by :func:`save`; return the entries not consumed."""
+    load_kwargs = dict(torch_load_kwargs or {})
+    load_kwargs.setdefault("weights_only", False)
+    if map_location is not None:
+        load_kwargs["map_location"] = map_location
+    state = torch.load(path, **load_kwargs)
+    target = unwrap_model(module)
+    target.load_state_dict(_strip_wrapper_prefixes(state.pop("module_state_dict"), target.state_dict()),
+                           **(module_load_dict_kwargs or {}))
+    if accountant is not None and "privacy_accountant_state_dict" in state:
+        accountant.load_state_dict(state.pop("privacy_accountant_state_dict"))
+    _load_optimizer(state, optimizer)
+    generator_state = state.pop("sampler_generator_state", None)
+    generator = _sampler_generator(data_loader)
+    if generator_state is not None and generator is not None:
+        generator.set_state(generator_state)
+    for name, scheduler in (schedulers or {}).items():
+        saved = state.pop(f"{name}_state_dict", None)
+        if scheduler is not None and saved is not None:
+            scheduler.load_state_dict(saved)
+    return state
+
+
+def _load_optimizer(state: dict, optimizer) -> None:
+    saved = state.pop("optimizer_state_dict", None)
+    noise = state.pop("noise_generator_state", None)
+    if optimizer is None or saved is None:
+        if (optimizer is None) != (saved is None):
+            warnings.warn("checkpoint and arguments disagree on the optimizer: its state was not restored",
+                          UserWarning)
+        return
+    optimizer.load_state_dict(saved)
+    if noise is not None and hasattr(optimizer, "load_noise_state_dict"):
+        optimizer.load_noise_state_dict(noise)

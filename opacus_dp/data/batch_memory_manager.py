@@ -1,0 +1,133 @@
+"""``BatchMemoryManager``: bound the physical batch size without changing the logical (private) one.
+
+A logical batch (one Poisson sample, one privacy step) is cut into physical batches of at most
+``max_physical_batch_size`` examples. Right before each physical batch reaches the training loop
+the optimizer is told whether the step after it must be skipped (``do_skip=True``: more chunks of
+the same logical batch follow, keep accumulating clipped gradients) or taken (``do_skip=False``:
+the last chunk). An empty logical batch still yields one empty physical batch with
+``do_skip=False``, so its step (noise only) is taken and accounted.
+"""
+
+import math
+from collections import deque
+from typing import Iterator, List
+
+from torch.utils.data import BatchSampler, DataLoader, Sampler
+
+from opacus_dp.data.data_loader import worker_settings
+from opacus_dp.data.samplers import check_positive_int
+
+
+def split_indices(indices: List[int], max_size: int) -> List[List[int]]:
+    """Cut ``indices`` into ``k = max(1, ceil(n/max_size))`` consecutive chunks whose sizes differ by ≤ 1.
+
+    The first ``n mod k`` chunks hold one extra index (the layout of ``numpy.array_split``).
+    """
+    n = len(indices)
+    k = max(1, math.ceil(n / max_size))
+    bounds = [i * (n // k) + min(i, n % k) for i in range(k + 1)]
+    return [list(indices[bounds[i] : bounds[i + 1]]) for i in range(k)]
+
+
+class BatchSplittingSampler(Sampler[List[int]]):
+    """Batch sampler yielding the physical chunks of each logical batch of ``batch_sampler``.
+
+    For every chunk it appends the matching ``do_skip`` flag to ``self.skip_flags``; the loader
+    pops them in the same order when it hands the collated chunks out.
+    """
+
+    def __init__(self, *, batch_sampler, max_batch_size: int):
+        self.batch_sampler = batch_sampler
+        self.max_batch_size = check_positive_int(max_batch_size, "max_physical_batch_size")
+        self.skip_flags: deque = deque()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for logical in self.batch_sampler:
+            chunks = split_indices(list(logical), self.max_batch_size)
+            for position, chunk in enumerate(chunks):
+                self.skip_flags.append(position < len(chunks) - 1)
+                yield chunk
+
+    def __len__(self) -> int:
+        """Estimated number of physical batches: ``ceil(steps · max(1, E|B| / max_size))``."""
+        steps = len(self.batch_sampler)
+        if hasattr(self.batch_sampler, "expected_batch_size"):
+            expected = self.batch_sampler.expected_batch_size()
+        elif isinstance(self.batch_sampler, BatchSampler):
+            expected = self.batch_sampler.batch_size
+        else:
+            return steps
+        return math.ceil(steps * max(1.0, expected / self.max_batch_size))
+
+
+class PhysicalBatchLoader(DataLoader):
+    """DataLoader over the physical chunks; signals ``optimizer.signal_skip_step`` per chunk.
+
+    The signal is sent when a chunk is handed to the caller (not when its indices are drawn),
+    so worker prefetching cannot put the signals out of order.
+    """
+
+    def __init__(self, data_loader: DataLoader, *, max_physical_batch_size: int, optimizer):
+        self.optimizer = optimizer
+        super().__init__(
+            data_loader.dataset,
+            batch_sampler=BatchSplittingSampler(
+                batch_sampler=data_loader.batch_sampler, max_batch_size=max_physical_batch_size
+            ),
+            collate_fn=data_loader.collate_fn,
+            generator=data_loader.generator,
+            in_order=True,
+            **worker_settings(data_loader),
+        )
+
+    def __iter__(self):
+        splitter = self.batch_sampler
+        splitter.skip_flags.clear()
+        for batch in super().__iter__():
+            self.optimizer.signal_skip_step(do_skip=splitter.skip_flags.popleft())
+            yield batch
+
+
+def _check_arguments(data_loader, max_physical_batch_size, optimizer) -> None:
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+    if data_loader.batch_sampler is None:
+        raise ValueError("data_loader has automatic batching disabled (batch_size=None); nothing to split")
+    check_positive_int(max_physical_batch_size, "max_physical_batch_size")
+    if not callable(getattr(optimizer, "signal_skip_step", None)):
+        raise TypeError(
+            f"optimizer must provide signal_skip_step(do_skip=...) (a DPOptimizer), got {type(optimizer).__name__}"
+        )
+
+
+class BatchMemoryManager:
+    """Context manager returning a loader of physical batches of at most ``max_physical_batch_size``.
+
+    >>> with BatchMemoryManager(data_loader=loader, max_physical_batch_size=32, optimizer=opt) as physical:
+    ...     for x, y in physical:
+    ...         loss_fn(model(x), y).backward()
+    ...         opt.step()        # a real step only after the last chunk of a logical batch
+    ...         opt.zero_grad()
+
+    The given loader is not modified; iterate the returned one.
+    """
+
+    def __init__(self, *, data_loader: DataLoader, max_physical_batch_size: int, optimizer):
+        _check_arguments(data_loader, max_physical_batch_size, optimizer)
+        self.data_loader = data_loader
+        self.max_physical_batch_size = int(max_physical_batch_size)
+        self.optimizer = optimizer
+
+    def __enter__(self) -> PhysicalBatchLoader:
+        return PhysicalBatchLoader(
+            self.data_loader, max_physical_batch_size=self.max_physical_batch_size, optimizer=self.optimizer
+        )
+
+    def __exit__(self, exc_type, exc_value, traceback) -> bool:
+        return False
+
+
+def wrap_data_loader(*, data_loader: DataLoader, max_batch_size: int, optimizer) -> PhysicalBatchLoader:
+    """Functional form of ``BatchMemoryManager`` (Opacus 1.x name)."""
+    _check_arguments(data_loader, max_batch_size, optimizer)
+    return PhysicalBatchLoader(data_loader, max_physical_batch_size=max_batch_size, optimizer=optimizer)

@@ -1,0 +1,175 @@
+"""Poisson batch samplers: every step includes each example independently with probability q.
+
+This is the sampling the privacy analysis of DP-SGD assumes (the subsampled Gaussian
+mechanism: Abadi et al. 2016, "Deep Learning with Differential Privacy"; Mironov et al. 2019,
+"Rényi Differential Privacy of the Sampled Gaussian Mechanism"). The batch size is therefore
+random, ``|B| ~ Binomial(N, q)``, and may be zero.
+"""
+
+from numbers import Integral, Real
+from typing import Iterator, List, Optional
+
+import torch
+from torch.utils.data import Sampler
+
+
+def check_sample_rate(sample_rate) -> float:
+    """``sample_rate`` as a float in (0, 1], or a ValueError naming the argument."""
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, Real):
+        raise TypeError(f"sample_rate must be a float in (0, 1], got {type(sample_rate).__name__}")
+    if not 0.0 < float(sample_rate) <= 1.0:
+        raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
+    return float(sample_rate)
+
+
+def check_positive_int(value, name: str) -> int:
+    """``value`` as a positive int, or an error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
+def default_steps(sample_rate: float) -> int:
+    """Number of batches of one "epoch": ``round(1/q)`` (at least 1), so that N·q·steps ≈ N."""
+    return max(1, round(1.0 / sample_rate))
+
+
+def generator_from_global_rng(offset: int = 0) -> torch.Generator:
+    """A fresh CPU generator seeded from torch's global RNG (plus ``offset``).
+
+    Seeding from the global RNG keeps runs reproducible under ``torch.manual_seed`` while giving
+    the loader its own checkpointable state (``generator.get_state()``).
+    """
+    seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    generator = torch.Generator()
+    generator.manual_seed((seed + offset) % (2**63))
+    return generator
+
+
+def poisson_mask(num_samples: int, sample_rate: float, generator) -> torch.Tensor:
+    """Boolean mask with independent Bernoulli(q) entries: ``U_i < q`` with ``U_i ~ Uniform[0, 1)``."""
+    return torch.rand(num_samples, generator=generator) < sample_rate
+
+
+class UniformWithReplacementSampler(Sampler[List[int]]):
+    """Batch sampler drawing ``steps`` Poisson batches over ``range(num_samples)``.
+
+    Each yielded list holds the indices i with ``U_i < sample_rate`` for fresh uniforms, so each
+    example is in each batch independently with probability q; lists may be empty.
+    ``len(sampler) == steps`` (default ``round(1/q)``). Accepts the keyword form
+    ``(num_samples=, sample_rate=, generator=, steps=)`` and the positional form
+    ``(num_samples, sample_rate, generator)``.
+    """
+
+    def __init__(self, num_samples: int, sample_rate: float, generator=None, steps: Optional[int] = None):
+        self.num_samples = check_positive_int(num_samples, "num_samples")
+        self.sample_rate = check_sample_rate(sample_rate)
+        self.generator = generator
+        self.steps = default_steps(self.sample_rate) if steps is None else check_positive_int(steps, "steps")
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for _ in range(self.steps):
+            mask = poisson_mask(self.num_samples, self.sample_rate, self.generator)
+            yield mask.nonzero().view(-1).tolist()
+
+    def expected_batch_size(self) -> float:
+        """E|B| = N·q."""
+        return self.num_samples * self.sample_rate
+
+
+def _distributed_world(num_replicas, rank):
+    """(num_replicas, rank), filled in from ``torch.distributed`` when not given."""
+    if num_replicas is None or rank is None:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise ValueError(
+                "DistributedPoissonBatchSampler needs num_replicas and rank, or an initialised "
+                "torch.distributed process group to read them from"
+            )
+        num_replicas = torch.distributed.get_world_size() if num_replicas is None else num_replicas
+        rank = torch.distributed.get_rank() if rank is None else rank
+    num_replicas = check_positive_int(num_replicas, "num_replicas")
+    if isinstance(rank, bool) or not isinstance(rank, Integral) or not 0 <= rank < num_replicas:
+        raise ValueError(f"rank must be an int in [0, num_replicas={num_replicas}), got {rank!r}")
+    return num_replicas, int(rank)
+
+
+class DistributedPoissonBatchSampler(Sampler[List[int]]):
+    """Poisson batch sampler for one rank of a ``torch.distributed`` job.
+
+    Per epoch the indices ``0..N-1`` are permuted with a generator seeded by
+    ``shuffle_seed + epoch`` (identity when ``shuffle=False``); rank r owns the permuted
+    positions ``r, r+R, r+2R, ...``. Every step draws one mask ``U_j < q`` over all N positions
+    and the rank keeps the selected positions it owns. So:
+
+    * each example is in the global batch independently with probability q (the accountant uses q);
+    * local batches of different ranks are disjoint (ranks own disjoint positions); when all
+      ranks share the generator seed their union is exactly one global Poisson batch;
+    * every rank yields exactly ``steps`` batches (empty ones included), so ranks never fall out
+      of step in collective operations.
+
+    ``set_epoch(epoch)`` changes the shard assignment for the next iteration.
+    """
+
+    def __init__(
+        self,
+        *,
+        total_size: int,
+        sample_rate: float,
+        num_replicas: Optional[int] = None,
+        rank: Optional[int] = None,
+        shuffle: bool = True,
+        shuffle_seed: int = 0,
+        generator=None,
+        steps: Optional[int] = None,
+    ):
+        self.total_size = check_positive_int(total_size, "total_size")
+        self.sample_rate = check_sample_rate(sample_rate)
+        self.num_replicas, self.rank = _distributed_world(num_replicas, rank)
+        self.shuffle = bool(shuffle)
+        self.shuffle_seed = int(shuffle_seed)
+        self.generator = generator
+        self.steps = default_steps(self.sample_rate) if steps is None else check_positive_int(steps, "steps")
+        self.epoch = 0
+        # Local shard size: the first N mod R ranks own one more example.
+        self.num_samples = len(range(self.rank, self.total_size, self.num_replicas))
+
+    @property
+    def num_batches(self) -> int:
+        """Alias of ``steps`` (name used by Opacus 1.x)."""
+        return self.steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the shard assignment of ``epoch`` on the next iteration."""
+        self.epoch = int(epoch)
+
+    def shard_indices(self) -> torch.Tensor:
+        """Dataset indices owned by this rank in the current epoch (permuted positions r::R)."""
+        if self.shuffle:
+            shuffle_generator = torch.Generator()
+            shuffle_generator.manual_seed(self.shuffle_seed + self.epoch)
+            order = torch.randperm(self.total_size, generator=shuffle_generator)
+        else:
+            order = torch.arange(self.total_size)
+        return order[self.rank :: self.num_replicas]
+
+    def __iter__(self) -> Iterator[List[int]]:
+        owned = self.shard_indices()
+        for _ in range(self.steps):
+            mask = poisson_mask(self.total_size, self.sample_rate, self.generator)
+            yield owned[mask[self.rank :: self.num_replicas]].tolist()
+
+    def expected_batch_size(self) -> float:
+        """Expected local batch size ``q · |shard|``."""
+        return self.num_samples * self.sample_rate
+
+
+DistributedUniformWithReplacementSampler = DistributedPoissonBatchSampler
+

@@ -1,0 +1,37 @@
+"""Distributed DP-SGD: across processes (DDP / DPDDP) and across nn.DataParallel replicas.
+
+* :class:`DifferentiallyPrivateDistributedDataParallel` — model wrapper (rank-0 broadcast).
+* :class:`AllReduceReducer` — one all-reduce of the clipped sums per step, noise on rank 0.
+* :func:`local_gradients_hook` — DDP comm hook that stops DDP's unclipped all-reduce.
+* :mod:`~opacus_dp.distributed.configure` — what the PrivacyEngine calls.
+* :mod:`~opacus_dp.distributed.data_parallel` — per-sample gradients inside nn.DataParallel.
+"""
+
+from opacus_dp.distributed.checks import check_same_on_all_ranks, parameters_in_sync
+from opacus_dp.distributed.configure import (
+    configure_optimizer,
+    find_distributed_wrapper,
+    find_parallel_wrapper,
+    validate_parallel_module,
+    world_size_of,
+)
+from opacus_dp.distributed.ddp_hooks import install_local_gradients_hook, local_gradients_hook
+from opacus_dp.distributed.dpddp import DifferentiallyPrivateDistributedDataParallel
+from opacus_dp.distributed.reducers import AllReduceReducer
+
+DPDDP = DifferentiallyPrivateDistributedDataParallel
+
+__all__ = [
+    "AllReduceReducer",
+    "DPDDP",
+    "DifferentiallyPrivateDistributedDataParallel",
+    "check_same_on_all_ranks",
+    "configure_optimizer",
+    "find_distributed_wrapper",
+    "find_parallel_wrapper",
+    "install_local_gradients_hook",
+    "local_gradients_hook",
+    "parameters_in_sync",
+    "validate_parallel_module",
+    "world_size_of",
+]

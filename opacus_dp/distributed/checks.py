@@ -1,0 +1,86 @@
+"""Cross-rank consistency checks for distributed DP-SGD.
+
+Every check first runs its collective on *all* ranks and only then compares, so a
+disagreement raises the same error on every rank instead of leaving some ranks blocked
+in a collective the others never enter.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def process_group_active() -> bool:
+    """True iff ``torch.distributed`` is initialised with more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def require_process_group(what: str) -> None:
+    """Raise a clear error if no default process group has been initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{what} needs an initialised process group: call "
+            "torch.distributed.init_process_group(backend='gloo' or 'nccl') first "
+            "(for example in a script launched with torchrun --nproc_per_node=N)"
+        )
+
+
+def collective_device(group=None) -> torch.device:
+    """The device collectives of ``group`` need: CUDA for nccl, CPU otherwise."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def gather_values(values: List[float], group=None) -> torch.Tensor:
+    """All-gather a list of floats: row r of the result holds rank r's values (float64)."""
+    device = collective_device(group)
+    local = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, local, group=group)
+    return torch.stack(rows).cpu()
+
+
+def check_same_on_all_ranks(values: Dict[str, Optional[float]], group=None) -> None:
+    """Raise ``ValueError`` on every rank if any named value differs between ranks.
+
+    ``None`` values are compared as NaN-free sentinels (all ranks must agree on None too).
+    """
+    names = sorted(values)
+    encoded = [-1.0 if values[n] is None else float(values[n]) for n in names]
+    flags = [1.0 if values[n] is None else 0.0 for n in names]
+    table = gather_values(encoded + flags, group)
+    for i, name in enumerate(names):
+        column = table[:, [i, i + len(names)]]
+        if not bool((column == column[0]).all()):
+            per_rank = {r: _decode(column[r]) for r in range(table.shape[0])}
+            raise ValueError(
+                f"{name} differs between ranks ({per_rank}); every process must use the same "
+                f"{name} for distributed DP-SGD"
+            )
+
+
+def _decode(pair: torch.Tensor) -> Optional[float]:
+    return None if pair[1].item() == 1.0 else pair[0].item()
+
+
+@torch.no_grad()
+def parameters_in_sync(module: nn.Module, group=None) -> bool:
+    """True iff every parameter of ``module`` is bit-identical on all ranks.
+
+    Compares rank 0's flattened parameters (broadcast) with the local ones; the answer is
+    made collective (MIN over ranks), so all ranks return the same value.
+    """
+    params = [p.detach().reshape(-1) for p in module.parameters()]
+    if not params:
+        return True
+    device = collective_device(group)
+    local = torch.cat([p.to(device=device, dtype=torch.float64) for p in params])
+    reference = local.clone()
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast(reference, src=src, group=group)
+    same = torch.tensor([1.0 if torch.equal(local, reference) else 0.0], device=device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
+    return bool(same.item() == 1.0)

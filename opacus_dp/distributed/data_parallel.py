@@ -1,0 +1,128 @@
+"""Per-sample gradients inside ``nn.DataParallel`` replicas.
+
+What ``nn.DataParallel.forward`` does, and what DP-SGD needs from it:
+
+1. ``scatter`` splits the batch into chunks ``0..K-1`` along ``dim`` (batch order);
+2. ``replicate`` copies the module once per chunk: every submodule is copied with
+   ``Module._replicate_for_data_parallel`` — a *shallow* copy of ``__dict__``, so the
+   forward hooks of a master layer also fire on its replicas (called with the replica);
+   replica parameters are plain tensors, differentiable broadcast copies of the masters;
+3. ``parallel_apply`` runs replica ``j`` on chunk ``j``, one thread per replica;
+4. ``gather`` concatenates the outputs in chunk order; backward sums the replicas'
+   gradients into the masters' ``.grad``.
+
+DP-SGD needs, for every master parameter, the per-sample gradients of *all* samples in
+batch order (clipping acts on the whole batch). The GradSampleModule's hooks resolve the
+master parameters by name, store each replica's result under its chunk index, and the
+per-sample store concatenates the chunks in index order at the end of the backward pass.
+
+The chunk index is attached here: while a GradSampleModule exists, a module-call
+pre-hook takes over ``replicate`` on every ``DataParallel`` *instance* that is called
+(an instance attribute wrapping the class method; the model may have been wrapped before
+or after the privacy engine) and records ``replica submodule -> chunk index`` in a weak
+side table. When the last GradSampleModule is closed the hook and every instance
+attribute are removed.
+
+Refused, with a clear error: a replica that was not made by a taken-over ``replicate``
+(another replication scheme), and layers using the generic ``torch.func`` fallback
+(it reads ``layer.parameters()``, which replicas do not have).
+"""
+
+import threading
+import weakref
+from typing import Optional
+
+import torch.nn as nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DataParallel
+
+_CHUNK_OF: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+_TAKEN_OVER: "weakref.WeakSet[DataParallel]" = weakref.WeakSet()
+_OWNERS: "weakref.WeakKeyDictionary[object, weakref.finalize]" = weakref.WeakKeyDictionary()
+_LOCK = threading.RLock()
+_CALL_HOOK = None
+
+
+def _take_over_replicate(data_parallel: DataParallel) -> None:
+    """Wrap ``data_parallel.replicate`` (on the instance) to record each replica's chunk."""
+    class_replicate = type(data_parallel).replicate.__get__(data_parallel)
+
+    def replicate_with_chunk_indices(module, device_ids):
+        replicas = class_replicate(module, device_ids)
+        for chunk, replica in enumerate(replicas):
+            for sub in replica.modules():
+                _CHUNK_OF[sub] = chunk
+        return replicas
+
+    data_parallel.__dict__["replicate"] = replicate_with_chunk_indices
+    _TAKEN_OVER.add(data_parallel)
+
+
+def _on_module_call(module: nn.Module, args) -> None:
+    if isinstance(module, DataParallel) and module not in _TAKEN_OVER:
+        with _LOCK:
+            if module not in _TAKEN_OVER:
+                _take_over_replicate(module)
+
+
+def acquire(owner: object) -> None:
+    """``owner`` (a GradSampleModule) starts: make sure DataParallel calls are taken over.
+
+    Undone by :func:`release` or, at the latest, when ``owner`` is garbage collected.
+    """
+    global _CALL_HOOK
+    with _LOCK:
+        if owner in _OWNERS:
+            return
+        if _CALL_HOOK is None:
+            _CALL_HOOK = register_module_forward_pre_hook(_on_module_call)
+        _OWNERS[owner] = weakref.finalize(owner, _drop_owner)
+
+
+def release(owner: object) -> None:
+    """``owner`` is closed: after the last one, remove the call hook and the overrides."""
+    finalizer = _OWNERS.pop(owner, None)
+    if finalizer is not None:
+        finalizer()
+
+
+def _drop_owner() -> None:
+    global _CALL_HOOK
+    with _LOCK:
+        if any(f.alive for f in _OWNERS.values()) or _CALL_HOOK is None:
+            return
+        _CALL_HOOK.remove()
+        _CALL_HOOK = None
+        for data_parallel in list(_TAKEN_OVER):
+            data_parallel.__dict__.pop("replicate", None)
+        _TAKEN_OVER.clear()
+
+
+def chunk_of(layer: nn.Module, master: nn.Module, *, describe_layer: str,
+             uses_registered_sampler: bool) -> int:
+    """The batch chunk handled by ``layer``: 0 for the master itself, else the replica's.
+
+    Raises ``ValueError`` for replicas DP-SGD cannot handle (see the module docstring).
+    """
+    if layer is master:
+        return 0
+    chunk = _CHUNK_OF.get(layer)
+    if chunk is None:
+        raise ValueError(
+            f"{describe_layer} was called through a copy of the module that was not made by "
+            "nn.DataParallel.replicate; per-sample gradients of such replicas cannot be "
+            "assigned to their samples. Use nn.DataParallel or DistributedDataParallel."
+        )
+    if not uses_registered_sampler:
+        raise ValueError(
+            f"{describe_layer} has no registered grad sampler (it would use the generic "
+            "torch.func fallback, or grad_sample_mode='functorch' was chosen), which is not "
+            "supported inside nn.DataParallel replicas: use grad_sample_mode='hooks' with "
+            "supported layers, or DistributedDataParallel instead of nn.DataParallel"
+        )
+    return chunk
+
+
+def chunk_index(layer: nn.Module) -> Optional[int]:
+    """Chunk recorded for a replica submodule (None for masters and unknown modules)."""
+    return _CHUNK_OF.get(layer)

@@ -1,0 +1,51 @@
+"""A DDP communication hook that communicates nothing.
+
+``torch.nn.parallel.DistributedDataParallel`` all-reduces the *unclipped* gradients
+during every backward pass. In DP-SGD those averages are useless (the optimizer replaces
+``p.grad`` by the clipped, noised sum) and would double the traffic, so the engine
+registers :func:`local_gradients_hook`: each bucket's future resolves immediately to the
+rank's own gradients, and the single reduction of the step is done by the optimizer's
+:class:`~opacus_dp.distributed.reducers.AllReduceReducer` on the clipped sums.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+def local_gradients_hook(state: object, bucket: "dist.GradBucket") -> torch.futures.Future:
+    """Comm hook: keep this rank's gradients as they are, send zero bytes."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def has_local_gradients_hook(ddp: DistributedDataParallel) -> bool:
+    """True iff :func:`local_gradients_hook` is registered on ``ddp``."""
+    return any(hook is local_gradients_hook for hook, _ in getattr(ddp, "_comm_hooks", []))
+
+
+def install_local_gradients_hook(ddp: DistributedDataParallel) -> None:
+    """Register :func:`local_gradients_hook` on ``ddp`` (idempotent).
+
+    DDP accepts one comm hook per model and none after the first backward pass, so wrap
+    the model and call ``make_private``/``attach`` before training.
+    """
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"expected DistributedDataParallel, got {type(ddp).__name__}")
+    if has_local_gradients_hook(ddp):
+        return
+    if getattr(ddp, "_comm_hooks", []):
+        raise ValueError(
+            "this DistributedDataParallel model already has a communication hook; DP-SGD needs "
+            "its own hook (gradients are reduced after clipping): wrap the model in a fresh "
+            "DistributedDataParallel without register_comm_hook"
+        )
+    try:
+        ddp.register_comm_hook(state=None, hook=local_gradients_hook)
+    except RuntimeError as e:
+        raise ValueError(
+            "could not register the DP-SGD communication hook on DistributedDataParallel "
+            f"({e}); call make_private/attach right after wrapping the model, before any "
+            "backward pass, and do not register another comm hook"
+        ) from e

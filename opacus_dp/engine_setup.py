@@ -1,0 +1,152 @@
+"""Building blocks shared by the two PrivacyEngine APIs: checks, model wrapping, the optimizer.
+
+The mapping ``grad_sample_mode -> wrapper`` lives in :data:`GRAD_SAMPLE_MODES` (one small
+table; further modes add one entry).
+"""
+
+import math
+import secrets
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from opacus_dp.optim import DPOptimizer, grad_source_for
+from opacus_dp.optim.clipping import check_max_grad_norm
+from opacus_dp.optim.noise import check_noise_multiplier
+
+
+def _wrap_hooks(module: nn.Module, *, batch_first: bool, loss_reduction: str):
+    from opacus_dp.grad_sample import GradSampleModule
+
+    return GradSampleModule(module, batch_first=batch_first, loss_reduction=loss_reduction, strict=True)
+
+
+def _wrap_functorch(module: nn.Module, *, batch_first: bool, loss_reduction: str):
+    from opacus_dp.grad_sample import GradSampleModule
+
+    return GradSampleModule(module, batch_first=batch_first, loss_reduction=loss_reduction,
+                            strict=True, force_functorch=True)
+
+
+GRAD_SAMPLE_MODES: Dict[str, Callable] = {
+    "hooks": _wrap_hooks,
+    "functorch": _wrap_functorch,
+}
+
+CLIPPING_MODES = ("flat", "per_layer")
+
+
+def check_choice(value, choices: Sequence[str], name: str) -> str:
+    """``value`` if it is one of ``choices``, else ValueError naming ``name``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+    return value
+
+
+def check_privacy_arguments(*, noise_multiplier, max_grad_norm, loss_reduction: str,
+                            clipping: str) -> None:
+    """Early, named errors for σ, C (or the per-layer list), loss_reduction and clipping."""
+    check_noise_multiplier(noise_multiplier)
+    check_choice(loss_reduction, ("mean", "sum"), "loss_reduction")
+    check_choice(clipping, CLIPPING_MODES, "clipping")
+    if isinstance(max_grad_norm, (list, tuple)):
+        if clipping != "per_layer":
+            raise ValueError("max_grad_norm is a list: pass clipping='per_layer' (one bound per tensor)")
+        for i, c in enumerate(max_grad_norm):
+            check_max_grad_norm(c, f"max_grad_norm[{i}]")
+    else:
+        if clipping == "per_layer":
+            raise ValueError("clipping='per_layer' needs max_grad_norm as a list, one bound per "
+                             "trainable tensor")
+        bound = check_max_grad_norm(max_grad_norm)
+        if math.isinf(bound) and noise_multiplier > 0:
+            raise ValueError("max_grad_norm=inf (no clipping) only makes sense with noise_multiplier=0")
+
+
+def _dpddp_class():
+    from opacus_dp.distributed.dpddp import DifferentiallyPrivateDistributedDataParallel
+
+    return DifferentiallyPrivateDistributedDataParallel
+
+
+def unwrap_model(module: nn.Module) -> nn.Module:
+    """The user's model inside GradSampleModule / (DP)DDP / DataParallel wrappers."""
+    seen = 0
+    while seen < 8:
+        inner = module.__dict__.get("_modules", {}).get("_module")
+        if inner is None and isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            inner = module.module
+        if inner is None and isinstance(module, _dpddp_class()):
+            inner = module.module
+        if inner is None:
+            return module
+        module, seen = inner, seen + 1
+    return module
+
+
+def check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """ValueError if ``optimizer`` holds a tensor that is not a parameter of ``module``."""
+    known = {id(p) for p in module.parameters()}
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) not in known:
+                raise ValueError(
+                    f"optimizer.param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is not a "
+                    "parameter of the module: build the optimizer from module.parameters() "
+                    "of the model passed to the privacy engine"
+                )
+
+
+def validate_module(module: nn.Module) -> None:
+    """Refuse a model that cannot be trained privately, with the validator's message."""
+    from opacus_dp.validators import ModuleValidator
+
+    ModuleValidator.validate(unwrap_model(module), strict=True)
+
+
+def wrap_module(module: nn.Module, *, grad_sample_mode: str, batch_first: bool, loss_reduction: str):
+    """The per-sample-gradient wrapper of ``module`` for ``grad_sample_mode``.
+
+    A GradSampleModule passed in is reused if its settings agree, else ValueError.
+    """
+    check_choice(grad_sample_mode, tuple(GRAD_SAMPLE_MODES), "grad_sample_mode")
+    if hasattr(module, "pop_grad_samples") and hasattr(module, "_module"):
+        wanted = (batch_first, loss_reduction, grad_sample_mode == "functorch")
+        found = (module.batch_first, module.loss_reduction, bool(getattr(module, "force_functorch", False)))
+        if wanted != found:
+            raise ValueError(
+                f"module is already a GradSampleModule with (batch_first, loss_reduction, functorch)"
+                f"={found}, but {wanted} was requested: pass the unwrapped model"
+            )
+        return module
+    return GRAD_SAMPLE_MODES[grad_sample_mode](module, batch_first=batch_first, loss_reduction=loss_reduction)
+
+
+def parameter_names(grad_sample_module) -> Dict[torch.Tensor, str]:
+    """``{param: qualified name}`` for error messages."""
+    return {p: name for name, p in unwrap_model(grad_sample_module).named_parameters()}
+
+
+def secure_generator() -> torch.Generator:
+    """A CPU generator seeded with 63 bits from the operating system's CSPRNG."""
+    return torch.Generator().manual_seed(secrets.randbits(63))
+
+
+def make_dp_optimizer(optimizer, *, grad_sample_module, noise_multiplier: float,
+                      max_grad_norm: Union[float, List[float]], expected_batch_size: Optional[float],
+                      loss_reduction: str, clipping: str, generator=None,
+                      secure_mode: bool = False) -> DPOptimizer:
+    """A :class:`DPOptimizer` reading per-sample gradients from ``grad_sample_module``."""
+    return DPOptimizer(
+        optimizer,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
+        expected_batch_size=expected_batch_size,
+        loss_reduction=loss_reduction,
+        generator=generator,
+        secure_mode=secure_mode,
+        clipping=clipping,
+        grad_source=grad_source_for(grad_sample_module),
+        param_names=parameter_names(grad_sample_module),
+    )

@@ -1,0 +1,23 @@
+"""Per-sample gradients: ``GradSampleModule``, the sampler registries and the samplers.
+
+Importing this package registers every dedicated sampler (one module per layer family).
+"""
+
+from opacus_dp.grad_sample import conv, embedding, embedding_bag, linear, norms  # noqa: F401
+from opacus_dp.grad_sample.functorch import functorch_grad_sample
+from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
+from opacus_dp.grad_sample.registry import (
+    GRAD_SAMPLERS,
+    NORM_SAMPLERS,
+    register_grad_sampler,
+    register_norm_sampler,
+)
+
+__all__ = [
+    "GradSampleModule",
+    "GRAD_SAMPLERS",
+    "NORM_SAMPLERS",
+    "register_grad_sampler",
+    "register_norm_sampler",
+    "functorch_grad_sample",
+]

@@ -1,0 +1,79 @@
+"""Generic per-sample gradients with ``torch.func`` for layers without a dedicated sampler.
+
+For a layer ``f(theta, x)`` and the gradient ``g`` of the loss w.r.t. its output, the
+per-sample gradient of sample ``i`` is (vector-Jacobian product, exact for any layer whose
+output row ``i`` depends only on input row ``i``):
+
+    dL_i/dtheta = d/dtheta  sum( f(theta, x_i) * g_i )
+
+computed for all ``i`` at once with ``vmap(grad(.))`` over the batch. The layer is called
+through ``functional_call`` on a batch of one sample (the batch dimension is restored at
+the layer's own batch position), with every tensor argument -- positional or keyword --
+batched along dimension 0 and non-tensor arguments passed through unchanged. Outputs may
+be any nest of tensors; ``backprops`` lists one gradient (or None) per tensor leaf.
+Random operations inside the layer (e.g. dropout) raise inside ``vmap`` by design: a
+recomputed random forward would not reproduce the gradient.
+"""
+
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+Backprops = Union[torch.Tensor, Sequence[Optional[torch.Tensor]]]
+
+
+def _per_sample_objective(layer, leaves, spec, tensor_slots, output_slots, batch_dim):
+    """``(params, sample tensors, sample backprops) -> sum(f(params, x_i) * g_i)``."""
+
+    def objective(params, sample_tensors, sample_backprops):
+        filled = list(leaves)
+        for slot, tensor in zip(tensor_slots, sample_tensors):
+            filled[slot] = tensor.unsqueeze(batch_dim)
+        args, kwargs = tree_unflatten(filled, spec)
+        outputs = tree_leaves(functional_call(layer, params, tuple(args), kwargs))
+        total = 0
+        for slot, backprop in zip(output_slots, sample_backprops):
+            total = total + (outputs[slot] * backprop.unsqueeze(batch_dim)).sum()
+        return total
+
+    return objective
+
+
+def _trainable_tensors(layer: nn.Module) -> Dict[str, torch.Tensor]:
+    """The layer's own trainable parameters by name (for an ``nn.DataParallel`` replica:
+    the parameter copies it keeps as plain attributes, listed in ``_former_parameters``)."""
+    own: Dict[str, Any] = dict(layer.named_parameters(recurse=False))
+    own.update(getattr(layer, "_former_parameters", None) or {})
+    return {n: t for n, t in own.items() if t is not None and t.requires_grad}
+
+
+def functorch_grad_sample(
+    layer: nn.Module,
+    activations: List[Any],
+    backprops: Backprops,
+    kwargs: Optional[Dict[str, Any]] = None,
+    batch_dim: int = 0,
+) -> Dict[torch.Tensor, torch.Tensor]:
+    """Per-sample gradients of ``layer``'s own trainable parameters (batch on dim 0).
+
+    ``batch_dim`` is where ``layer`` itself expects the batch (1 for sequence-first
+    layers); inputs and backprops given here always carry it on dimension 0.
+    """
+    params = _trainable_tensors(layer)
+    if not params:
+        return {}
+    if isinstance(backprops, torch.Tensor):
+        backprops = [backprops]
+    output_slots = [i for i, g in enumerate(backprops) if g is not None]
+    sample_backprops = [backprops[i] for i in output_slots]
+    leaves, spec = tree_flatten((list(activations), dict(kwargs or {})))
+    tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    sample_tensors = [leaves[i] for i in tensor_slots]
+    objective = _per_sample_objective(layer, leaves, spec, tensor_slots, output_slots, batch_dim)
+    per_sample = vmap(grad(objective), in_dims=(None, 0, 0))(
+        {n: p.detach() for n, p in params.items()}, sample_tensors, sample_backprops
+    )
+    return {params[n]: per_sample[n] for n in params}

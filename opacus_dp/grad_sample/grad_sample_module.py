@@ -1,0 +1,312 @@
+"""``GradSampleModule``: per-sample gradients for (almost) any ``nn.Module``.
+
+The wrapper registers hooks on the user's own submodules; it never copies them.
+
+* forward hook (with kwargs) of every layer owning parameters: keeps the call's inputs
+  (detached) and registers one gradient hook on that call's outputs;
+* that gradient hook fires during backward with ``backprops = dLoss/dOutput`` of exactly
+  that call, computes the per-sample gradients with the registered sampler of the
+  layer's exact type, or the generic ``torch.func`` fallback, and adds them to a side
+  table (see :mod:`per_sample_store` for the sum-within / concatenate-across rule).
+
+After ``loss.backward()`` every trainable parameter ``p`` has ``p.grad_sample`` of shape
+``(B, *p.shape)``: row ``i`` is the gradient of sample ``i``'s own loss term. For
+``loss_reduction="mean"`` the backprops are multiplied by the call's batch size ``B`` to
+undo the ``1/B`` of the mean. Gradient hooks are tied to one call's outputs (not to the
+module), so in-place operations after a layer (``ReLU(inplace=True)``), calls whose
+outputs never reach the loss, and evaluation passes leave no stale state behind.
+"""
+
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from opacus_dp.distributed import data_parallel
+from opacus_dp.errors import UnsupportedModuleError
+from opacus_dp.grad_sample.functorch import functorch_grad_sample
+from opacus_dp.grad_sample.layer_call import LayerCall, layer_batch_dim
+from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
+from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, find_sampler
+from opacus_dp.grad_sample.support import (
+    describe,
+    has_trainable_parameters,
+    own_parameters,
+    unsupported_modules,
+)
+
+_HOOKED_BY: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+_RECOMPUTING = threading.local()
+
+
+def _master_grad_samples(
+    master: nn.Module, layer: nn.Module, grad_samples: Dict[torch.Tensor, torch.Tensor]
+) -> Dict[torch.Tensor, torch.Tensor]:
+    """Re-key a sampler's result from ``layer``'s tensors to ``master``'s parameters.
+
+    ``layer`` is the module the hook was called with: ``master`` itself, or a replica
+    made by ``nn.DataParallel`` whose parameters are plain tensor attributes derived from
+    the master's (same names); the mapping goes through those names.
+    """
+    if layer is master:
+        return grad_samples
+    by_id = {id(getattr(layer, n)): p for n, p in master._parameters.items() if p is not None}
+    return {by_id[id(t)]: gs for t, gs in grad_samples.items()}
+
+
+class GradSampleModule(nn.Module):
+    """Wraps ``module`` so that each trainable parameter gets ``p.grad_sample``.
+
+    Args:
+        module: the model; hooks are added to its submodules in place.
+        batch_first: inputs have the batch on dimension 0 (else dimension 1, e.g.
+            ``(T, B, ...)``). Layer types with ``_dp_batch_dim = 0`` and
+            ``nn.EmbeddingBag`` always have it on dimension 0.
+        loss_reduction: ``"mean"`` or ``"sum"``, how the loss aggregates the samples.
+        strict: raise ``UnsupportedModuleError`` at construction if a submodule with
+            trainable parameters cannot get per-sample gradients; otherwise such
+            submodules are left without hooks.
+        force_functorch: use the ``torch.func`` fallback for every layer.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        strict: bool = True,
+        force_functorch: bool = False,
+    ):
+        super().__init__()
+        self._check_arguments(module, batch_first, loss_reduction)
+        errors = self.validate(module, strict=strict)
+        self._module = module
+        self.batch_first = batch_first
+        self.loss_reduction = loss_reduction
+        self.force_functorch = force_functorch
+        self.hooks_enabled = True
+        self.unsupported = [str(e) for e in errors]
+        self._store = PerSampleGradStore(batch_first, loss_reduction)
+        self._handles: List[Any] = []
+        self._add_hooks()
+        if self._handles:
+            data_parallel.acquire(self)
+
+    @staticmethod
+    def _check_arguments(module, batch_first, loss_reduction) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        if isinstance(module, GradSampleModule):
+            raise ValueError("module is already a GradSampleModule; wrap the inner module once")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"batch_first must be a bool, got {type(batch_first).__name__}")
+        for path, sub in module.named_modules():
+            if _HOOKED_BY.get(sub) is not None:
+                raise ValueError(
+                    f"{describe(path, sub)} already has per-sample gradient hooks of another "
+                    f"GradSampleModule; call close() on that one first"
+                )
+
+    # ------------------------------------------------------------------ hooks
+    def _add_hooks(self) -> None:
+        bad = {id(m) for _, m, _ in unsupported_modules(self._module)}
+        for path, sub in self._module.named_modules():
+            if not own_parameters(sub) or id(sub) in bad:
+                continue
+            hook = self._make_forward_hook(path, sub)
+            self._handles.append(sub.register_forward_hook(hook, with_kwargs=True))
+            _HOOKED_BY[sub] = self
+
+    def _make_forward_hook(self, path: str, master: nn.Module):
+        def forward_hook(layer, args, kwargs, output):
+            self._capture(path, master, layer, args, kwargs, output)
+
+        return forward_hook
+
+    def _capture(self, path, master, layer, args, kwargs, output) -> None:
+        """Forward hook body: record the call and hook its outputs' gradients."""
+        if not self.hooks_enabled or getattr(_RECOMPUTING, "active", False):
+            return
+        if not torch.is_grad_enabled() or not has_trainable_parameters(master):
+            return
+        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+        hooked = [i for i, t in enumerate(outputs) if t.requires_grad]
+        if not hooked:
+            return
+        batch_dim = layer_batch_dim(layer, self.batch_first)
+        batch_size = self._batch_size(path, master, outputs[hooked[0]], batch_dim)
+        if batch_size == 0:
+            for _, param in own_parameters(master):
+                if param.requires_grad:
+                    self._store.add_empty(param)
+            return
+        call = LayerCall.capture(args, kwargs, batch_dim, batch_size)
+        if self._sampler_for(layer) is None:
+            self._check_fallback_inputs(path, master, call)
+        chunk = data_parallel.chunk_of(layer, master, describe_layer=describe(path, master),
+                                       uses_registered_sampler=self._sampler_for(layer) is not None)
+
+        def on_output_grads(grads: Sequence[Optional[torch.Tensor]]) -> None:
+            self._on_backward(path, master, layer, call, hooked, len(outputs), grads, chunk)
+
+        torch.autograd.graph.register_multi_grad_hook(
+            [outputs[i] for i in hooked], on_output_grads
+        )
+
+    def _batch_size(self, path, master, output: torch.Tensor, batch_dim: int) -> int:
+        if output.dim() <= batch_dim:
+            raise ValueError(
+                f"{describe(path, master)} returned an output of shape {tuple(output.shape)} "
+                f"without a batch dimension {batch_dim} (batch_first={self.batch_first}); "
+                f"pass batched inputs or set batch_first to match the data layout"
+            )
+        return output.shape[batch_dim]
+
+    def _check_fallback_inputs(self, path, master, call: LayerCall) -> None:
+        args, kwargs = call.batch_first_inputs()
+        for position, leaf in enumerate(tree_leaves((list(args), kwargs))):
+            if isinstance(leaf, torch.Tensor) and (
+                leaf.dim() == 0 or leaf.shape[0] != call.batch_size
+            ):
+                raise ValueError(
+                    f"{describe(path, master)} gets per-sample gradients from the generic "
+                    f"torch.func fallback, which needs every tensor argument batched with "
+                    f"{call.batch_size} rows on the batch dimension, but tensor argument "
+                    f"#{position} has shape {tuple(leaf.shape)}. Keep shared tensors as "
+                    f"buffers of the module, or register a grad sampler for "
+                    f"{type(master).__name__}."
+                )
+
+    def _sampler_for(self, layer: nn.Module):
+        return None if self.force_functorch else find_sampler(GRAD_SAMPLERS, layer)
+
+    def _on_backward(self, path, master, layer, call, hooked, n_outputs, grads, chunk=0) -> None:
+        """Gradient hook body: per-sample gradients of one call, added to the table."""
+        if not self.hooks_enabled:
+            return
+        backprops: List[Optional[torch.Tensor]] = [None] * n_outputs
+        for index, grad in zip(hooked, grads):
+            if grad is not None:
+                backprops[index] = self._batch_first_backprop(grad, call)
+        if all(b is None for b in backprops):
+            return
+        grad_samples = self._per_sample_grads(layer, call, backprops)
+        layer_name = describe(path, master)
+        for param, grad_sample in _master_grad_samples(master, layer, grad_samples).items():
+            self._store.add(param, grad_sample, layer_name, chunk)
+
+    def _batch_first_backprop(self, grad: torch.Tensor, call: LayerCall) -> torch.Tensor:
+        grad = grad.detach()
+        if call.batch_dim != 0:
+            grad = grad.movedim(call.batch_dim, 0)
+        return grad * call.batch_size if self.loss_reduction == "mean" else grad
+
+    def _per_sample_grads(self, layer, call: LayerCall, backprops) -> Dict:
+        """The single dispatch point: registered sampler, else the torch.func fallback."""
+        sampler = self._sampler_for(layer)
+        if sampler is not None:
+            if backprops[0] is None:
+                return {}
+            return sampler(layer, call.activations(layer), backprops[0])
+        args, kwargs = call.batch_first_inputs()
+        _RECOMPUTING.active = True
+        try:
+            return functorch_grad_sample(layer, list(args), backprops, kwargs, call.batch_dim)
+        finally:
+            _RECOMPUTING.active = False
+
+    # ------------------------------------------------------------- public API
+    def forward(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            wrapped = self.__dict__.get("_modules", {}).get("_module")
+            if name == "_module" or wrapped is None:
+                raise
+            return getattr(wrapped, name)
+
+    def trainable_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        """``(name, param)`` of the wrapped module's parameters with ``requires_grad``."""
+        return [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
+
+    def grad_sample(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """Per-sample gradient of ``param`` accumulated so far (None if there is none)."""
+        return self._store.get(param)
+
+    def pop_grad_samples(self) -> Dict[torch.Tensor, torch.Tensor]:
+        """Return ``{param: per-sample gradient}`` and drop them from the wrapper and params."""
+        return self._store.pop_all()
+
+    def zero_grad_sample(self) -> None:
+        """Free all per-sample gradients (``p.grad_sample`` becomes None)."""
+        self._store.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad`` plus :meth:`zero_grad_sample` (always set to None)."""
+        super().zero_grad(set_to_none=set_to_none)
+        self.zero_grad_sample()
+
+    def set_grad_sample_to_none(self) -> None:
+        self._store.clear()
+
+    def del_grad_sample(self) -> None:
+        self._store.remove_views()
+
+    def forbid_grad_accumulation(self) -> None:
+        """Make a second backward pass before the per-sample gradients are consumed raise."""
+        self._store.accumulation_allowed = False
+
+    def allow_grad_accumulation(self) -> None:
+        self._store.accumulation_allowed = True
+
+    def disable_hooks(self) -> None:
+        self.hooks_enabled = False
+
+    def enable_hooks(self) -> None:
+        self.hooks_enabled = True
+
+    def remove_hooks(self) -> None:
+        """Remove every hook and ``grad_sample`` attribute; the wrapped module is as before."""
+        data_parallel.release(self)
+        self.hooks_enabled = False
+        while self._handles:
+            self._handles.pop().remove()
+        for sub in self._module.modules():
+            if _HOOKED_BY.get(sub) is self:
+                del _HOOKED_BY[sub]
+        self._store.remove_views()
+
+    def close(self) -> None:
+        self.remove_hooks()
+
+    _close = close
+
+    def to_standard_module(self) -> nn.Module:
+        """Remove all hooks and return the wrapped module."""
+        self.close()
+        return self._module
+
+    # ------------------------------------------------------------- validation
+    @staticmethod
+    def validate(module: nn.Module, strict: bool = False) -> List[UnsupportedModuleError]:
+        """Errors for submodules that cannot get per-sample gradients; raised if ``strict``."""
+        errors = [
+            UnsupportedModuleError(f"{describe(path, sub)} cannot be trained privately: {why}")
+            for path, sub, why in unsupported_modules(module)
+        ]
+        if strict and errors:
+            raise UnsupportedModuleError("\n".join(str(e) for e in errors))
+        return errors
+
+    @staticmethod
+    def is_supported(module: nn.Module) -> bool:
+        """True when every submodule with trainable parameters gets per-sample gradients."""
+        return not GradSampleModule.validate(module, strict=False)

@@ -1,0 +1,87 @@
+"""What one forward call of a hooked layer leaves for the backward pass.
+
+A :class:`LayerCall` keeps the call's inputs (detached), where the batch dimension is,
+and the batch size ``B``. Per-sample gradient functions expect the batch on dimension 0;
+:meth:`LayerCall.batch_first_inputs` moves it there for sequence-first layers.
+"""
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+_SIGNATURES: Dict[type, inspect.Signature] = {}
+
+
+def layer_batch_dim(layer: nn.Module, batch_first: bool) -> int:
+    """Dimension of the batch in ``layer``'s inputs and outputs.
+
+    ``0`` when the layer type declares ``_dp_batch_dim = 0`` (e.g. DP RNN cells) or is an
+    ``nn.EmbeddingBag`` (bags are always rows), else ``0`` if ``batch_first`` else ``1``.
+    """
+    declared = getattr(type(layer), "_dp_batch_dim", None)
+    if declared is not None:
+        return int(declared)
+    if isinstance(layer, nn.EmbeddingBag):
+        return 0
+    return 0 if batch_first else 1
+
+
+def _detach(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _to_batch_first(value: Any, batch_dim: int) -> Any:
+    if isinstance(value, torch.Tensor) and batch_dim != 0 and value.dim() > batch_dim:
+        return value.movedim(batch_dim, 0)
+    return value
+
+
+def _signature(layer: nn.Module) -> inspect.Signature:
+    cls = type(layer)
+    if cls not in _SIGNATURES:
+        _SIGNATURES[cls] = inspect.signature(cls.forward)
+    return _SIGNATURES[cls]
+
+
+@dataclass
+class LayerCall:
+    """Inputs of one call of a layer, with ``batch_size`` rows along ``batch_dim``."""
+
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    batch_dim: int
+    batch_size: int
+
+    @classmethod
+    def capture(cls, args, kwargs, batch_dim: int, batch_size: int) -> "LayerCall":
+        """Record a call; tensors are detached (they only feed the per-sample formulas)."""
+        return cls(
+            tuple(tree_map(_detach, list(args))),
+            dict(tree_map(_detach, dict(kwargs))),
+            batch_dim,
+            batch_size,
+        )
+
+    def batch_first_inputs(self) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """``(args, kwargs)`` with every tensor's batch dimension moved to 0."""
+        move = lambda v: _to_batch_first(v, self.batch_dim)  # noqa: E731
+        return tuple(tree_map(move, list(self.args))), dict(tree_map(move, self.kwargs))
+
+    def activations(self, layer: nn.Module) -> List[Any]:
+        """Inputs in the order of ``layer.forward``'s signature, defaults filled in.
+
+        This is the ``activations`` list handed to registered grad samplers: for
+        ``nn.EmbeddingBag`` it is ``[input, offsets, per_sample_weights]`` however the
+        call spelled them.
+        """
+        args, kwargs = self.batch_first_inputs()
+        try:
+            bound = _signature(layer).bind(layer, *args, **kwargs)
+        except TypeError:
+            return [*args, *kwargs.values()]
+        bound.apply_defaults()
+        return list(bound.args[1:]) + list(bound.kwargs.values())

@@ -1,0 +1,187 @@
+"""Side table ``param -> per-sample gradient`` with backward-pass grouping.
+
+Accumulation rule (documented behaviour of ``GradSampleModule``):
+
+* Within ONE backward pass (one ``loss.backward()`` / ``torch.autograd.grad`` call) the
+  per-sample gradients of every call of every layer sharing a parameter are **summed**:
+  a layer applied in a loop, RNN cells called per time step, tied weights, or two forward
+  passes whose losses are added before one backward. All these calls must have the same
+  batch size ``B``; otherwise a ``ValueError`` names the layer and both sizes.
+* Each further backward pass (with new activations of a new batch) **concatenates** its
+  result along dimension 0, so ``k`` forward/backward pairs of batches
+  ``B_1..B_k`` give ``grad_sample`` of shape ``(B_1 + ... + B_k, *p.shape)``
+  (virtual steps / gradient accumulation) until the state is cleared.
+
+The end of a backward pass is detected with an autograd engine callback queued by the
+first hook of that pass. ``p.grad_sample`` mirrors the table; if a consumer replaces or
+clears ``p.grad_sample`` itself, the table adopts that value.
+"""
+
+import threading
+from typing import Dict, List, Optional
+
+import torch
+
+_UNSET = object()
+
+
+class _Pass:
+    """Per-sample gradients summed during one backward pass (one autograd graph task)."""
+
+    def __init__(self):
+        # param -> {chunk: summed per-sample gradient}; chunk = nn.DataParallel replica
+        # (see opacus_dp.distributed.data_parallel), 0 without replicas.
+        self.sums: Dict[torch.Tensor, Dict[int, torch.Tensor]] = {}
+        self.batch_size: Dict[int, int] = {}
+        self.first_layer: Dict[int, str] = {}
+
+    def concatenated(self, param: torch.Tensor, undo_mean: bool) -> torch.Tensor:
+        """The pass's per-sample gradient of ``param``: the chunks in batch (index) order.
+
+        With ``undo_mean``, chunk ``j`` (``B_j`` rows) was scaled by ``B_j`` to undo the
+        loss's mean, but the mean ran over all ``B = Σ_j B_j`` rows: it is rescaled by ``B/B_j``.
+        """
+        chunks = self.sums[param]
+        if len(chunks) == 1:
+            return next(iter(chunks.values()))
+        ordered = [chunks[c] for c in sorted(chunks)]
+        if undo_mean:
+            total = sum(g.shape[0] for g in ordered)
+            ordered = [g * (total / g.shape[0]) for g in ordered]
+        return torch.cat(ordered, dim=0)
+
+
+class PerSampleGradStore:
+    """Holds per-sample gradients keyed by (master) parameter; see module docstring."""
+
+    def __init__(self, batch_first: bool, loss_reduction: str = "mean"):
+        self._batch_first = batch_first
+        self._undo_mean = loss_reduction == "mean"
+        self._done: Dict[torch.Tensor, torch.Tensor] = {}
+        self._passes: Dict[int, _Pass] = {}
+        self._touched: Dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self.accumulation_allowed = True
+
+    # ----------------------------------------------------------------- adding
+    def add(self, param: torch.Tensor, grad_sample: torch.Tensor, layer: str, chunk: int = 0) -> None:
+        """Add one call's per-sample gradient of ``param`` to the current backward pass.
+
+        ``chunk`` is the index of the ``nn.DataParallel`` replica (batch chunk) that made
+        the call; chunks are kept apart and concatenated in index order when the pass ends.
+        """
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            raise RuntimeError("per-sample gradients can only be added during a backward pass")
+        with self._lock:
+            current = self._passes.get(task)
+            if current is None:
+                current = self._passes[task] = _Pass()
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self._close_pass(task)
+                )
+            self._check_batch_size(current, grad_sample.shape[0], layer, task, chunk)
+            by_chunk = current.sums.setdefault(param, {})
+            previous = by_chunk.get(chunk)
+            by_chunk[chunk] = grad_sample if previous is None else previous + grad_sample
+
+    def add_empty(self, param: torch.Tensor) -> None:
+        """Make ``param.grad_sample`` exist with 0 rows (a forward pass on an empty batch)."""
+        with self._lock:
+            if self._synced(param) is None:
+                self._publish(param, param.new_zeros((0, *param.shape)))
+
+    def _check_batch_size(self, current: _Pass, size: int, layer: str, task: int, chunk: int) -> None:
+        if chunk not in current.batch_size:
+            current.batch_size[chunk], current.first_layer[chunk] = size, layer
+            return
+        if current.batch_size[chunk] != size:
+            del self._passes[task]
+            raise ValueError(
+                f"Inconsistent batch sizes in one forward/backward pass: layer {layer} has "
+                f"batch size {size} but layer {current.first_layer[chunk]} has "
+                f"{current.batch_size[chunk]}. "
+                f"The batch dimension is probably wrong: this GradSampleModule uses "
+                f"batch_first={self._batch_first}; check that every layer with parameters "
+                f"receives inputs with the batch on that dimension (sequence-first models "
+                f"need batch_first=False)."
+            )
+
+    def _close_pass(self, task: int) -> None:
+        with self._lock:
+            finished = self._passes.pop(task, None)
+            if finished is None:
+                return
+            for param in finished.sums:
+                self._append(param, finished.concatenated(param, self._undo_mean))
+
+    def _append(self, param: torch.Tensor, grad_sample: torch.Tensor) -> None:
+        previous = self._synced(param)
+        if previous is None or previous.shape[0] == 0:
+            self._publish(param, grad_sample)
+            return
+        if not self.accumulation_allowed:
+            raise ValueError(
+                "A second backward pass added per-sample gradients before the previous ones "
+                "were consumed, which this configuration forbids (Poisson sampling): call "
+                "optimizer.step() and optimizer.zero_grad() after every backward pass, or "
+                "use BatchMemoryManager for large logical batches."
+            )
+        self._publish(param, torch.cat([previous, grad_sample], dim=0))
+
+    # --------------------------------------------------------- compatibility view
+    def _publish(self, param: torch.Tensor, grad_sample: Optional[torch.Tensor]) -> None:
+        self._touched[id(param)] = param
+        if grad_sample is None:
+            self._done.pop(param, None)
+        else:
+            self._done[param] = grad_sample
+        param.grad_sample = grad_sample
+
+    def _synced(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """Current per-sample gradient, adopting any value set on ``param.grad_sample``."""
+        view = param.__dict__.get("grad_sample", _UNSET)
+        stored = self._done.get(param)
+        if view is not _UNSET and view is not stored:
+            stored = view if isinstance(view, torch.Tensor) else None
+            if stored is None:
+                self._done.pop(param, None)
+            else:
+                self._done[param] = stored
+        return stored
+
+    # ---------------------------------------------------------------- reading
+    def get(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """Per-sample gradient of ``param`` accumulated so far, or None."""
+        with self._lock:
+            return self._synced(param)
+
+    def pop_all(self) -> Dict[torch.Tensor, torch.Tensor]:
+        """All per-sample gradients; the table and ``p.grad_sample`` are cleared."""
+        with self._lock:
+            result = {}
+            for param in list(self._touched.values()):
+                grad_sample = self._synced(param)
+                if grad_sample is not None:
+                    result[param] = grad_sample
+                self._publish(param, None)
+            return result
+
+    def clear(self) -> None:
+        """Drop all per-sample state (``p.grad_sample`` becomes None)."""
+        with self._lock:
+            self._passes.clear()
+            for param in list(self._touched.values()):
+                self._publish(param, None)
+
+    def remove_views(self) -> None:
+        """Clear everything and delete the ``grad_sample`` attributes that were added."""
+        self.clear()
+        with self._lock:
+            for param in self._touched.values():
+                param.__dict__.pop("grad_sample", None)
+            self._touched.clear()
+
+    def params_with_grad_sample(self) -> List[torch.Tensor]:
+        with self._lock:
+            return [p for p in list(self._touched.values()) if self._synced(p) is not None]

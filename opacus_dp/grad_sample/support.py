@@ -1,0 +1,73 @@
+"""Which modules can have per-sample gradients, and why some cannot.
+
+A module needs per-sample gradients when it *owns* trainable parameters
+(``module.parameters(recurse=False)``). It is supported when it has a registered grad
+sampler or the generic ``torch.func`` fallback computes its per-sample gradients
+correctly. The fallback is correct only for layers whose output for sample ``i``
+depends on sample ``i`` alone and whose forward does not change parameters in place;
+the layers below violate that and are refused.
+"""
+
+from typing import Iterator, List, Optional, Tuple
+
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+def own_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    """``(name, param)`` of the parameters owned directly by ``module``."""
+    return [(n, p) for n, p in module.named_parameters(recurse=False)]
+
+
+def has_trainable_parameters(module: nn.Module) -> bool:
+    """True when ``module`` directly owns a parameter with ``requires_grad``."""
+    return any(p.requires_grad for _, p in own_parameters(module))
+
+
+def describe(path: str, module: nn.Module) -> str:
+    """``model.features.3 (BatchNorm2d)``-style name of a submodule for messages."""
+    return f"{path or '<root module>'} ({type(module).__name__})"
+
+
+def _embedding_reason(module: nn.Module) -> Optional[str]:
+    if module.sparse:
+        return "sparse=True gradients are not supported; construct it with sparse=False"
+    if module.max_norm is not None:
+        return (
+            "max_norm renormalises embedding rows in place during forward, which makes "
+            "the per-sample gradient ill-defined; construct it with max_norm=None"
+        )
+    return None
+
+
+def unsupported_reason(module: nn.Module) -> Optional[str]:
+    """Why per-sample gradients of ``module`` cannot be computed, or None if they can."""
+    if isinstance(module, _BatchNorm):
+        return (
+            "batch normalisation mixes the samples of a batch; replace it with GroupNorm "
+            "or LayerNorm (ModuleValidator.fix(model) does this)"
+        )
+    if isinstance(module, nn.RNNBase):
+        return (
+            "torch's fused RNN kernels expose no per-sample gradients; use "
+            "opacus_dp.layers.DPLSTM / DPGRU / DPRNN (ModuleValidator.fix(model))"
+        )
+    if isinstance(module, nn.MultiheadAttention):
+        return (
+            "it uses its out_proj parameters without calling out_proj, so they get no "
+            "per-sample gradients; use opacus_dp.layers.DPMultiheadAttention "
+            "(ModuleValidator.fix(model))"
+        )
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return _embedding_reason(module)
+    return None
+
+
+def unsupported_modules(root: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]:
+    """``(path, module, reason)`` for every submodule with trainable parameters that is refused."""
+    for path, module in root.named_modules():
+        if not has_trainable_parameters(module):
+            continue
+        reason = unsupported_reason(module)
+        if reason is not None:
+            yield path, module, reason

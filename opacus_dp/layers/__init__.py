@@ -1,0 +1,30 @@
+"""Layers that torch implements with fused kernels, rebuilt so that DP-SGD can compute
+per-sample gradients: recurrent layers/cells and multi-head attention.
+
+All of them accept the state dicts of their torch counterparts and produce state dicts
+that torch loads. Importing this package registers their per-sample gradient functions.
+"""
+
+from opacus_dp.layers.batch_first import BatchFirstLinear, RNNLinear, SequenceBias
+from opacus_dp.layers.dp_multihead_attention import DPMultiheadAttention
+from opacus_dp.layers.dp_rnn import DPGRU, DPLSTM, DPRNN, DPRNNBase
+from opacus_dp.layers.param_rename import StateDictAliasMixin
+from opacus_dp.layers.rnn_cells import DPGRUCell, DPLSTMCell, DPRNNCell, DPRNNCellBase
+
+__all__ = [
+    "DPMultiheadAttention",
+    "DPRNN",
+    "DPGRU",
+    "DPLSTM",
+    "DPRNNBase",
+    "DPRNNCell",
+    "DPGRUCell",
+    "DPLSTMCell",
+    "DPRNNCellBase",
+    "BatchFirstLinear",
+    "RNNLinear",
+    "SequenceBias",
+    "StateDictAliasMixin",
+]
+
+import opacus_dp.grad_sample.dp_layers  # noqa: E402,F401  (registers the samplers above)

@@ -1,0 +1,21 @@
+"""Private optimization: :class:`DPOptimizer` and its strategies (clipping, noise, reduction)."""
+
+from opacus_dp.optim.clipping import Clipper, FlatClipper, PerLayerClipper, make_clipper
+from opacus_dp.optim.dp_optimizer import DPOptimizer
+from opacus_dp.optim.grad_source import AttributeGradSource, ModuleGradSource, grad_source_for
+from opacus_dp.optim.noise import GaussianNoise, noise_std
+from opacus_dp.optim.reduction import LocalReducer
+
+__all__ = [
+    "DPOptimizer",
+    "Clipper",
+    "FlatClipper",
+    "PerLayerClipper",
+    "make_clipper",
+    "GaussianNoise",
+    "noise_std",
+    "LocalReducer",
+    "AttributeGradSource",
+    "ModuleGradSource",
+    "grad_source_for",
+]

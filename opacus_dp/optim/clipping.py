@@ -1,0 +1,125 @@
+"""Clipping strategies: per-sample norms -> per-sample scaling factors, plus sensitivity.
+
+A clipper sees, for every trainable tensor ``l``, the per-sample norms ``n_il = ‖g_il‖₂``
+and returns one factor per sample and tensor such that the clipped per-sample gradient
+``(f_il · g_il)_l`` has a bounded norm. It also reports its ``sensitivity``: the largest
+possible L2 norm of one sample's clipped contribution to the summed gradient. The noise
+std is ``σ · sensitivity`` (computed in :mod:`opacus_dp.optim.noise` only).
+
+Both strategies follow Abadi et al. 2016, "Deep Learning with Differential Privacy":
+``f = min(1, C / (‖g‖ + 1e-6))``; the ``1e-6`` guards against division by zero.
+"""
+
+import math
+from typing import List, Sequence
+
+import torch
+
+CLIP_EPSILON = 1e-6
+
+
+def check_max_grad_norm(value, name: str = "max_grad_norm") -> float:
+    """``value`` as float if it is a valid clipping bound (> 0, not NaN), else ValueError.
+
+    ``+inf`` is accepted (no clipping); it can only be combined with ``noise_multiplier=0``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive number, got {value!r}")
+    value = float(value)
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"{name} must be > 0 (the clipping bound C), got {value!r}")
+    return value
+
+
+def _factor(norms: torch.Tensor, bound: float) -> torch.Tensor:
+    """``min(1, bound / (norms + 1e-6))`` elementwise."""
+    return (bound / (norms + CLIP_EPSILON)).clamp(max=1.0)
+
+
+class Clipper:
+    """Strategy interface: ``clip_factors(norms)`` and ``sensitivity``."""
+
+    sensitivity: float
+
+    def clip_factors(self, per_param_norms: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """One ``(B,)`` factor tensor per trainable tensor, from its ``(B,)`` norms."""
+        raise NotImplementedError
+
+    def check_num_params(self, num_params: int) -> None:
+        """Raise ValueError if this clipper cannot handle ``num_params`` tensors."""
+
+
+class FlatClipper(Clipper):
+    """Clip the whole per-sample gradient (all tensors concatenated) to norm ``C``.
+
+    ``f_i = min(1, C / (sqrt(Σ_l n_il²) + 1e-6))`` for every tensor; sensitivity ``C``.
+    """
+
+    def __init__(self, max_grad_norm: float):
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+
+    @property
+    def sensitivity(self) -> float:
+        return self.max_grad_norm
+
+    def clip_factors(self, per_param_norms):
+        if not per_param_norms:
+            return []
+        total = torch.stack([n.to(per_param_norms[0].device) for n in per_param_norms], dim=1)
+        factor = _factor(total.norm(2, dim=1), self.max_grad_norm)
+        return [factor.to(n.device) for n in per_param_norms]
+
+    def __repr__(self):
+        return f"FlatClipper(max_grad_norm={self.max_grad_norm})"
+
+
+class PerLayerClipper(Clipper):
+    """Clip each trainable tensor ``l`` separately to its own bound ``C_l``.
+
+    ``f_il = min(1, C_l / (n_il + 1e-6))``. One sample changes the summed gradient by at
+    most ``sqrt(Σ_l C_l²)`` in L2, so the sensitivity is ``‖C‖₂`` (McMahan et al. 2018,
+    "A General Approach to Adding Differential Privacy to Iterative Training Procedures").
+    """
+
+    def __init__(self, max_grad_norms: Sequence[float]):
+        if isinstance(max_grad_norms, (int, float)) or not len(max_grad_norms):
+            raise ValueError(
+                "max_grad_norm for per-layer clipping must be a non-empty list with one "
+                f"bound per trainable tensor, got {max_grad_norms!r}"
+            )
+        self.max_grad_norms = [
+            check_max_grad_norm(c, f"max_grad_norm[{i}]") for i, c in enumerate(max_grad_norms)
+        ]
+
+    @property
+    def sensitivity(self) -> float:
+        return math.sqrt(sum(c * c for c in self.max_grad_norms))
+
+    def check_num_params(self, num_params: int) -> None:
+        if num_params != len(self.max_grad_norms):
+            raise ValueError(
+                f"max_grad_norm has {len(self.max_grad_norms)} entries but there are "
+                f"{num_params} trainable tensors: per-layer clipping needs one bound per "
+                "trainable parameter tensor, in the order of optimizer.param_groups"
+            )
+
+    def clip_factors(self, per_param_norms):
+        self.check_num_params(len(per_param_norms))
+        return [_factor(n, c) for n, c in zip(per_param_norms, self.max_grad_norms)]
+
+    def __repr__(self):
+        return f"PerLayerClipper(max_grad_norms={self.max_grad_norms})"
+
+
+def make_clipper(clipping: str, max_grad_norm) -> Clipper:
+    """Build the clipper named by ``clipping`` ("flat" or "per_layer")."""
+    if clipping == "flat":
+        if isinstance(max_grad_norm, (list, tuple)):
+            raise ValueError(
+                "max_grad_norm is a list but clipping='flat': pass clipping='per_layer' "
+                "for one bound per trainable tensor, or a single number"
+            )
+        return FlatClipper(max_grad_norm)
+    if clipping == "per_layer":
+        return PerLayerClipper(max_grad_norm)
+    raise ValueError(f"clipping must be 'flat' or 'per_layer', got {clipping!r}")

@@ -1,0 +1,317 @@
+"""DPOptimizer: one private step around any ``torch.optim`` optimizer.
+
+One logical step (``step()``), for the trainable tensors ``l`` of the wrapped optimizer:
+
+1. per-sample norms ``n_il = ‖g_il‖₂`` → clip factors ``f_il`` (a :mod:`clipping` strategy);
+2. ``S_l += Σ_i f_il · g_il``, accumulated over virtual steps / skipped physical batches;
+3. if the reducer adds noise: ``S_l += N(0, (σ · sensitivity)²)`` (once per logical step);
+4. ``S = reducer.reduce(S)``;
+5. ``mean`` reduction: ``p.grad = S / (expected_batch_size · world_size)``; ``sum``: ``S``;
+6. the wrapped optimizer's own step, then the step hooks (e.g. the privacy accountant).
+
+Abadi et al. 2016, "Deep Learning with Differential Privacy" (Algorithm 1). Dividing by the
+*expected* batch size keeps the sensitivity of the average independent of the sampled
+batch (Poisson sampling).
+"""
+
+from collections import OrderedDict, deque
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from opacus_dp.optim.clipping import Clipper, FlatClipper, PerLayerClipper, make_clipper
+from opacus_dp.optim.grad_source import AttributeGradSource
+from opacus_dp.optim.noise import GaussianNoise, check_noise_multiplier, noise_std
+from opacus_dp.optim.reduction import LocalReducer
+
+
+def _check_expected_batch_size(expected_batch_size, loss_reduction: str):
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if expected_batch_size is None:
+        return None
+    if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, (int, float)) \
+            or not expected_batch_size > 0:
+        raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
+    return expected_batch_size
+
+
+class DPOptimizer(Optimizer):
+    """Differentially private wrapper of ``optimizer`` (SGD, Adam, AdamW, RMSprop, ...).
+
+    Args:
+        optimizer: the wrapped optimizer; its ``param_groups``/``state`` are shared.
+        noise_multiplier: σ ≥ 0, noise std relative to the clipping sensitivity.
+        max_grad_norm: C > 0 (a number), or one bound per trainable tensor for
+            ``clipping="per_layer"``. ``float("inf")`` disables clipping (only with σ = 0).
+        expected_batch_size: divisor of the ``mean`` reduction (``q · N`` under Poisson
+            sampling). ``None`` divides by the number of samples actually accumulated
+            (Opacus 0.x behaviour; sound only for batches of fixed, public size).
+        loss_reduction: "mean" or "sum", as used by the loss.
+        generator: ``torch.Generator`` for the noise; default: one seeded from the global RNG.
+        secure_mode: OS-seeded noise robust to floating-point attacks (see :mod:`noise`).
+        clipping: "flat" or "per_layer".
+        reducer: combines replica sums (default :class:`LocalReducer`).
+        grad_source: where per-sample gradients come from (default: ``p.grad_sample``).
+        param_names: ``{param: name}`` used in error messages.
+    """
+
+    def __init__(self, optimizer: Optimizer, *, noise_multiplier: float,
+                 max_grad_norm: Union[float, Sequence[float]], expected_batch_size: Optional[float],
+                 loss_reduction: str = "mean", generator: Optional[torch.Generator] = None,
+                 secure_mode: bool = False, clipping: Optional[str] = None, reducer=None,
+                 grad_source=None, param_names: Optional[Dict[torch.Tensor, str]] = None):
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DPOptimizer):
+            raise ValueError("optimizer is already a DPOptimizer: wrap the original optimizer")
+        self.original_optimizer = optimizer
+        self.noise_multiplier = check_noise_multiplier(noise_multiplier)
+        if clipping is None:
+            clipping = "per_layer" if isinstance(max_grad_norm, (list, tuple)) else "flat"
+        self.clipper: Clipper = make_clipper(clipping, max_grad_norm)
+        self.clipper.check_num_params(len(self.params))
+        noise_std(self.noise_multiplier, self.clipper)  # validates σ against C = inf
+        self.loss_reduction = loss_reduction
+        self.expected_batch_size = _check_expected_batch_size(expected_batch_size, loss_reduction)
+        self.noise = GaussianNoise(generator=generator, secure_mode=secure_mode)
+        self.reducer = reducer if reducer is not None else LocalReducer()
+        self.grad_source = grad_source if grad_source is not None else AttributeGradSource()
+        self.param_names = dict(param_names or {})
+        self._inner_step = optimizer.step
+        self._inner_zero_grad = optimizer.zero_grad
+        self._summed: Dict[torch.Tensor, torch.Tensor] = {}
+        self._num_accumulated = 0
+        self._last_num_accumulated = 0
+        self._skip_signals = deque()
+        self._pre_step_hooks: "OrderedDict[int, Callable]" = OrderedDict()
+        self._step_hooks: "OrderedDict[int, Callable]" = OrderedDict()
+
+    # ----------------------------------------------------------------- the private step
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        """One private step (or only clip + accumulate if a skip was signalled)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        skip = self._skip_signals.popleft() if self._skip_signals else False
+        if not skip:
+            self._run_hooks(self._pre_step_hooks)  # e.g. budget guard: may refuse the step
+        self.clip_and_accumulate()
+        if skip:
+            return loss
+        sums = self._take_summed_grads()
+        if self.reducer.adds_noise:
+            sums = self.add_noise(sums)
+        sums = self.reducer.reduce(sums)
+        self._set_grads(self.scale_grad(sums))
+        result = self._inner_step()
+        self._run_hooks(self._step_hooks)
+        return loss if loss is not None else result
+
+    def virtual_step(self) -> None:
+        """Clip and accumulate the current per-sample gradients; no parameter update."""
+        self.clip_and_accumulate()
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Queue whether the next ``step()`` only accumulates (``True``) or steps (``False``)."""
+        self._skip_signals.append(bool(do_skip))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``p.grad`` and per-sample gradients; clipped sums of virtual steps are kept."""
+        self.grad_source.clear(self.params)
+        self._inner_zero_grad(set_to_none)
+
+    # -------------------------------------------------------------- the pieces of a step
+    def clip_and_accumulate(self) -> None:
+        """``S_l += Σ_i f_il · g_il`` for the per-sample gradients of the last backward."""
+        params = self.params
+        grad_samples = self.grad_source.pop(params)
+        if params and not grad_samples:
+            raise RuntimeError(
+                "no per-sample gradients to process: call loss.backward() on the model "
+                "before optimizer.step()/virtual_step() (was step() called twice on the "
+                "same gradients?)"
+            )
+        batch_size = self._check_grad_samples(params, grad_samples)
+        norms = [self._per_sample_norms(p, grad_samples.get(p), batch_size) for p in params]
+        factors = self.clipper.clip_factors(norms)
+        for p, factor in zip(params, factors):
+            g = grad_samples.get(p)
+            if g is None:
+                continue
+            g = g.to(p.dtype)
+            clipped = torch.einsum("i,i...->...", factor.to(device=g.device, dtype=p.dtype), g)
+            self._summed[p] = self._summed[p] + clipped if p in self._summed else clipped
+        self._num_accumulated += batch_size
+
+    def add_noise(self, sums: List[torch.Tensor]) -> List[torch.Tensor]:
+        """``S_l + N(0, (σ · sensitivity)²)``, one draw per coordinate."""
+        std = noise_std(self.noise_multiplier, self.clipper)
+        if sums:
+            self.noise.begin_step(sums[0].device)
+        return [s + self.noise.sample(s, std) for s in sums]
+
+    def scale_grad(self, sums: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Apply the ``mean`` reduction: divide by ``expected_batch_size · world_size``."""
+        if self.loss_reduction == "sum":
+            return sums
+        if self.expected_batch_size is None:
+            divisor = max(self._last_num_accumulated, 1)
+        else:
+            divisor = self.expected_batch_size * self.reducer.world_size
+        return [s / divisor for s in sums]
+
+    # ---------------------------------------------------------------------- helpers
+    def _take_summed_grads(self) -> List[torch.Tensor]:
+        sums = [self._summed.get(p, torch.zeros_like(p)) for p in self.params]
+        self._summed = {}
+        self._last_num_accumulated, self._num_accumulated = self._num_accumulated, 0
+        return sums
+
+    def _set_grads(self, grads: List[torch.Tensor]) -> None:
+        for p, g in zip(self.params, grads):
+            p.grad = g.view_as(p).to(p.dtype)
+
+    def _check_grad_samples(self, params, grad_samples) -> int:
+        sizes = {}
+        for p in params:
+            g = grad_samples.get(p)
+            if g is None:
+                if p.grad is not None and bool(torch.any(p.grad != 0)):
+                    raise ValueError(
+                        f"parameter {self._name(p)} has a gradient but no per-sample gradient: "
+                        "its module is not handled by GradSampleModule (or it was not wrapped)"
+                    )
+                continue
+            if tuple(g.shape[1:]) != tuple(p.shape):
+                raise ValueError(
+                    f"per-sample gradient of {self._name(p)} has shape {tuple(g.shape)}, "
+                    f"expected (batch, {', '.join(map(str, p.shape))})"
+                )
+            sizes[self._name(p)] = g.shape[0]
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"per-sample gradients disagree on the batch size: {sizes}")
+        return next(iter(sizes.values()), 0)
+
+    def _per_sample_norms(self, p, g, batch_size) -> torch.Tensor:
+        if g is None:
+            return torch.zeros(batch_size, device=p.device, dtype=p.dtype)
+        norms = g.reshape(g.shape[0], p.numel()).norm(2, dim=1)
+        if not bool(torch.isfinite(norms).all()):
+            raise ValueError(
+                f"non-finite (NaN or inf) per-sample gradient in parameter {self._name(p)}: "
+                "check the loss and inputs of this batch (no update was made)"
+            )
+        return norms
+
+    def _name(self, p) -> str:
+        if p in self.param_names:
+            return self.param_names[p]
+        for gi, group in enumerate(self.param_groups):
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    return f"param_groups[{gi}]['params'][{pi}]"
+        return f"<tensor of shape {tuple(p.shape)}>"
+
+    def _run_hooks(self, hooks) -> None:
+        for fn in list(hooks.values()):
+            fn(self)
+
+    # -------------------------------------------------------------- hooks and views
+    def attach_step_hook(self, fn: Callable[["DPOptimizer"], None]) -> RemovableHandle:
+        """Call ``fn(optimizer)`` after every (non-skipped) step; returns a removable handle."""
+        handle = RemovableHandle(self._step_hooks)
+        self._step_hooks[handle.id] = fn
+        return handle
+
+    def attach_pre_step_hook(self, fn: Callable[["DPOptimizer"], None]) -> RemovableHandle:
+        """Call ``fn(optimizer)`` before a (non-skipped) step changes anything; may raise."""
+        handle = RemovableHandle(self._pre_step_hooks)
+        self._pre_step_hooks[handle.id] = fn
+        return handle
+
+    @property
+    def params(self) -> List[torch.Tensor]:
+        """Trainable tensors of the wrapped optimizer, in ``param_groups`` order."""
+        return [p for g in self.original_optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C for flat clipping; ‖(C_l)‖₂ for per-layer clipping."""
+        return self.clipper.sensitivity
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        if not isinstance(self.clipper, FlatClipper):
+            raise ValueError("max_grad_norm can only be changed for flat clipping; set max_grad_norms")
+        self.clipper = FlatClipper(value)
+
+    @property
+    def max_grad_norms(self) -> List[float]:
+        """Per-layer bounds (per-layer clipping) or ``[C]`` (flat)."""
+        if isinstance(self.clipper, PerLayerClipper):
+            return list(self.clipper.max_grad_norms)
+        return [self.clipper.sensitivity]
+
+    @max_grad_norms.setter
+    def max_grad_norms(self, values: Sequence[float]) -> None:
+        clipper = PerLayerClipper(values)
+        clipper.check_num_params(len(self.params))
+        self.clipper = clipper
+
+    @property
+    def secure_mode(self) -> bool:
+        return self.noise.secure_mode
+
+    @property
+    def generator(self) -> Optional[torch.Generator]:
+        return self.noise.generator
+
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self):
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.original_optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.original_optimizer.add_param_group(param_group)
+
+    def state_dict(self):
+        """The wrapped optimizer's state dict (loadable into the plain optimizer)."""
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def noise_state_dict(self) -> dict:
+        """State of the noise generator, for reproducible resumption."""
+        return self.noise.state_dict()
+
+    def load_noise_state_dict(self, state: dict) -> None:
+        self.noise.load_state_dict(state)
+
+    def __repr__(self):
+        return (f"DPOptimizer({self.original_optimizer!r}, noise_multiplier={self.noise_multiplier}, "
+                f"clipper={self.clipper!r}, loss_reduction={self.loss_reduction!r}, "
+                f"expected_batch_size={self.expected_batch_size})")

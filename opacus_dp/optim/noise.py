@@ -1,0 +1,118 @@
+"""Gaussian noise for DP-SGD: the std formula and the random sources.
+
+The Gaussian mechanism adds ``N(0, (σ·Δ)²)`` independently to every coordinate of the
+summed clipped gradient, where ``Δ`` is the L2 sensitivity reported by the clipper.
+:func:`noise_std` is the single place where this std is computed.
+
+Two sources of randomness:
+
+* default: a ``torch.Generator`` owned by the optimizer/engine. Seed it (or pass your own)
+  for reproducible runs. It never re-seeds the global torch RNG; when no generator is given
+  its seed is drawn once from the global RNG, so ``torch.manual_seed`` makes runs repeatable.
+* ``secure_mode=True``: every step a fresh generator is seeded with 63 bits from the
+  operating system's CSPRNG (:mod:`secrets`), and each coordinate is the sum of four
+  independent Gaussians of std ``s`` divided by two (std ``s`` again), following Holohan &
+  Braun 2021, "Secure Random Sampling in Differential Privacy". Cost: four draws instead of
+  one per coordinate and one OS call per step. Caveats: floating-point Gaussian samplers
+  leave gaps in the set of representable outputs that can reveal the unnoised value
+  (Mironov 2012, "On Significance of the Least Significant Bits for Differential Privacy");
+  summing several draws makes this attack much harder but is a mitigation, not a proof, and
+  torch's generators themselves are not cryptographic between two OS reseeds.
+"""
+
+import math
+import secrets
+from typing import Optional
+
+import torch
+
+from opacus_dp.optim.clipping import Clipper
+
+SECURE_NUM_DRAWS = 4  # sum of 4 N(0, s²) divided by 2 is N(0, s²)
+
+
+def noise_std(noise_multiplier: float, clipper: Clipper) -> float:
+    """``σ · clipper.sensitivity`` (0 when σ = 0, even for an unbounded clipper)."""
+    check_noise_multiplier(noise_multiplier)
+    if noise_multiplier == 0:
+        return 0.0
+    sensitivity = clipper.sensitivity
+    if math.isinf(sensitivity):
+        raise ValueError(
+            "max_grad_norm is infinite, so noise_multiplier > 0 would add infinite noise: "
+            "use a finite max_grad_norm (or noise_multiplier=0 for non-private training)"
+        )
+    return float(noise_multiplier) * sensitivity
+
+
+def check_noise_multiplier(noise_multiplier) -> float:
+    """``noise_multiplier`` as float if finite and ≥ 0, else ValueError/TypeError."""
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)):
+        raise TypeError(f"noise_multiplier must be a number ≥ 0, got {noise_multiplier!r}")
+    value = float(noise_multiplier)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"noise_multiplier must be finite and ≥ 0, got {noise_multiplier!r}")
+    return value
+
+
+def seed_from_global_rng() -> int:
+    """A 62-bit seed drawn from (not written to) torch's global RNG."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+class GaussianNoise:
+    """Draws ``N(0, std²)`` tensors from an owned generator, or securely (see module doc)."""
+
+    def __init__(self, generator: Optional[torch.Generator] = None, secure_mode: bool = False):
+        if secure_mode and generator is not None:
+            raise ValueError(
+                "generator must be None when secure_mode=True: secure noise is seeded from "
+                "the operating system and cannot be seeded by the user"
+            )
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        self.secure_mode = bool(secure_mode)
+        self.generator = generator
+        self._seed = None if (generator is not None or secure_mode) else seed_from_global_rng()
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(self._seed)
+        return self.generator
+
+    def begin_step(self, device: torch.device) -> None:
+        """In secure mode, reseed a fresh generator from the OS for the coming step."""
+        if self.secure_mode:
+            self.generator = torch.Generator(device=device).manual_seed(secrets.randbits(63))
+
+    def sample(self, reference: torch.Tensor, std: float) -> torch.Tensor:
+        """A tensor like ``reference`` with i.i.d. ``N(0, std²)`` entries (zeros if std=0)."""
+        if std == 0:
+            return torch.zeros_like(reference)
+        gen = self._generator_for(reference.device)
+        draws = SECURE_NUM_DRAWS if self.secure_mode else 1
+        total = torch.zeros(reference.shape, dtype=reference.dtype, device=gen.device)
+        for _ in range(draws):
+            total += torch.normal(0.0, std, size=reference.shape, generator=gen,
+                                  dtype=reference.dtype, device=gen.device)
+        if draws > 1:
+            total /= math.sqrt(draws)
+        return total.to(reference.device)
+
+    def state_dict(self) -> dict:
+        """Generator state for checkpoints (nothing to save in secure mode)."""
+        if self.secure_mode:
+            return {"secure_mode": True}
+        gen = self._generator_for(torch.device("cpu"))
+        return {"secure_mode": False, "device": str(gen.device), "state": gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the generator saved by :meth:`state_dict`."""
+        if state.get("secure_mode") or self.secure_mode:
+            if bool(state.get("secure_mode")) != self.secure_mode:
+                raise ValueError("cannot restore noise state across secure_mode settings")
+            return
+        device = torch.device(state["device"])
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device)
+        self.generator.set_state(state["state"])

@@ -1,0 +1,249 @@
+"""PrivacyEngine: wires model, optimizer, data loader and accountant for DP-SGD.
+
+Two APIs share this entry point:
+
+* modern (Opacus 1.x): ``PrivacyEngine(accountant="prv")`` then ``make_private(...)`` /
+  ``make_private_with_epsilon(...)``, ``get_epsilon(delta)``, ``save_checkpoint`` /
+  ``load_checkpoint``;
+* classic (Opacus 0.x): ``PrivacyEngine(model, batch_size, sample_size, ...)`` then
+  ``attach(optimizer)`` — selected when the first positional argument is an ``nn.Module``
+  (see :mod:`opacus_dp.privacy_engine_classic`).
+
+Beyond Opacus, ``max_epsilon`` (with ``max_epsilon_delta``) installs a budget guard that
+refuses, before anything changes, the step that would push ε above the maximum.
+"""
+
+import warnings
+from typing import List, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader
+
+from opacus_dp import checkpoint
+from opacus_dp.budget_guard import BudgetGuard
+from opacus_dp.engine_setup import (
+    check_choice,
+    check_optimizer_params,
+    check_privacy_arguments,
+    GRAD_SAMPLE_MODES,
+    make_dp_optimizer,
+    secure_generator,
+    unwrap_model,
+    validate_module,
+    wrap_module,
+)
+
+
+class PrivacyEngine:
+    """Modern API entry point (and dispatcher to the classic API, see module doc).
+
+    Args:
+        accountant: "prv" (default), "rdp" or "gdp".
+        secure_mode: OS-seeded noise and sampling (see :mod:`opacus_dp.optim.noise`).
+        max_epsilon: optional budget; a step that would exceed it raises
+            :class:`~opacus_dp.errors.PrivacyBudgetExceededError` before changing anything.
+        max_epsilon_delta: the δ at which ``max_epsilon`` is measured (required with it).
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is PrivacyEngine and (args or "module" in kwargs):
+            first = args[0] if args else kwargs["module"]
+            if not isinstance(first, nn.Module):
+                raise TypeError(
+                    "PrivacyEngine: the first positional argument must be the model (nn.Module) "
+                    "for the classic API; the modern API takes keyword arguments only, e.g. "
+                    f"PrivacyEngine(accountant='prv') (got {type(first).__name__})"
+                )
+            from opacus_dp.privacy_engine_classic import ClassicPrivacyEngine
+
+            return object.__new__(ClassicPrivacyEngine)
+        return object.__new__(cls)
+
+    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False,
+                 max_epsilon: Optional[float] = None, max_epsilon_delta: Optional[float] = None):
+        from opacus_dp.accountants import create_accountant
+
+        check_choice(accountant, ("prv", "rdp", "gdp"), "accountant")
+        self.accountant = create_accountant(accountant)
+        self.secure_mode = bool(secure_mode)
+        self.secure_rng = None  # secure randomness is drawn per use, see secure_generator()
+        self.dataset = None
+        self.max_epsilon = max_epsilon
+        self.max_epsilon_delta = max_epsilon_delta
+        if max_epsilon is not None and max_epsilon_delta is None:
+            raise ValueError("max_epsilon needs max_epsilon_delta (the δ at which ε is measured)")
+        self._data_loader = None
+        if not self.secure_mode:
+            warnings.warn(
+                "secure_mode is off: fine for experiments; train the final model with "
+                "secure_mode=True for noise robust to floating-point attacks",
+                UserWarning, stacklevel=2,
+            )
+
+    # ------------------------------------------------------------------ make_private
+    def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                     data_loader: DataLoader, noise_multiplier: float,
+                     max_grad_norm: Union[float, List[float]], batch_first: bool = True,
+                     loss_reduction: str = "mean", poisson_sampling: bool = True,
+                     clipping: str = "flat", noise_generator: Optional[torch.Generator] = None,
+                     grad_sample_mode: str = "hooks", criterion=None):
+        """Return ``(GradSampleModule, DPOptimizer, DataLoader)`` ready for private training.
+
+        With ``poisson_sampling`` the loader is replaced by a ``DPDataLoader`` with
+        ``q = 1/len(data_loader)``; the expected batch size is ``⌊q·N⌋`` (per process).
+        ``criterion`` is accepted for API compatibility and unused by these modes.
+        """
+        check_privacy_arguments(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                                loss_reduction=loss_reduction, clipping=clipping)
+        check_choice(grad_sample_mode, tuple(GRAD_SAMPLE_MODES), "grad_sample_mode")
+        if noise_generator is not None and self.secure_mode:
+            raise ValueError("noise_generator must be None in secure_mode (noise is seeded by the OS)")
+        if not isinstance(data_loader, DataLoader):
+            raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+        check_optimizer_params(module, optimizer)
+        world_size = _check_distributed(module)
+        validate_module(module)
+        gsm = wrap_module(module, grad_sample_mode=grad_sample_mode, batch_first=batch_first,
+                          loss_reduction=loss_reduction)
+        if poisson_sampling:
+            gsm.forbid_grad_accumulation()
+        loader = self._prepare_data_loader(data_loader, poisson_sampling=poisson_sampling,
+                                           distributed=world_size > 1, batch_first=batch_first)
+        sample_rate = _sample_rate_of(loader)
+        expected_batch_size = max(1, int(len(loader.dataset) * sample_rate))
+        if world_size > 1:
+            expected_batch_size = expected_batch_size / world_size
+        dp_optimizer = make_dp_optimizer(
+            optimizer, grad_sample_module=gsm, noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction, clipping=clipping, generator=noise_generator,
+            secure_mode=self.secure_mode,
+        )
+        self._connect(module, dp_optimizer, sample_rate)
+        self._data_loader = loader
+        return gsm, dp_optimizer, loader
+
+    def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                                  data_loader: DataLoader, target_epsilon: float,
+                                  target_delta: float, epochs: int,
+                                  max_grad_norm: Union[float, List[float]], batch_first: bool = True,
+                                  loss_reduction: str = "mean", poisson_sampling: bool = True,
+                                  clipping: str = "flat", noise_generator=None,
+                                  grad_sample_mode: str = "hooks", criterion=None,
+                                  epsilon_tolerance: float = 0.01):
+        """:meth:`make_private` with σ calibrated so that ``epochs`` passes spend ≤ target ε."""
+        from opacus_dp.accountants import get_noise_multiplier
+
+        if len(self.accountant) > 0:
+            warnings.warn("make_private_with_epsilon: privacy already spent by this engine is not "
+                          "included in the calibration; the final epsilon will be higher", UserWarning)
+        sample_rate = _sample_rate_of(data_loader)
+        sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
+                                     sample_rate=sample_rate, epochs=epochs,
+                                     accountant=self.accountant.mechanism(),
+                                     epsilon_tolerance=epsilon_tolerance)
+        return self.make_private(
+            module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=sigma,
+            max_grad_norm=max_grad_norm, batch_first=batch_first, loss_reduction=loss_reduction,
+            poisson_sampling=poisson_sampling, clipping=clipping, noise_generator=noise_generator,
+            grad_sample_mode=grad_sample_mode, criterion=criterion,
+        )
+
+    def _prepare_data_loader(self, data_loader, *, poisson_sampling, distributed, batch_first):
+        from opacus_dp.data import DPDataLoader, check_sampling, switch_generator
+
+        self.dataset = data_loader.dataset
+        generator = secure_generator() if self.secure_mode else None
+        if poisson_sampling:
+            return DPDataLoader.from_data_loader(data_loader, generator=generator,
+                                                 distributed=distributed, batch_first=batch_first)
+        check_sampling(data_loader, poisson_expected=False)
+        if generator is not None:
+            return switch_generator(data_loader=data_loader, generator=generator)
+        return data_loader
+
+    def _connect(self, module, dp_optimizer, sample_rate: float) -> None:
+        """Distributed reduction, budget guard (pre-step) and accountant (post-step) hooks."""
+        from opacus_dp.distributed import configure_optimizer
+
+        configure_optimizer(module, dp_optimizer, sample_rate=sample_rate)
+        if self.max_epsilon is not None:
+            dp_optimizer.attach_pre_step_hook(BudgetGuard(
+                self.accountant, max_epsilon=self.max_epsilon, delta=self.max_epsilon_delta,
+                sample_rate=sample_rate, epsilon_of=self._budget_epsilon))
+        accountant = self.accountant
+
+        def record_step(optim) -> None:
+            accountant.step(noise_multiplier=optim.noise_multiplier, sample_rate=sample_rate)
+
+        dp_optimizer.attach_step_hook(record_step)
+
+    def _budget_epsilon(self, accountant) -> float:
+        return float(accountant.get_epsilon(self.max_epsilon_delta))
+
+    # ------------------------------------------------------------------ reporting
+    def get_epsilon(self, delta: float) -> float:
+        """ε spent so far at ``delta``, according to the accountant."""
+        return float(self.accountant.get_epsilon(delta))
+
+    # ------------------------------------------------------------------ compatibility
+    def is_compatible(self, *, module: nn.Module, optimizer=None, data_loader=None) -> bool:
+        """True if ``module`` can be trained privately as it is."""
+        from opacus_dp.validators import ModuleValidator
+
+        return ModuleValidator.is_valid(unwrap_model(module))
+
+    def validate(self, *, module: nn.Module, optimizer=None, data_loader=None) -> None:
+        """Like :meth:`is_compatible` but raises the validator's error."""
+        validate_module(module)
+
+    @classmethod
+    def get_compatible_module(cls, module: nn.Module) -> nn.Module:
+        """A fixed copy of ``module`` (BatchNorm → GroupNorm, ...), validated."""
+        from opacus_dp.validators import ModuleValidator
+
+        return ModuleValidator.fix_and_validate(module)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, *, path, module: nn.Module, optimizer=None, noise_scheduler=None,
+                        grad_clip_scheduler=None, checkpoint_dict=None, data_loader=None,
+                        module_state_dict_kwargs=None, torch_save_kwargs=None) -> None:
+        """Save model (unwrapped keys), optimizer, accountant and generator states to ``path``."""
+        checkpoint.save(
+            path, module=module, optimizer=optimizer, accountant=self.accountant,
+            data_loader=data_loader if data_loader is not None else self._data_loader,
+            schedulers={"noise_scheduler": noise_scheduler, "grad_clip_scheduler": grad_clip_scheduler},
+            checkpoint_dict=checkpoint_dict, module_state_dict_kwargs=module_state_dict_kwargs,
+            torch_save_kwargs=torch_save_kwargs,
+        )
+
+    def load_checkpoint(self, *, path, module: nn.Module, optimizer=None, noise_scheduler=None,
+                        grad_clip_scheduler=None, data_loader=None, map_location=None,
+                        module_load_dict_kwargs=None, torch_load_kwargs=None) -> dict:
+        """Restore what :meth:`save_checkpoint` saved; returns the remaining checkpoint entries."""
+        return checkpoint.load(
+            path, module=module, optimizer=optimizer, accountant=self.accountant,
+            data_loader=data_loader if data_loader is not None else self._data_loader,
+            schedulers={"noise_scheduler": noise_scheduler, "grad_clip_scheduler": grad_clip_scheduler},
+            map_location=map_location, module_load_dict_kwargs=module_load_dict_kwargs,
+            torch_load_kwargs=torch_load_kwargs,
+        )
+
+
+def _check_distributed(module: nn.Module) -> int:
+    """Refuse an unwrapped model under an active process group; return the world size."""
+    from opacus_dp.distributed import validate_parallel_module, world_size_of
+
+    validate_parallel_module(module)
+    return world_size_of(module)
+
+
+def _sample_rate_of(data_loader: DataLoader) -> float:
+    """``q`` of a loader: its own ``sample_rate`` if it has one, else ``1/len(loader)``."""
+    rate = getattr(data_loader, "sample_rate", None)
+    if rate is not None:
+        return float(rate)
+    if len(data_loader) == 0:
+        raise ValueError("data_loader yields no batches (empty dataset?)")
+    return 1.0 / len(data_loader)

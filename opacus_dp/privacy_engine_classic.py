@@ -1,0 +1,217 @@
+"""Classic (Opacus 0.x) API: ``PrivacyEngine(model, batch_size, sample_size, ...).attach(optimizer)``.
+
+After ``attach`` the user's own optimizer object performs private steps: its ``step``,
+``zero_grad``, ``virtual_step`` and ``signal_skip_step`` are replaced (on the instance only)
+by those of a :class:`~opacus_dp.optim.DPOptimizer`, and ``optimizer.privacy_engine`` is the
+engine. The model keeps being called directly; per-sample gradient hooks sit on its layers.
+``detach`` removes every hook and instance attribute that was added, restoring both exactly.
+
+Accounting uses RDP with the engine's ``alphas`` (orders), as Opacus 0.x did; one record
+``(σ, q)`` per step, including steps on empty Poisson batches.
+"""
+
+import warnings
+from typing import List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from opacus_dp.budget_guard import BudgetGuard
+from opacus_dp.engine_setup import (
+    check_optimizer_params,
+    check_privacy_arguments,
+    make_dp_optimizer,
+    validate_module,
+    wrap_module,
+)
+from opacus_dp.privacy_engine import PrivacyEngine, _check_distributed
+from opacus_dp.privacy_engine_classic_setup import (
+    DEFAULT_ALPHAS,
+    PATCHED_ATTRIBUTES,
+    calibrate_noise_multiplier,
+    classic_sampling,
+    patch_optimizer,
+    restore_optimizer,
+)
+
+
+class ClassicPrivacyEngine(PrivacyEngine):
+    """Opacus 0.9–0.15 ``PrivacyEngine``; created by ``PrivacyEngine(model, ...)``.
+
+    Args (as in Opacus 0.x): ``module``; ``batch_size`` and ``sample_size`` (q = B/N) or
+    ``sample_rate``; ``alphas`` (RDP orders); ``noise_multiplier`` (σ; or ``target_epsilon``
+    and ``epochs`` to calibrate it); ``max_grad_norm`` (C, or a list for per-layer clipping);
+    ``secure_rng``; ``batch_first``; ``target_delta``; ``loss_reduction``; ``poisson`` (the
+    data loader samples Poisson batches, possibly empty: each is a real step);
+    ``clip_per_layer``; ``max_epsilon`` (budget guard at ``target_delta``).
+    """
+
+    def __init__(self, module: nn.Module, batch_size: Optional[int] = None,
+                 sample_size: Optional[int] = None, alphas: Sequence[float] = DEFAULT_ALPHAS,
+                 noise_multiplier: Optional[float] = None,
+                 max_grad_norm: Union[float, List[float], None] = None, *,
+                 sample_rate: Optional[float] = None, secure_rng: bool = False,
+                 batch_first: bool = True, target_delta: float = 1e-6,
+                 target_epsilon: Optional[float] = None, epochs: Optional[float] = None,
+                 loss_reduction: str = "mean", poisson: bool = False, clip_per_layer: bool = False,
+                 grad_norm_type: int = 2, max_epsilon: Optional[float] = None,
+                 noise_generator: Optional[torch.Generator] = None):
+        super().__init__(accountant="rdp", secure_mode=secure_rng)
+        if max_grad_norm is None:
+            raise ValueError("max_grad_norm is required (the per-sample clipping bound C)")
+        if grad_norm_type != 2:
+            raise ValueError(f"grad_norm_type must be 2 (L2 clipping), got {grad_norm_type!r}")
+        self.module = module
+        self.world_size = _check_distributed(module)
+        self.alphas = list(alphas)
+        self.target_delta = target_delta
+        self.batch_first, self.loss_reduction, self.poisson = batch_first, loss_reduction, poisson
+        self.sample_rate, self.batch_size, self.sample_size, self.expected_batch_size = classic_sampling(
+            batch_size=batch_size, sample_size=sample_size, sample_rate=sample_rate,
+            poisson=poisson, world_size=self.world_size, loss_reduction=loss_reduction)
+        if clip_per_layer and not isinstance(max_grad_norm, (list, tuple)):
+            max_grad_norm = [max_grad_norm] * sum(p.requires_grad for p in module.parameters())
+        self.clipping = "per_layer" if isinstance(max_grad_norm, (list, tuple)) else "flat"
+        self._max_grad_norm = max_grad_norm
+        if noise_multiplier is None:
+            noise_multiplier = calibrate_noise_multiplier(
+                target_epsilon=target_epsilon, target_delta=target_delta,
+                sample_rate=self.sample_rate, epochs=epochs, alphas=self.alphas)
+        self._noise_multiplier = noise_multiplier
+        check_privacy_arguments(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                                loss_reduction=loss_reduction, clipping=self.clipping)
+        if noise_generator is not None and secure_rng:
+            raise ValueError("noise_generator must be None when secure_rng=True")
+        self.max_epsilon, self.max_epsilon_delta = max_epsilon, target_delta
+        self.noise_generator = noise_generator
+        self.device = None
+        self.optimizer = None
+        self.grad_sample_module = None
+        self._dp_optimizer = None
+        self._saved_attributes = None
+
+    # ------------------------------------------------------------------ attach / detach
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` a private step (see module doc)."""
+        owner = getattr(optimizer, "privacy_engine", None)
+        if owner is not None:
+            if owner is self:
+                warnings.warn("this optimizer is already attached to this engine; nothing to do")
+                return
+            raise ValueError("optimizer is already attached to another PrivacyEngine: detach it first")
+        if self.optimizer is not None:
+            raise ValueError("this PrivacyEngine is already attached to an optimizer: detach it first")
+        check_optimizer_params(self.module, optimizer)
+        validate_module(self.module)
+        self.grad_sample_module = wrap_module(self.module, grad_sample_mode="hooks",
+                                              batch_first=self.batch_first,
+                                              loss_reduction=self.loss_reduction)
+        self._dp_optimizer = make_dp_optimizer(
+            optimizer, grad_sample_module=self.grad_sample_module,
+            noise_multiplier=self._noise_multiplier, max_grad_norm=self._max_grad_norm,
+            expected_batch_size=self.expected_batch_size, loss_reduction=self.loss_reduction,
+            clipping=self.clipping, generator=self.noise_generator, secure_mode=self.secure_mode)
+        self._connect(self.module, self._dp_optimizer, self.sample_rate)
+        self._saved_attributes = patch_optimizer(optimizer, self)
+        self.optimizer = optimizer
+
+    def detach(self) -> None:
+        """Restore the optimizer (step, zero_grad, ...) and the model exactly."""
+        if self.optimizer is None:
+            raise ValueError("this PrivacyEngine is not attached to an optimizer")
+        restore_optimizer(self.optimizer, self._saved_attributes)
+        self.grad_sample_module.close()
+        self._noise_multiplier = self._dp_optimizer.noise_multiplier
+        self.optimizer = self.grad_sample_module = self._dp_optimizer = None
+        self._saved_attributes = None
+
+    def _budget_epsilon(self, accountant) -> float:
+        return float(accountant.get_privacy_spent(delta=self.target_delta, alphas=self.alphas)[0])
+
+    # ------------------------------------------------------------------ steps
+    def virtual_step(self) -> None:
+        """Clip and accumulate the current batch (same as ``optimizer.virtual_step()``)."""
+        self._attached().virtual_step()
+
+    def zero_grad(self) -> None:
+        """Drop the per-sample gradients of the last backward pass."""
+        if self.grad_sample_module is not None:
+            self.grad_sample_module.zero_grad_sample()
+
+    def _attached(self):
+        if self._dp_optimizer is None:
+            raise ValueError("call attach(optimizer) first")
+        return self._dp_optimizer
+
+    # ------------------------------------------------------------------ settings
+    @property
+    def noise_multiplier(self) -> float:
+        return self._dp_optimizer.noise_multiplier if self._dp_optimizer else self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        check_privacy_arguments(noise_multiplier=value, max_grad_norm=self._max_grad_norm,
+                                loss_reduction=self.loss_reduction, clipping=self.clipping)
+        self._noise_multiplier = float(value)
+        if self._dp_optimizer is not None:
+            self._dp_optimizer.noise_multiplier = float(value)
+
+    @property
+    def max_grad_norm(self):
+        return self._max_grad_norm
+
+    @property
+    def steps(self) -> int:
+        """Number of private steps taken (accounted) so far."""
+        return len(self.accountant)
+
+    def to(self, device) -> "ClassicPrivacyEngine":
+        """Record the device of the model (noise is drawn on the parameters' device)."""
+        self.device = torch.device(device)
+        return self
+
+    # ------------------------------------------------------------------ privacy
+    def get_renyi_divergence(self) -> torch.Tensor:
+        """RDP of one step at each order of ``alphas``, for the current (σ, q)."""
+        from opacus_dp.accountants.analysis.rdp import compute_rdp
+
+        return torch.tensor(compute_rdp(self.sample_rate, self.noise_multiplier, 1, self.alphas))
+
+    def get_privacy_spent(self, target_delta: Optional[float] = None):
+        """``(ε, best α)`` for the whole history at ``target_delta`` (default: the engine's)."""
+        delta = self.target_delta if target_delta is None else target_delta
+        if delta is None:
+            raise ValueError("target_delta is needed: pass it here or to the PrivacyEngine")
+        eps, best_alpha = self.accountant.get_privacy_spent(delta=delta, alphas=self.alphas)
+        return float(eps), float(best_alpha)
+
+    def get_epsilon(self, delta: Optional[float] = None) -> float:
+        return self.get_privacy_spent(delta)[0]
+
+    def state_dict(self) -> dict:
+        """Steps, full privacy history and noise generator state."""
+        state = {"steps": self.steps, "accountant": self.accountant.state_dict()}
+        if self._dp_optimizer is not None:
+            state["noise_generator_state"] = self._dp_optimizer.noise_state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`; an Opacus 0.x ``{"steps": n}`` means n steps of (σ, q)."""
+        if "accountant" in state_dict:
+            self.accountant.load_state_dict(state_dict["accountant"])
+        else:
+            self.accountant.load_state_dict(type(self.accountant)().state_dict())
+            for _ in range(int(state_dict["steps"])):
+                self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        noise = state_dict.get("noise_generator_state")
+        if noise is not None and self._dp_optimizer is not None:
+            self._dp_optimizer.load_noise_state_dict(noise)
+
+    def make_private(self, **_ignored):
+        raise TypeError("this engine uses the classic API (created with a model): call "
+                        "attach(optimizer); for make_private create PrivacyEngine() without a model")
+
+    make_private_with_epsilon = make_private
+
+
+__all__ = ["ClassicPrivacyEngine", "DEFAULT_ALPHAS", "PATCHED_ATTRIBUTES"]

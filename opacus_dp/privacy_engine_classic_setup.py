@@ -1,0 +1,110 @@
+"""Helpers of the classic API: sampling arguments, σ calibration, optimizer patching."""
+
+import math
+import types
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+# Opacus 0.x default RDP orders: 1.1, 1.2, ..., 10.9 and 12, ..., 63.
+DEFAULT_ALPHAS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
+
+PATCHED_ATTRIBUTES = ("step", "zero_grad", "virtual_step", "signal_skip_step", "privacy_engine")
+_MISSING = object()
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def classic_sampling(*, batch_size, sample_size, sample_rate, poisson: bool, world_size: int,
+                     loss_reduction: str) -> Tuple[float, Optional[int], Optional[int], Optional[float]]:
+    """``(q, batch_size, sample_size, expected_batch_size)`` from the classic arguments.
+
+    ``q = batch_size · world_size / sample_size`` unless ``sample_rate`` is given. The expected
+    (per-process) batch size divides the mean; it is ``None`` — divide by the actual batch size,
+    as Opacus 0.x did — only for fixed-size batches without ``batch_size``/``sample_size``.
+    """
+    if batch_size is not None:
+        batch_size = _positive_int(batch_size, "batch_size")
+    if sample_size is not None:
+        sample_size = _positive_int(sample_size, "sample_size")
+    if sample_rate is None:
+        if batch_size is None or sample_size is None:
+            raise ValueError("pass batch_size and sample_size (q = batch_size/sample_size), or sample_rate")
+        if batch_size * world_size > sample_size:
+            raise ValueError(f"batch_size ({batch_size}) x world size ({world_size}) must not exceed "
+                             f"sample_size ({sample_size})")
+        return batch_size * world_size / sample_size, batch_size, sample_size, batch_size
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) \
+            or not 0 < sample_rate <= 1:
+        raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
+    expected = _expected_batch_size(float(sample_rate), batch_size, sample_size, world_size)
+    if expected is None and poisson and loss_reduction == "mean":
+        raise ValueError("poisson=True with loss_reduction='mean' needs sample_size (or batch_size): "
+                         "the mean divides by the expected batch size q·sample_size")
+    return float(sample_rate), batch_size, sample_size, expected
+
+
+def _expected_batch_size(q, batch_size, sample_size, world_size) -> Optional[float]:
+    if batch_size is not None:
+        if sample_size is not None and not math.isclose(batch_size * world_size / sample_size, q,
+                                                         rel_tol=1e-6):
+            raise ValueError(f"sample_rate={q} disagrees with batch_size/sample_size="
+                             f"{batch_size * world_size}/{sample_size}: pass only one of them")
+        return batch_size
+    if sample_size is not None:
+        return q * sample_size / world_size
+    return None
+
+
+def calibrate_noise_multiplier(*, target_epsilon, target_delta, sample_rate: float, epochs,
+                               alphas: Sequence[float]) -> float:
+    """σ such that ``⌊epochs/q⌋`` steps spend at most ``target_epsilon`` (RDP over ``alphas``)."""
+    from opacus_dp.accountants import get_noise_multiplier
+
+    if target_epsilon is None or epochs is None:
+        raise ValueError("noise_multiplier is None: pass noise_multiplier, or target_epsilon and "
+                         "epochs to calibrate it")
+    return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
+                                      sample_rate=sample_rate, epochs=epochs, accountant="rdp",
+                                      alphas=list(alphas)))
+
+
+# -------------------------------------------------------------- optimizer instance patching
+def _dp_step(optimizer, closure=None):
+    return optimizer.privacy_engine._dp_optimizer.step(closure)
+
+
+def _dp_zero_grad(optimizer, set_to_none: bool = True):
+    optimizer.privacy_engine._dp_optimizer.zero_grad(set_to_none)
+
+
+def _dp_virtual_step(optimizer):
+    optimizer.privacy_engine._dp_optimizer.virtual_step()
+
+
+def _dp_signal_skip_step(optimizer, do_skip: bool = True):
+    optimizer.privacy_engine._dp_optimizer.signal_skip_step(do_skip)
+
+
+def patch_optimizer(optimizer: torch.optim.Optimizer, engine) -> Dict[str, object]:
+    """Install the private methods on the ``optimizer`` instance; return what they replaced."""
+    saved = {name: optimizer.__dict__.get(name, _MISSING) for name in PATCHED_ATTRIBUTES}
+    optimizer.privacy_engine = engine
+    optimizer.step = types.MethodType(_dp_step, optimizer)
+    optimizer.zero_grad = types.MethodType(_dp_zero_grad, optimizer)
+    optimizer.virtual_step = types.MethodType(_dp_virtual_step, optimizer)
+    optimizer.signal_skip_step = types.MethodType(_dp_signal_skip_step, optimizer)
+    return saved
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, saved: Dict[str, object]) -> None:
+    """Undo :func:`patch_optimizer` exactly (instance attributes removed or restored)."""
+    for name, value in saved.items():
+        if value is _MISSING:
+            optimizer.__dict__.pop(name, None)
+        else:
+            setattr(optimizer, name, value)

@@ -1,0 +1,152 @@
+"""``ModuleValidator``: find the sub-modules that break DP-SGD, and replace the fixable ones.
+
+A model can be trained privately when (i) every per-sample gradient depends on its own sample
+only, and (ii) each trainable parameter's per-sample gradient can be computed (a dedicated grad
+sampler, a DP layer, or the generic ``torch.func`` fallback). The rules are in
+``opacus_dp.validators.rules``; the replacements in ``opacus_dp.validators.fixers``.
+Error messages read ``"<path> (<Type>) cannot be private: <why>; fix: <how>"``, where the
+path starts with ``model`` (``model.features.3``).
+"""
+
+import copy
+import logging
+from typing import Callable, Dict, List, Optional, Type
+
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+from opacus_dp.validators import fixers
+from opacus_dp.validators.errors import UnsupportedModuleError, combined_error
+from opacus_dp.validators.rules import (
+    MODULE_RULES,
+    RNN_REPLACEMENTS,
+    has_trainable_parameters,
+    no_trainable_parameters_error,
+)
+
+logger = logging.getLogger(__name__)
+ROOT_NAME = "model"
+
+
+def module_path(name: str) -> str:
+    """``"features.3"`` -> ``"model.features.3"``; the root itself is ``"model"``."""
+    return f"{ROOT_NAME}.{name}" if name else ROOT_NAME
+
+
+def _custom_errors(validator: Callable, module: nn.Module, path: str) -> List[UnsupportedModuleError]:
+    """Run a user-registered validator and prefix its messages with the module path."""
+    errors = []
+    for error in validator(module) or []:
+        if not isinstance(error, UnsupportedModuleError):
+            error = UnsupportedModuleError(str(error))
+        errors.append(type(error)(f"{path} ({type(module).__name__}) cannot be private: {error}"))
+    return errors
+
+
+class ModuleValidator:
+    """Namespace for ``validate`` / ``is_valid`` / ``fix`` / ``fix_and_validate`` (Opacus 1.x API).
+
+    ``VALIDATORS`` / ``FIXERS`` hold user registrations (exact type -> function), see
+    ``register_module_validator`` / ``register_module_fixer``; they run in addition to
+    (validators) or instead of (fixers) the built-in rules.
+    """
+
+    VALIDATORS: Dict[Type[nn.Module], Callable] = {}
+    FIXERS: Dict[Type[nn.Module], Callable] = {}
+
+    @classmethod
+    def validate(cls, module: nn.Module, *, strict: bool = False) -> List[UnsupportedModuleError]:
+        """All problems of ``module`` and its sub-modules; ``strict=True`` raises them as one error."""
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        errors: List[UnsupportedModuleError] = []
+        for name, sub_module in module.named_modules():
+            path = module_path(name)
+            for rule in MODULE_RULES:
+                problem = rule(sub_module)
+                if problem is not None:
+                    errors.append(problem.error(path, sub_module))
+            custom = cls.VALIDATORS.get(type(sub_module))
+            if custom is not None:
+                errors.extend(_custom_errors(custom, sub_module, path))
+        no_params = no_trainable_parameters_error(module, ROOT_NAME)
+        if no_params is not None:
+            errors.append(no_params)
+        if strict and errors:
+            raise combined_error(errors)
+        return errors
+
+    @classmethod
+    def is_valid(cls, module: nn.Module) -> bool:
+        """True when ``validate`` finds no problem."""
+        return not cls.validate(module)
+
+    @classmethod
+    def fix(cls, module: nn.Module, *, num_groups: Optional[int] = None, replace_bn_with_in: bool = False) -> nn.Module:
+        """A fixed deep copy of ``module`` (the argument is left untouched).
+
+        * BatchNorm1d/2d/3d, SyncBatchNorm -> GroupNorm(``num_groups`` or the largest divisor of C
+          that is ≤ 32, C) with the affine weights copied; with ``replace_bn_with_in=True`` the
+          InstanceNorm of the same dimensionality instead;
+        * InstanceNorm with ``track_running_stats=True`` -> the same without running statistics;
+        * trainable nn.LSTM / nn.GRU / nn.RNN -> DPLSTM / DPGRU / DPRNN, nn.MultiheadAttention ->
+          DPMultiheadAttention, with the same weights (outputs unchanged).
+        """
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if replace_bn_with_in and num_groups is not None:
+            raise ValueError("num_groups and replace_bn_with_in=True are mutually exclusive: choose one norm")
+        fixed = copy.deepcopy(module)
+        replaced: List[str] = []
+        for name, sub_module in list(fixed.named_modules()):
+            if any(name.startswith(prefix + ".") for prefix in replaced):
+                continue  # inside a module that has already been replaced
+            replacement = cls._replacement(sub_module, name, num_groups, replace_bn_with_in)
+            if replacement is None:
+                continue
+            logger.info("replaced %s (%s) with %s", module_path(name), type(sub_module).__name__, type(replacement).__name__)
+            if not name:
+                return replacement
+            _set_submodule(fixed, name, replacement)
+            replaced.append(name)
+        return fixed
+
+    @classmethod
+    def _replacement(cls, sub_module, name, num_groups, replace_bn_with_in) -> Optional[nn.Module]:
+        custom = cls.FIXERS.get(type(sub_module))
+        if custom is not None:
+            return custom(sub_module)
+        try:
+            return _builtin_replacement(sub_module, num_groups, replace_bn_with_in)
+        except ValueError as error:
+            raise ValueError(f"{module_path(name)} ({type(sub_module).__name__}): {error}") from error
+
+    @classmethod
+    def fix_and_validate(
+        cls, module: nn.Module, *, num_groups: Optional[int] = None, replace_bn_with_in: bool = False
+    ) -> nn.Module:
+        """``fix`` followed by ``validate(strict=True)`` on the fixed copy."""
+        fixed = cls.fix(module, num_groups=num_groups, replace_bn_with_in=replace_bn_with_in)
+        cls.validate(fixed, strict=True)
+        return fixed
+
+
+def _builtin_replacement(module: nn.Module, num_groups, replace_bn_with_in) -> Optional[nn.Module]:
+    if isinstance(module, _BatchNorm):
+        if replace_bn_with_in:
+            return fixers.batchnorm_to_instancenorm(module)
+        return fixers.batchnorm_to_groupnorm(module, num_groups=num_groups)
+    if isinstance(module, _InstanceNorm) and module.track_running_stats:
+        return fixers.instancenorm_without_running_stats(module)
+    if type(module) in RNN_REPLACEMENTS and has_trainable_parameters(module):
+        return fixers.recurrent_to_dp(module)
+    if type(module) is nn.MultiheadAttention and has_trainable_parameters(module):
+        return fixers.multihead_attention_to_dp(module)
+    return None
+
+
+def _set_submodule(root: nn.Module, name: str, replacement: nn.Module) -> None:
+    parent_name, _, child_name = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child_name, replacement)

@@ -1,0 +1,122 @@
+"""The checks ``ModuleValidator`` applies to every sub-module.
+
+Each rule looks at one module and returns ``None`` (fine) or a ``Problem``: why the module
+cannot be trained privately as it is, the fix, and the error class. Modules with trainable
+parameters and no dedicated grad sampler are fine: the generic ``torch.func`` fallback
+computes their per-sample gradients, as long as they do not mix samples of a batch.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Type
+
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+from torch.nn.parameter import UninitializedParameter
+
+from opacus_dp.validators.errors import (
+    IllegalModuleConfigurationError,
+    ShouldReplaceModuleError,
+    UnsupportedModuleError,
+)
+
+FIX_HINT = "ModuleValidator.fix(model)"
+RNN_REPLACEMENTS = {nn.LSTM: "DPLSTM", nn.GRU: "DPGRU", nn.RNN: "DPRNN"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a module cannot be private, how to fix it, and which error class reports it."""
+
+    reason: str
+    fix: str
+    error_class: Type[UnsupportedModuleError] = ShouldReplaceModuleError
+
+    def error(self, path: str, module: nn.Module) -> UnsupportedModuleError:
+        return self.error_class(f"{path} ({type(module).__name__}) cannot be private: {self.reason}; fix: {self.fix}")
+
+
+def has_trainable_parameters(module: nn.Module) -> bool:
+    """True when the module itself (not its children) owns a parameter with ``requires_grad``."""
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def check_batch_norm(module: nn.Module) -> Optional[Problem]:
+    """BatchNorm normalises with batch statistics: every output depends on the other samples.
+
+    Flagged even when frozen or in eval mode: ``model.train()`` turns batch statistics back on
+    and the running statistics are updated from the batch without noise.
+    """
+    if not isinstance(module, _BatchNorm):
+        return None
+    return Problem(
+        "BatchNorm mixes samples' statistics (each output depends on the whole batch)",
+        f"{FIX_HINT} replaces it with GroupNorm",
+    )
+
+
+def check_instance_norm(module: nn.Module) -> Optional[Problem]:
+    """InstanceNorm is per-sample, but running statistics are averaged over the batch without noise."""
+    if not isinstance(module, _InstanceNorm) or not module.track_running_stats:
+        return None
+    return Problem(
+        "track_running_stats=True updates running statistics from all samples of the batch without noise",
+        f"{FIX_HINT} rebuilds it with track_running_stats=False",
+        IllegalModuleConfigurationError,
+    )
+
+
+def check_recurrent(module: nn.Module) -> Optional[Problem]:
+    """torch's fused RNN kernels expose no per-step inputs, so no per-sample gradients."""
+    if not isinstance(module, nn.RNNBase) or not has_trainable_parameters(module):
+        return None
+    replacement = RNN_REPLACEMENTS.get(type(module))
+    if replacement is None:
+        return Problem(
+            "its fused recurrent kernel gives no per-sample gradients",
+            "rebuild it from opacus_dp.layers.DPLSTM / DPGRU / DPRNN",
+        )
+    return Problem(
+        "torch's fused recurrent kernel gives no per-sample gradients",
+        f"{FIX_HINT} replaces it with opacus_dp.layers.{replacement} (same weights)",
+    )
+
+
+def check_multihead_attention(module: nn.Module) -> Optional[Problem]:
+    """nn.MultiheadAttention uses its weights inside one fused functional call."""
+    if not isinstance(module, nn.MultiheadAttention) or not has_trainable_parameters(module):
+        return None
+    return Problem(
+        "its projections run inside one fused functional call that gives no per-sample gradients",
+        f"{FIX_HINT} replaces it with opacus_dp.layers.DPMultiheadAttention (same weights)",
+    )
+
+
+def check_uninitialized(module: nn.Module) -> Optional[Problem]:
+    """Lazy modules have no parameter shapes before their first forward pass."""
+    if not any(isinstance(p, UninitializedParameter) for p in module.parameters(recurse=False)):
+        return None
+    return Problem(
+        "it has uninitialized (lazy) parameters",
+        "run one forward pass on a batch before making the model private",
+        IllegalModuleConfigurationError,
+    )
+
+
+MODULE_RULES: List[Callable[[nn.Module], Optional[Problem]]] = [
+    check_batch_norm,
+    check_instance_norm,
+    check_recurrent,
+    check_multihead_attention,
+    check_uninitialized,
+]
+
+
+def no_trainable_parameters_error(model: nn.Module, root_name: str) -> Optional[UnsupportedModuleError]:
+    """An error when no parameter of ``model`` requires a gradient."""
+    if any(p.requires_grad for p in model.parameters()):
+        return None
+    return IllegalModuleConfigurationError(
+        f"{root_name} ({type(model).__name__}) has no trainable parameters: nothing to train privately; "
+        "fix: set requires_grad=True on the parameters to train"
+    )

@@ -1,0 +1,152 @@
+"""Cost of distributed DP-SGD against non-private DDP, on 1, 2 and 4 CPU (gloo) processes.
+
+For each world size W and each mode, every rank trains the same MLP on its own random
+batches and reports the mean wall time of one training step (forward, backward, optimizer
+step) and the bytes it put into all-reduce collectives per step:
+
+* ``ddp``        non-private ``DistributedDataParallel`` (bytes counted by a comm hook
+                 that wraps the standard all-reduce);
+* ``dp-ddp``     DP-SGD with ``DistributedDataParallel``: the no-op comm hook stops DDP's
+                 all-reduce, the optimizer's ``AllReduceReducer`` sends the clipped sums;
+* ``dp-dpddp``   DP-SGD with ``DifferentiallyPrivateDistributedDataParallel``.
+
+Usage: ``python scripts/benchmark_distributed.py [--steps 20] [--batch-size 64]``.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+MODES = ("ddp", "dp-ddp", "dp-dpddp")
+
+
+class ByteCounter:
+    """State of :func:`counting_allreduce_hook`: bytes sent into all-reduce so far."""
+
+    def __init__(self):
+        self.bytes = 0
+
+
+def counting_allreduce_hook(state: ByteCounter, bucket):
+    """DDP's standard averaging all-reduce, counting the bucket's bytes."""
+    buffer = bucket.buffer()
+    state.bytes += buffer.numel() * buffer.element_size()
+    buffer.div_(dist.get_world_size())
+    work = dist.all_reduce(buffer, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def make_model(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width),
+                         nn.ReLU(), nn.Linear(width, 10))
+
+
+def build(mode: str, width: int, batch_size: int):
+    """(model, optimizer, bytes_so_far) for ``mode`` on this rank."""
+    from opacus_dp.distributed import DifferentiallyPrivateDistributedDataParallel, configure_optimizer
+    from opacus_dp.grad_sample import GradSampleModule
+    from opacus_dp.optim import DPOptimizer, grad_source_for
+
+    model = make_model(width)
+    if mode == "ddp":
+        ddp = DistributedDataParallel(model)
+        counter = ByteCounter()
+        ddp.register_comm_hook(counter, counting_allreduce_hook)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), lambda: counter.bytes
+    wrapped = DistributedDataParallel(model) if mode == "dp-ddp" else \
+        DifferentiallyPrivateDistributedDataParallel(model)
+    gsm = GradSampleModule(wrapped)
+    optimizer = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.05), noise_multiplier=1.0,
+                            max_grad_norm=1.0, expected_batch_size=batch_size,
+                            grad_source=grad_source_for(gsm))
+    configure_optimizer(gsm, optimizer, sample_rate=0.01)
+    return gsm, optimizer, lambda: optimizer.reducer.bytes_reduced
+
+
+def time_mode(mode: str, rank: int, width: int, batch_size: int, steps: int, warmup: int = 3):
+    model, optimizer, sent_bytes = build(mode, width, batch_size)
+    generator = torch.Generator().manual_seed(1000 + rank)
+    criterion = nn.CrossEntropyLoss()
+    elapsed, bytes_before = 0.0, 0
+    for step in range(warmup + steps):
+        x = torch.randn(batch_size, width, generator=generator)
+        y = torch.randint(0, 10, (batch_size,), generator=generator)
+        if step == warmup:
+            dist.barrier()
+            bytes_before = sent_bytes()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+        if step >= warmup:
+            elapsed += time.perf_counter() - start
+    return {"step_s": elapsed / steps, "bytes_per_step": (sent_bytes() - bytes_before) / steps}
+
+
+def worker(rank: int, world_size: int, port: int, args, out_path: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        results = {m: time_mode(m, rank, args.width, args.batch_size, args.steps) for m in MODES}
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(gathered, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world_size: int, args) -> dict:
+    """Per-mode step time (max over ranks) and bytes per step (rank 0) for one world size."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "results.json")
+        mp.spawn(worker, args=(world_size, free_port(), args, out_path), nprocs=world_size)
+        with open(out_path) as f:
+            per_rank = json.load(f)
+    return {m: {"step_s": max(r[m]["step_s"] for r in per_rank),
+                "bytes_per_step": per_rank[0][m]["bytes_per_step"]} for m in MODES}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=64, help="per-process batch size")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args()
+    params = sum(p.numel() for p in make_model(args.width).parameters())
+    print(f"MLP with {params} parameters ({4 * params} bytes of float32 gradients), "
+          f"per-process batch {args.batch_size}, {args.steps} timed steps")
+    print(f"{'W':>2} {'mode':>9} {'step ms':>9} {'bytes/step':>11} {'time/ddp':>9} {'bytes/ddp':>10}")
+    for world_size in args.world_sizes:
+        results = run_world(world_size, args)
+        base = results["ddp"]
+        for mode in MODES:
+            r = results[mode]
+            byte_ratio = r["bytes_per_step"] / base["bytes_per_step"] if base["bytes_per_step"] else float("nan")
+            print(f"{world_size:>2} {mode:>9} {1e3 * r['step_s']:>9.2f} {r['bytes_per_step']:>11.0f} "
+                  f"{r['step_s'] / base['step_s']:>9.2f} {byte_ratio:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""DPDataLoader: Poisson batches, empty batches with the right structure, construction from a loader."""
+
+import collections
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data._utils.collate import default_collate
+
+from opacus_dp.data import DPDataLoader, UniformWithReplacementSampler, switch_generator
+from opacus_dp.data.collate import EmptyBatchCollate, empty_like_batch
+from opacus_dp.data_loader import DPDataLoader as CompatDPDataLoader
+
+Pair = collections.namedtuple("Pair", ["x", "y"])
+
+
+def seeded(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+class DictDataset(Dataset):
+    """Examples are dicts with a float64 vector, an int label, a Python float and a string."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"x": torch.full((5,), float(i), dtype=torch.float64), "y": i % 3, "w": 0.5 * i, "name": f"s{i}"}
+
+
+class NamedTupleDataset(Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return Pair(torch.full((2, 3), float(i)), torch.tensor(i, dtype=torch.int32))
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+def tensor_dataset(n=12):
+    x = torch.randn(n, 3, 4)
+    y = torch.randint(0, 5, (n,))
+    mask = torch.rand(n, 2) > 0.5
+    return TensorDataset(x, y, mask)
+
+
+def batches_with_empties(loader, min_empty=1):
+    batches = list(loader)
+    assert sum(len(b[0]) == 0 if not isinstance(b, dict) else len(b["x"]) == 0 for b in batches) >= min_empty
+    return batches
+
+
+def test_tensor_dataset_empty_batches_keep_trailing_shape_and_dtype():
+    ds = tensor_dataset(3)
+    loader = DPDataLoader(ds, sample_rate=0.05, generator=seeded(0), steps=40)  # P(empty) ≈ 0.86
+    for x, y, mask in batches_with_empties(loader):
+        assert x.shape[1:] == (3, 4) and x.dtype == torch.float32
+        assert y.dim() == 1 and y.dtype == torch.int64
+        assert mask.shape[1:] == (2,) and mask.dtype == torch.bool
+        assert len(x) == len(y) == len(mask)
+
+
+def test_dict_dataset_empty_batches():
+    loader = DPDataLoader(DictDataset(2), sample_rate=0.05, generator=seeded(1), steps=40)
+    empties = [b for b in batches_with_empties(loader) if len(b["x"]) == 0]
+    for batch in empties:
+        assert set(batch) == {"x", "y", "w", "name"}
+        assert batch["x"].shape == (0, 5) and batch["x"].dtype == torch.float64
+        assert batch["y"].shape == (0,) and batch["y"].dtype == torch.int64
+        assert batch["w"].shape == (0,) and batch["w"].dtype == torch.float64
+        assert batch["name"] == []
+
+
+def test_named_tuple_dataset_empty_batches():
+    loader = DPDataLoader(NamedTupleDataset(), sample_rate=0.01, generator=seeded(2), steps=20)
+    empty = next(b for b in loader if len(b.x) == 0)
+    assert isinstance(empty, Pair)
+    assert empty.x.shape == (0, 2, 3) and empty.y.shape == (0,) and empty.y.dtype == torch.int32
+
+
+def test_empty_batch_does_not_carry_values_and_is_fresh():
+    collate = EmptyBatchCollate.from_dataset(tensor_dataset(4), None)
+    first, second = collate([]), collate([])
+    assert first[0].numel() == 0 and first[0] is not second[0]
+
+
+def test_time_major_empty_batch():
+    empty = empty_like_batch([torch.zeros(7, 1, 4), torch.zeros(1)], batch_first=False)
+    assert empty[0].shape == (7, 0, 4) and empty[1].shape == (0,)
+
+
+def test_numpy_fields_and_unsupported_fields():
+    assert empty_like_batch({"a": np.ones((1, 3), dtype=np.int16)})["a"].shape == (0, 3)
+    with pytest.raises(TypeError, match=r"batch\['meta'\]"):
+        empty_like_batch({"meta": object()})
+    with pytest.raises(TypeError, match="0-dim"):
+        DPDataLoader(tensor_dataset(), sample_rate=0.5, collate_fn=lambda b: torch.tensor(float(len(b))))
+
+
+def test_non_empty_batches_are_the_sampled_examples():
+    ds = tensor_dataset(20)
+    loader = DPDataLoader(ds, sample_rate=0.3, generator=seeded(3), steps=5)
+    # oracle: the same generator state drives (i) one int64 seed draw made by DataLoader.__iter__
+    # and (ii) the Poisson batch sampler
+    oracle_generator = seeded(3)
+    torch.empty((), dtype=torch.int64).random_(generator=oracle_generator)
+    oracle_indices = list(UniformWithReplacementSampler(num_samples=20, sample_rate=0.3, generator=oracle_generator, steps=5))
+    for (x, y, mask), indices in zip(loader, oracle_indices):
+        expected = default_collate([ds[i] for i in indices]) if indices else None
+        if expected is None:
+            assert len(x) == 0
+            continue
+        assert torch.equal(x, expected[0]) and torch.equal(y, expected[1]) and torch.equal(mask, expected[2])
+
+
+def test_loader_exposes_rate_generator_distributed_and_length():
+    g = seeded(4)
+    loader = CompatDPDataLoader(tensor_dataset(), sample_rate=0.25, generator=g)
+    assert loader.sample_rate == 0.25 and loader.generator is g and loader.distributed is False
+    assert len(loader) == 4 and len(list(loader)) == 4
+
+
+def test_default_generator_is_seeded_from_global_rng_and_checkpointable():
+    ds = TensorDataset(torch.arange(30))
+
+    def indices_after_seed(seed):
+        torch.manual_seed(seed)
+        return [b[0].tolist() for b in DPDataLoader(ds, sample_rate=0.2)]
+
+    assert indices_after_seed(123) == indices_after_seed(123) != indices_after_seed(124)
+    loader = DPDataLoader(ds, sample_rate=0.2)
+    assert isinstance(loader.generator, torch.Generator)
+    state = loader.generator.get_state()
+    run_a = [b[0].tolist() for b in loader]
+    loader.generator.set_state(state)
+    assert [b[0].tolist() for b in loader] == run_a
+
+
+def test_drop_last_is_ignored_with_warning():
+    with pytest.warns(UserWarning, match="drop_last"):
+        loader = DPDataLoader(tensor_dataset(), sample_rate=0.5, drop_last=True)
+    assert len(loader) == 2
+
+
+def test_from_data_loader_takes_settings():
+    ds = tensor_dataset(10)
+    g = seeded(5)
+    collate = lambda batch: default_collate(batch)  # noqa: E731
+    source = DataLoader(ds, batch_size=3, collate_fn=collate, generator=g, shuffle=True)
+    loader = DPDataLoader.from_data_loader(source)
+    assert loader.sample_rate == pytest.approx(1 / 4) and len(loader) == 4
+    assert loader.generator is g and loader.dataset is ds
+    assert loader.collate_fn.collate_fn is collate
+    other = seeded(6)
+    assert DPDataLoader.from_data_loader(source, generator=other).generator is other
+
+
+def test_from_dp_data_loader_keeps_rate_and_does_not_double_wrap():
+    source = DPDataLoader(tensor_dataset(10), sample_rate=0.3)
+    again = DPDataLoader.from_data_loader(source)
+    assert again.sample_rate == 0.3
+    assert not isinstance(again.collate_fn.collate_fn, EmptyBatchCollate)
+
+
+def test_from_data_loader_rejects_unusable_loaders():
+    with pytest.raises(ValueError, match="IterableDataset"):
+        DPDataLoader.from_data_loader(DataLoader(Stream(), batch_size=2))
+    with pytest.raises(ValueError, match="batch_size=None"):
+        DPDataLoader.from_data_loader(DataLoader(tensor_dataset(), batch_size=None))
+    with pytest.raises(TypeError, match="DataLoader"):
+        DPDataLoader.from_data_loader([1, 2, 3])
+    with pytest.raises(ValueError, match="empty"):
+        DPDataLoader(TensorDataset(torch.zeros(0, 2)), sample_rate=0.5)
+
+
+def test_worker_processes_handle_empty_batches():
+    loader = DPDataLoader(tensor_dataset(3), sample_rate=0.1, generator=seeded(7), steps=12, num_workers=1)
+    batches = batches_with_empties(loader)
+    assert len(batches) == 12 and all(b[0].shape[1:] == (3, 4) for b in batches)
+
+
+def test_switch_generator_for_dp_loader():
+    ds = TensorDataset(torch.arange(20))
+    loader = DPDataLoader(ds, sample_rate=0.25, generator=seeded(8))
+    switched = switch_generator(data_loader=loader, generator=seeded(9))
+    reference = DPDataLoader(ds, sample_rate=0.25, generator=seeded(9))
+    assert isinstance(switched, DPDataLoader) and switched.sample_rate == 0.25
+    got, expected = [b[0].tolist() for b in switched], [b[0].tolist() for b in reference]
+    assert got == expected and got != [b[0].tolist() for b in loader]
+    assert loader.generator.initial_seed() == 8
+
+
+def test_switch_generator_for_shuffled_loader_copies_sampler():
+    ds = tensor_dataset(10)
+    source = DataLoader(ds, batch_size=5, shuffle=True, generator=seeded(10))
+    g = seeded(11)
+    switched = switch_generator(data_loader=source, generator=g)
+    assert switched.batch_sampler.sampler.generator is g
+    assert source.batch_sampler.sampler.generator is not g
+    with pytest.raises(ValueError, match="generator"):
+        switch_generator(data_loader=DataLoader(ds, batch_size=5), generator=g)
+
+
+def test_distributed_loader_in_single_process_group():
+    import torch.distributed as dist
+
+    from tests.conftest import free_port
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        loader = DPDataLoader(tensor_dataset(8), sample_rate=0.5, generator=seeded(12), distributed=True)
+        assert loader.distributed and loader.batch_sampler.num_replicas == 1
+        assert len(list(loader)) == 2
+    finally:
+        dist.destroy_process_group()

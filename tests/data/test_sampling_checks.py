@@ -1,0 +1,62 @@
+"""check_sampling warns for every loader that is not Poisson-sampled, and only for those."""
+
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+
+from opacus_dp.data import BatchMemoryManager, DPDataLoader, SamplingWarning, check_sampling, is_poisson_loader
+
+
+class RecordingOptimizer:
+    def signal_skip_step(self, do_skip=True):
+        pass
+
+
+def dataset(n=10):
+    return TensorDataset(torch.randn(n, 2))
+
+
+def messages(loader, poisson_expected=True):
+    with pytest.warns(SamplingWarning) as record:
+        returned = check_sampling(loader, poisson_expected)
+    assert [str(w.message) for w in record] == returned
+    return " | ".join(returned)
+
+
+def test_poisson_loaders_are_silent():
+    loader = DPDataLoader(dataset(), sample_rate=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_sampling(loader) == [] and check_sampling(loader, poisson_expected=False) == []
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=RecordingOptimizer()) as physical:
+            assert check_sampling(physical) == [] and is_poisson_loader(physical)
+    assert is_poisson_loader(loader)
+
+
+def test_shuffled_fixed_size_loader_warns():
+    text = messages(DataLoader(dataset(), batch_size=4, shuffle=True))
+    assert "fixed-size" in text and "Poisson sampling was requested" in text
+    text = messages(DataLoader(dataset(), batch_size=4, shuffle=True), poisson_expected=False)
+    assert "the accountant assumes Poisson sampling" in text
+    assert not is_poisson_loader(DataLoader(dataset(), batch_size=4))
+
+
+def test_drop_last_warns():
+    assert "drop_last" in messages(DataLoader(dataset(), batch_size=4, shuffle=True, drop_last=True))
+
+
+def test_weighted_sampler_warns():
+    sampler = WeightedRandomSampler(torch.ones(10), num_samples=10)
+    assert "not uniform" in messages(DataLoader(dataset(), batch_size=4, sampler=sampler))
+
+
+def test_custom_batch_sampler_warns():
+    assert "custom batch sampler" in messages(DataLoader(dataset(), batch_sampler=[[0, 1], [2, 3]]))
+
+
+def test_unbatched_loader_and_non_loader():
+    assert "batch_size=None" in messages(DataLoader(dataset(), batch_size=None))
+    with pytest.raises(TypeError, match="data_loader"):
+        check_sampling([1, 2])

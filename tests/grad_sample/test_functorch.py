@@ -1,0 +1,148 @@
+"""The generic torch.func fallback against the batch-size-1 autograd oracle."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opacus_dp.grad_sample import GradSampleModule, functorch_grad_sample
+
+from tests.grad_sample.oracle import (
+    assert_grad_samples_close,
+    gsm_grad_samples,
+    oracle_grad_samples,
+)
+
+
+class ScaledMix(nn.Module):
+    """Own parameters, two tensor inputs, a keyword tensor, a non-tensor flag, two outputs."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(dim))
+        self.mix = nn.Parameter(torch.randn(dim, dim))
+
+    def forward(self, x, y, *, gate=None, squash=True):
+        h = torch.tanh(x * self.scale) if squash else x * self.scale
+        if gate is not None:
+            h = h * gate
+        return h @ self.mix + y, (y * self.scale).sum(-1)
+
+
+class Wrapper(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.inner = ScaledMix(dim)
+
+    def forward(self, x, y, gate):
+        out, side = self.inner(x, y, gate=gate, squash=False)
+        return out.sum(-1) + side
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    middle=st.integers(1, 3),
+    batch_first=st.booleans(),
+    loss_reduction=st.sampled_from(["mean", "sum"]),
+)
+def test_keyword_and_multi_output_module(batch, middle, batch_first, loss_reduction):
+    model = Wrapper(3).double()
+    shape = (batch, middle, 3) if batch_first else (middle, batch, 3)
+    x, y, gate = (torch.randn(*shape, dtype=torch.double) for _ in range(3))
+    batch_dim = 0 if batch_first else 1
+    expected = oracle_grad_samples(model, (x, y, gate), batch_dim=batch_dim)
+    actual = gsm_grad_samples(
+        model, (x, y, gate), loss_reduction=loss_reduction, batch_first=batch_first
+    )
+    assert_grad_samples_close(actual, expected)
+
+
+class Bilinear(nn.Module):
+    """A parent with its own parameter AND a child with parameters called in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        self.gain = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return self.proj(x) * self.gain
+
+
+@pytest.mark.parametrize("force_functorch", [False, True])
+def test_parent_with_own_parameter_and_child_layer(force_functorch):
+    model = nn.Sequential(Bilinear(), nn.Tanh(), nn.Linear(3, 2)).double()
+    x = torch.randn(4, 3, dtype=torch.double)
+    expected = oracle_grad_samples(model, (x,))
+    actual = gsm_grad_samples(model, (x,), force_functorch=force_functorch)
+    assert_grad_samples_close(actual, expected)
+
+
+@pytest.mark.parametrize(
+    "make_layer, shape",
+    [
+        (lambda: nn.Linear(4, 3), (5, 2, 4)),
+        (lambda: nn.Embedding(6, 3, padding_idx=1), None),
+        (lambda: nn.EmbeddingBag(6, 3, mode="mean"), None),
+        (lambda: nn.Conv1d(2, 3, 3, padding=1), (4, 2, 6)),
+        (lambda: nn.LayerNorm(4), (3, 2, 4)),
+        (lambda: nn.GroupNorm(2, 4), (3, 4, 5)),
+        (lambda: nn.PReLU(3), (5, 3)),
+        (lambda: nn.Bilinear(3, 2, 4), None),
+    ],
+)
+def test_force_functorch_matches_registered_samplers_and_oracle(make_layer, shape):
+    layer = make_layer().double()
+    if isinstance(layer, nn.Bilinear):
+        args = (torch.randn(4, 3, dtype=torch.double), torch.randn(4, 2, dtype=torch.double))
+    elif shape is None:
+        args = (torch.randint(0, 6, (4, 3)),)
+    else:
+        args = (torch.randn(*shape, dtype=torch.double),)
+    expected = oracle_grad_samples(layer, args)
+    assert_grad_samples_close(gsm_grad_samples(layer, args, force_functorch=True), expected)
+    assert_grad_samples_close(gsm_grad_samples(layer, args), expected)
+
+
+def test_contract_signature_with_plain_backprops():
+    layer = nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.double)
+    g = torch.randn(4, 2, dtype=torch.double)
+    result = functorch_grad_sample(layer, [x], g)
+    torch.testing.assert_close(result[layer.weight], torch.einsum("bo,bi->boi", g, x))
+    torch.testing.assert_close(result[layer.bias], g)
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return F.dropout(x * self.w, 0.5, training=True)
+
+
+def test_random_forward_is_refused_not_silently_wrong():
+    gsm = GradSampleModule(Noisy())
+    with pytest.raises(RuntimeError, match="randomness"):
+        gsm(torch.randn(4, 3)).sum().backward()
+    gsm.close()
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x, mask):
+        return x * self.w * mask
+
+
+def test_unbatched_tensor_argument_is_reported():
+    gsm = GradSampleModule(nn.Sequential(Masked()))
+    with pytest.raises(ValueError, match=r"0 \(Masked\).*argument #1 has shape \(3,\)"):
+        gsm._module[0](torch.randn(4, 3), torch.ones(3))
+    gsm.close()

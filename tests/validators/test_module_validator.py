@@ -1,0 +1,180 @@
+"""ModuleValidator.validate / is_valid / fix / fix_and_validate: what is flagged, and how it reads."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from opacus_dp.errors import UnsupportedModuleError
+from opacus_dp.validators import (
+    IllegalModuleConfigurationError,
+    ModuleValidator,
+    ShouldReplaceModuleError,
+    register_module_fixer,
+    register_module_validator,
+)
+
+
+def convnet():
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.Conv2d(6, 8, 3), nn.BatchNorm2d(8)),
+        nn.Flatten(),
+        nn.Linear(8, 2),
+    )
+
+
+class Named(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+        self.head = nn.Linear(4, 2)
+
+
+def test_message_names_path_type_reason_and_fix():
+    (error,) = ModuleValidator.validate(Named())
+    assert isinstance(error, ShouldReplaceModuleError) and isinstance(error, UnsupportedModuleError)
+    assert str(error) == (
+        "model.features.3 (BatchNorm2d) cannot be private: BatchNorm mixes samples' statistics "
+        "(each output depends on the whole batch); fix: ModuleValidator.fix(model) replaces it with GroupNorm"
+    )
+
+
+@pytest.mark.parametrize(
+    "layer, type_name, fix_text",
+    [
+        (nn.BatchNorm1d(4), "BatchNorm1d", "GroupNorm"),
+        (nn.BatchNorm3d(4), "BatchNorm3d", "GroupNorm"),
+        (nn.SyncBatchNorm(4), "SyncBatchNorm", "GroupNorm"),
+        (nn.InstanceNorm2d(4, track_running_stats=True), "InstanceNorm2d", "track_running_stats=False"),
+        (nn.LSTM(3, 4), "LSTM", "DPLSTM"),
+        (nn.GRU(3, 4), "GRU", "DPGRU"),
+        (nn.RNN(3, 4), "RNN", "DPRNN"),
+        (nn.MultiheadAttention(4, 2), "MultiheadAttention", "DPMultiheadAttention"),
+    ],
+)
+def test_flagged_layers(layer, type_name, fix_text):
+    model = nn.Sequential(nn.Linear(3, 3), layer)
+    (error,) = ModuleValidator.validate(model)
+    assert str(error).startswith(f"model.1 ({type_name}) cannot be private: ")
+    assert "fix: " in str(error) and fix_text in str(error)
+    assert not ModuleValidator.is_valid(model)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.Linear(3, 3),
+        nn.GroupNorm(1, 3),
+        nn.LayerNorm(3),
+        nn.InstanceNorm1d(3, affine=True),
+        nn.Embedding(5, 3),
+        nn.Bilinear(3, 3, 3),  # no dedicated sampler needed: generic fallback
+    ],
+)
+def test_per_sample_layers_are_valid(layer):
+    assert ModuleValidator.validate(nn.Sequential(layer)) == []
+
+
+def test_frozen_recurrent_and_attention_layers_are_fine_but_frozen_batchnorm_is_not():
+    lstm, attention, batch_norm = nn.LSTM(3, 4), nn.MultiheadAttention(4, 2), nn.BatchNorm1d(4)
+    for module in (lstm, attention, batch_norm):
+        module.requires_grad_(False)
+    batch_norm.eval()
+    model = nn.Sequential(nn.Linear(3, 3), lstm, attention, batch_norm)
+    (error,) = ModuleValidator.validate(model)
+    assert str(error).startswith("model.3 (BatchNorm1d)")
+
+
+def test_eval_mode_is_not_an_error():
+    model = nn.Sequential(nn.Linear(3, 2)).eval()
+    assert ModuleValidator.is_valid(model)
+
+
+def test_no_trainable_parameters_is_an_error():
+    model = nn.Sequential(nn.Linear(3, 2)).requires_grad_(False)
+    (error,) = ModuleValidator.validate(model)
+    assert isinstance(error, IllegalModuleConfigurationError)
+    assert "model (Sequential) has no trainable parameters" in str(error) and "requires_grad=True" in str(error)
+    assert not ModuleValidator.is_valid(nn.ReLU())
+
+
+def test_lazy_modules_are_flagged():
+    (error,) = ModuleValidator.validate(nn.Sequential(nn.LazyLinear(2)))
+    assert "model.0 (LazyLinear)" in str(error) and "forward pass" in str(error)
+
+
+def test_root_module_path():
+    (error,) = ModuleValidator.validate(nn.BatchNorm1d(3))
+    assert str(error).startswith("model (BatchNorm1d) cannot be private")
+
+
+def test_strict_raises_all_problems_at_once():
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.LSTM(3, 3))
+    with pytest.raises(UnsupportedModuleError) as info:
+        ModuleValidator.validate(model, strict=True)
+    text = str(info.value)
+    assert "model.0 (BatchNorm1d)" in text and "model.1 (LSTM)" in text
+    assert len(info.value.errors) == 2
+
+
+def test_fix_returns_a_fixed_copy_and_leaves_the_original():
+    model = convnet()
+    fixed = ModuleValidator.fix(model)
+    assert isinstance(model[0][3], nn.BatchNorm2d)
+    assert isinstance(fixed[0][3], nn.GroupNorm) and fixed[0][3].num_groups == 8
+    assert ModuleValidator.validate(fixed) == []
+    assert fixed[0][0].weight is not model[0][0].weight
+    torch.testing.assert_close(fixed[0][0].weight, model[0][0].weight)
+
+
+def test_fixed_model_is_valid_for_the_reference_library_too():
+    from opacus.validators import ModuleValidator as ReferenceValidator
+
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.InstanceNorm2d(6, affine=True, track_running_stats=True))
+    assert not ReferenceValidator.is_valid(model)
+    assert ReferenceValidator.is_valid(ModuleValidator.fix(model))
+
+
+def test_fix_and_validate():
+    fixed = ModuleValidator.fix_and_validate(convnet(), num_groups=2)
+    assert fixed[0][3].num_groups == 2
+    with pytest.raises(UnsupportedModuleError, match="no trainable parameters"):
+        ModuleValidator.fix_and_validate(nn.Sequential(nn.BatchNorm1d(3)).requires_grad_(False))
+
+
+def test_fix_errors_name_the_module():
+    with pytest.raises(ValueError, match=r"model\.0\.3 \(BatchNorm2d\).*num_groups=3.*divisor.*8"):
+        ModuleValidator.fix(convnet(), num_groups=3)
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        ModuleValidator.fix(convnet(), num_groups=2, replace_bn_with_in=True)
+    with pytest.raises(TypeError, match="nn.Module"):
+        ModuleValidator.validate("model")
+
+
+class Mixer(nn.Module):
+    """Averages over the batch: a custom module that mixes samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.scale * x.mean(0, keepdim=True)
+
+
+def test_registered_validator_and_fixer():
+    @register_module_validator(Mixer)
+    def validate_mixer(module):
+        return [UnsupportedModuleError("it averages over the batch")]
+
+    @register_module_fixer([Mixer])
+    def fix_mixer(module):
+        return nn.Identity()
+
+    try:
+        (error,) = ModuleValidator.validate(nn.Sequential(nn.Linear(2, 2), Mixer()))
+        assert str(error) == "model.1 (Mixer) cannot be private: it averages over the batch"
+        fixed = ModuleValidator.fix(nn.Sequential(nn.Linear(2, 2), Mixer()))
+        assert isinstance(fixed[1], nn.Identity)
+    finally:
+        ModuleValidator.VALIDATORS.pop(Mixer)
+        ModuleValidator.FIXERS.pop(Mixer)
