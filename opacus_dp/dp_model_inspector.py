@@ -23,7 +23,7 @@ class DPModelInspector:
         self.violations = []
 
     def validate(self, model: nn.Module) -> bool:
-        """``True`` if ``model`` is valid; otherwise raise ``IncompatibleModuleException`` (or return ``False``)."""
+        """``True`` if ``model`` is valid; else raise ``IncompatibleModuleException`` (or return ``False``)."""
         self.violations = ModuleValidator.validate(model, strict=False)
         if not self.violations:
             return True

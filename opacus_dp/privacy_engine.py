@@ -103,24 +103,20 @@ class PrivacyEngine:
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
         check_optimizer_params(module, optimizer)
         world_size = _check_distributed(module)
+        _check_distributed_loader(data_loader, world_size, poisson_sampling)
         validate_module(module)
         gsm = wrap_module(module, grad_sample_mode=grad_sample_mode, batch_first=batch_first,
                           loss_reduction=loss_reduction)
-        if poisson_sampling:
-            gsm.forbid_grad_accumulation()
-        loader = self._prepare_data_loader(data_loader, poisson_sampling=poisson_sampling,
-                                           distributed=world_size > 1, batch_first=batch_first)
-        sample_rate = _sample_rate_of(loader)
-        expected_batch_size = max(1, int(len(loader.dataset) * sample_rate))
-        if world_size > 1:
-            expected_batch_size = expected_batch_size / world_size
-        dp_optimizer = make_dp_optimizer(
-            optimizer, grad_sample_module=gsm, noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
-            loss_reduction=loss_reduction, clipping=clipping, generator=noise_generator,
-            secure_mode=self.secure_mode,
-        )
-        self._connect(module, dp_optimizer, sample_rate)
+        try:
+            loader, dp_optimizer = self._private_loader_and_optimizer(
+                gsm, module, optimizer, data_loader, noise_multiplier=noise_multiplier,
+                max_grad_norm=max_grad_norm, loss_reduction=loss_reduction, clipping=clipping,
+                poisson_sampling=poisson_sampling, batch_first=batch_first,
+                noise_generator=noise_generator, world_size=world_size)
+        except Exception:
+            if gsm is not module:
+                gsm.close()
+            raise
         self._data_loader = loader
         return gsm, dp_optimizer, loader
 
@@ -149,6 +145,26 @@ class PrivacyEngine:
             poisson_sampling=poisson_sampling, clipping=clipping, noise_generator=noise_generator,
             grad_sample_mode=grad_sample_mode, criterion=criterion,
         )
+
+    def _private_loader_and_optimizer(self, gsm, module, optimizer, data_loader, *,
+                                      noise_multiplier, max_grad_norm, loss_reduction, clipping,
+                                      poisson_sampling, batch_first, noise_generator, world_size):
+        if poisson_sampling:
+            gsm.forbid_grad_accumulation()
+        loader = self._prepare_data_loader(data_loader, poisson_sampling=poisson_sampling,
+                                           distributed=world_size > 1, batch_first=batch_first)
+        sample_rate = _sample_rate_of(loader)
+        expected_batch_size = max(1, int(len(loader.dataset) * sample_rate))
+        if world_size > 1:
+            expected_batch_size = expected_batch_size / world_size
+        dp_optimizer = make_dp_optimizer(
+            optimizer, grad_sample_module=gsm, noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction, clipping=clipping, generator=noise_generator,
+            secure_mode=self.secure_mode,
+        )
+        self._connect(module, dp_optimizer, sample_rate)
+        return loader, dp_optimizer
 
     def _prepare_data_loader(self, data_loader, *, poisson_sampling, distributed, batch_first):
         from opacus_dp.data import DPDataLoader, check_sampling, switch_generator
@@ -237,6 +253,13 @@ def _check_distributed(module: nn.Module) -> int:
 
     validate_parallel_module(module)
     return world_size_of(module)
+
+
+def _check_distributed_loader(data_loader: DataLoader, world_size: int, poisson_sampling: bool) -> None:
+    """Refuse a loader whose sharding disagrees with the process group (see distributed)."""
+    from opacus_dp.distributed import check_data_loader_world_size
+
+    check_data_loader_world_size(data_loader, world_size, poisson_sampling=poisson_sampling)
 
 
 def _sample_rate_of(data_loader: DataLoader) -> float:

@@ -103,15 +103,19 @@ class ClassicPrivacyEngine(PrivacyEngine):
             raise ValueError("this PrivacyEngine is already attached to an optimizer: detach it first")
         check_optimizer_params(self.module, optimizer)
         validate_module(self.module)
-        self.grad_sample_module = wrap_module(self.module, grad_sample_mode="hooks",
-                                              batch_first=self.batch_first,
-                                              loss_reduction=self.loss_reduction)
-        self._dp_optimizer = make_dp_optimizer(
-            optimizer, grad_sample_module=self.grad_sample_module,
-            noise_multiplier=self._noise_multiplier, max_grad_norm=self._max_grad_norm,
-            expected_batch_size=self.expected_batch_size, loss_reduction=self.loss_reduction,
-            clipping=self.clipping, generator=self.noise_generator, secure_mode=self.secure_mode)
-        self._connect(self.module, self._dp_optimizer, self.sample_rate)
+        gsm = wrap_module(self.module, grad_sample_mode="hooks", batch_first=self.batch_first,
+                          loss_reduction=self.loss_reduction)
+        try:
+            dp_optimizer = make_dp_optimizer(
+                optimizer, grad_sample_module=gsm, noise_multiplier=self._noise_multiplier,
+                max_grad_norm=self._max_grad_norm, expected_batch_size=self.expected_batch_size,
+                loss_reduction=self.loss_reduction, clipping=self.clipping,
+                generator=self.noise_generator, secure_mode=self.secure_mode)
+            self._connect(self.module, dp_optimizer, self.sample_rate)
+        except Exception:
+            gsm.close()
+            raise
+        self.grad_sample_module, self._dp_optimizer = gsm, dp_optimizer
         self._saved_attributes = patch_optimizer(optimizer, self)
         self.optimizer = optimizer
 

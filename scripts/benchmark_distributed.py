@@ -8,7 +8,9 @@ step) and the bytes it put into all-reduce collectives per step:
                  that wraps the standard all-reduce);
 * ``dp-ddp``     DP-SGD with ``DistributedDataParallel``: the no-op comm hook stops DDP's
                  all-reduce, the optimizer's ``AllReduceReducer`` sends the clipped sums;
-* ``dp-dpddp``   DP-SGD with ``DifferentiallyPrivateDistributedDataParallel``.
+* ``dp-dpddp``   DP-SGD with ``DifferentiallyPrivateDistributedDataParallel``;
+* ``dp-2x``      for contrast, DP-SGD on DDP *without* the no-op hook: DDP also
+                 all-reduces the unclipped gradients, doubling the traffic.
 
 Usage: ``python scripts/benchmark_distributed.py [--steps 20] [--batch-size 64]``.
 """
@@ -27,7 +29,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-MODES = ("ddp", "dp-ddp", "dp-dpddp")
+MODES = ("ddp", "dp-ddp", "dp-dpddp", "dp-2x")
 
 
 class ByteCounter:
@@ -54,7 +56,11 @@ def make_model(width: int) -> nn.Module:
 
 def build(mode: str, width: int, batch_size: int):
     """(model, optimizer, bytes_so_far) for ``mode`` on this rank."""
-    from opacus_dp.distributed import DifferentiallyPrivateDistributedDataParallel, configure_optimizer
+    from opacus_dp.distributed import (
+        AllReduceReducer,
+        DifferentiallyPrivateDistributedDataParallel,
+        configure_optimizer,
+    )
     from opacus_dp.grad_sample import GradSampleModule
     from opacus_dp.optim import DPOptimizer, grad_source_for
 
@@ -64,14 +70,22 @@ def build(mode: str, width: int, batch_size: int):
         counter = ByteCounter()
         ddp.register_comm_hook(counter, counting_allreduce_hook)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), lambda: counter.bytes
-    wrapped = DistributedDataParallel(model) if mode == "dp-ddp" else \
-        DifferentiallyPrivateDistributedDataParallel(model)
+    counter = ByteCounter()
+    if mode == "dp-dpddp":
+        wrapped = DifferentiallyPrivateDistributedDataParallel(model)
+    else:
+        wrapped = DistributedDataParallel(model)
+    if mode == "dp-2x":
+        wrapped.register_comm_hook(counter, counting_allreduce_hook)
     gsm = GradSampleModule(wrapped)
     optimizer = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.05), noise_multiplier=1.0,
                             max_grad_norm=1.0, expected_batch_size=batch_size,
                             grad_source=grad_source_for(gsm))
-    configure_optimizer(gsm, optimizer, sample_rate=0.01)
-    return gsm, optimizer, lambda: optimizer.reducer.bytes_reduced
+    if mode == "dp-2x":
+        optimizer.reducer = AllReduceReducer()
+    else:
+        configure_optimizer(gsm, optimizer, sample_rate=0.01)
+    return gsm, optimizer, lambda: optimizer.reducer.bytes_reduced + counter.bytes
 
 
 def time_mode(mode: str, rank: int, width: int, batch_size: int, steps: int, warmup: int = 3):

@@ -52,6 +52,12 @@ def _indices(vocab, *shape):
     return lambda: (torch.randint(vocab, shape),)
 
 
+def _bags(vocab, bags, per_bag):
+    """1-D indices with offsets (the form Opacus' EmbeddingBag sampler accepts)."""
+    total = bags * per_bag
+    return lambda: (torch.randint(vocab, (total,)), torch.arange(0, total, per_bag))
+
+
 def _dp_layer_cases() -> List[Case]:
     """DPLSTM / DPMultiheadAttention, when both packages provide them."""
     try:
@@ -62,8 +68,8 @@ def _dp_layer_cases() -> List[Case]:
         return []
     qkv = lambda: tuple(torch.randn(32, 32, 128) for _ in range(3))  # noqa: E731
     return [
-        Case("DPLSTM", "B32 T32 64->128", lambda: ours.DPLSTM(64, 128, batch_first=True),
-             _randn(32, 32, 64), lambda: theirs.DPLSTM(64, 128, batch_first=True)),
+        Case("DPLSTM", "B32 T16 32->64", lambda: ours.DPLSTM(32, 64, batch_first=True),
+             _randn(32, 16, 32), lambda: theirs.DPLSTM(32, 64, batch_first=True)),
         Case("DPMultiheadAttention", "B32 T32 E128 h8",
              lambda: ours.DPMultiheadAttention(128, 8, batch_first=True), qkv,
              lambda: theirs.DPMultiheadAttention(128, 8, batch_first=True)),
@@ -90,7 +96,7 @@ def all_cases() -> List[Case]:
         Case("Embedding", "B64 T32 V1000 D64", lambda: nn.Embedding(1000, 64),
              _indices(1000, 64, 32)),
         Case("EmbeddingBag", "B64 bag32 V1000 D64 mean",
-             lambda: nn.EmbeddingBag(1000, 64, mode="mean"), _indices(1000, 64, 32)),
+             lambda: nn.EmbeddingBag(1000, 64, mode="mean"), _bags(1000, 64, 32)),
         Case("LayerNorm", "B32 T64 D512", lambda: nn.LayerNorm(512), _randn(32, 64, 512)),
         Case("GroupNorm", "B32 64ch g8 32x32", lambda: nn.GroupNorm(8, 64),
              _randn(32, 64, 32, 32)),
@@ -103,8 +109,8 @@ def all_cases() -> List[Case]:
     cases += _dp_layer_cases()
     qkv = lambda: tuple(torch.randn(32, 32, 128) for _ in range(3))  # noqa: E731
     cases += [
-        Case("nn.LSTM", "B32 T32 64->128", lambda: nn.LSTM(64, 128, batch_first=True),
-             _randn(32, 32, 64)),
+        Case("nn.LSTM", "B32 T16 32->64", lambda: nn.LSTM(32, 64, batch_first=True),
+             _randn(32, 16, 32)),
         Case("nn.MultiheadAttention", "B32 T32 E128 h8",
              lambda: nn.MultiheadAttention(128, 8, batch_first=True), qkv),
     ]

@@ -48,12 +48,16 @@ def empty_like_batch(batch: Any, *, batch_first: bool = True, where: str = "batc
     if isinstance(batch, np.ndarray):
         return _empty_tensor(torch.from_numpy(batch), batch_first, where).numpy()
     if isinstance(batch, Mapping):
-        items = {k: empty_like_batch(v, batch_first=batch_first, where=f"{where}[{k!r}]") for k, v in batch.items()}
+        items = {
+            k: empty_like_batch(v, batch_first=batch_first, where=f"{where}[{k!r}]") for k, v in batch.items()
+        }
         return items if type(batch) is dict else type(batch)(items)
     if isinstance(batch, (list, tuple)):
         if not hasattr(batch, "_fields") and len(batch) > 0 and _is_per_sample_list(batch):
             return type(batch)()
-        fields = [empty_like_batch(v, batch_first=batch_first, where=f"{where}[{i}]") for i, v in enumerate(batch)]
+        fields = [
+            empty_like_batch(v, batch_first=batch_first, where=f"{where}[{i}]") for i, v in enumerate(batch)
+        ]
         return type(batch)(*fields) if hasattr(batch, "_fields") else type(batch)(fields)
     raise TypeError(
         f"collate_fn returned {type(batch).__name__} at {where}; DPDataLoader can only build empty "

@@ -78,10 +78,11 @@ class DPDataLoader(DataLoader):
         if drop_last:
             warnings.warn("DPDataLoader ignores drop_last=True: Poisson batches have no fixed size", UserWarning)
         batch_sampler = self._make_batch_sampler(len(dataset), generator, steps)
+        collate = EmptyBatchCollate.from_dataset(dataset, unwrap_collate(collate_fn), batch_first=batch_first)
         super().__init__(
             dataset,
             batch_sampler=batch_sampler,
-            collate_fn=EmptyBatchCollate.from_dataset(dataset, unwrap_collate(collate_fn), batch_first=batch_first),
+            collate_fn=collate,
             generator=generator,
             num_workers=num_workers,
             pin_memory=pin_memory,

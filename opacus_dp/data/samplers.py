@@ -36,15 +36,15 @@ def default_steps(sample_rate: float) -> int:
     return max(1, round(1.0 / sample_rate))
 
 
-def generator_from_global_rng(offset: int = 0) -> torch.Generator:
-    """A fresh CPU generator seeded from torch's global RNG (plus ``offset``).
+def generator_from_global_rng() -> torch.Generator:
+    """A fresh CPU generator seeded from torch's global RNG.
 
     Seeding from the global RNG keeps runs reproducible under ``torch.manual_seed`` while giving
     the loader its own checkpointable state (``generator.get_state()``).
     """
     seed = int(torch.empty((), dtype=torch.int64).random_().item())
     generator = torch.Generator()
-    generator.manual_seed((seed + offset) % (2**63))
+    generator.manual_seed(seed % (2**63))
     return generator
 
 

@@ -53,9 +53,10 @@ def _sampler_problems(data_loader: DataLoader, poisson_expected: bool) -> List[s
     if getattr(batch_sampler, "drop_last", False) or data_loader.drop_last:
         problems.append("drop_last=True: the examples of the last partial batch are never seen in that pass")
     kind = "Poisson sampling was requested" if poisson_expected else "the accountant assumes Poisson sampling"
+    batches = "fixed-size batches" if isinstance(batch_sampler, BatchSampler) else "batches that are not Poisson samples"
     problems.append(
-        f"{kind} but the loader draws fixed-size batches; privacy of shuffled fixed-size batches "
-        "is not covered by the Poisson analysis. Use DPDataLoader (poisson_sampling=True)"
+        f"{kind} but the loader draws {batches}, whose privacy is not covered by the Poisson analysis. "
+        "Use DPDataLoader (poisson_sampling=True)"
     )
     return problems
 

@@ -9,6 +9,7 @@
 
 from opacus_dp.distributed.checks import check_same_on_all_ranks, parameters_in_sync
 from opacus_dp.distributed.configure import (
+    check_data_loader_world_size,
     configure_optimizer,
     find_distributed_wrapper,
     find_parallel_wrapper,
@@ -25,6 +26,7 @@ __all__ = [
     "AllReduceReducer",
     "DPDDP",
     "DifferentiallyPrivateDistributedDataParallel",
+    "check_data_loader_world_size",
     "check_same_on_all_ranks",
     "configure_optimizer",
     "find_distributed_wrapper",

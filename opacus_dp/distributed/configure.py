@@ -6,6 +6,7 @@ The engine calls three functions and nothing else from this package:
   while a multi-process group is active),
 * :func:`world_size_of` to turn a per-process batch size into the global sample rate
   (classic API: ``q = batch_size · world_size / sample_size``),
+* :func:`check_data_loader_world_size` for a loader the modern API receives,
 * :func:`configure_optimizer` once the DP optimizer exists (installs the all-reduce
   reducer, the no-op DDP comm hook, and checks that all ranks agree on the parameters).
 """
@@ -75,6 +76,42 @@ def world_size_of(module: nn.Module) -> int:
     return dist.get_world_size(_process_group(wrapper))
 
 
+def _loader_replicas(data_loader) -> Optional[int]:
+    """``num_replicas`` of the loader's (batch) sampler, if it shards the data."""
+    for sampler in (getattr(data_loader, "batch_sampler", None), getattr(data_loader, "sampler", None),
+                    getattr(getattr(data_loader, "batch_sampler", None), "sampler", None)):
+        replicas = getattr(sampler, "num_replicas", None)
+        if replicas is not None:
+            return int(replicas)
+    return None
+
+
+def check_data_loader_world_size(data_loader, world_size: int, *, poisson_sampling: bool) -> None:
+    """Refuse a loader whose sharding disagrees with the number of processes.
+
+    * a sampler with ``num_replicas`` must have ``num_replicas == world_size``;
+    * without Poisson sampling the loader is used as it is, and ``q = 1/len(loader)`` is
+      the global sample rate only if each process iterates its own shard: a loader that
+      does not shard (no ``num_replicas``) is refused, since every process would step on
+      batches drawn from the whole dataset and ε would be under-reported.
+    """
+    if world_size <= 1:
+        return
+    replicas = _loader_replicas(data_loader)
+    if replicas is not None and replicas != world_size:
+        raise ValueError(
+            f"the data loader's sampler shards the data for num_replicas={replicas} processes but "
+            f"the process group has world_size={world_size}: build the DistributedSampler with the "
+            "default num_replicas (or num_replicas=torch.distributed.get_world_size())"
+        )
+    if replicas is None and not poisson_sampling:
+        raise ValueError(
+            f"poisson_sampling=False with world_size={world_size} needs a loader that gives each "
+            "process its own shard (e.g. DataLoader(..., sampler=DistributedSampler(dataset))); "
+            "otherwise the sample rate 1/len(data_loader) would not be the global one"
+        )
+
+
 def _process_group(wrapper: DistributedWrapper):
     return getattr(wrapper, "process_group", None)
 
@@ -96,20 +133,35 @@ def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[f
             "world_size": dist.get_world_size(group),
             "sample_rate": sample_rate,
             "noise_multiplier": getattr(optimizer, "noise_multiplier", None),
-            "max_grad_norm": _max_grad_norm_key(optimizer),
+            "max_grad_norm (sensitivity)": getattr(optimizer, "max_grad_norm", None),
+            "sum of clipping bounds": _clipping_bounds(optimizer),
             "expected_batch_size": getattr(optimizer, "expected_batch_size", None),
             "loss_reduction(mean=1)": float(getattr(optimizer, "loss_reduction", "mean") == "mean"),
         },
         group,
     )
+    _check_mean_divisor(optimizer)
     if isinstance(wrapper, DistributedDataParallel):
         install_local_gradients_hook(wrapper)
     optimizer.reducer = AllReduceReducer(process_group=group)
 
 
-def _max_grad_norm_key(optimizer) -> Optional[float]:
-    """A scalar summary of the clipping bound(s): the flat bound or the sum of per-layer ones."""
-    bound = getattr(optimizer, "max_grad_norm", None)
-    if isinstance(bound, (list, tuple)):
-        return float(sum(float(b) for b in bound))
-    return None if bound is None else float(bound)
+def _check_mean_divisor(optimizer) -> None:
+    """A mean over the *actual* local batch would differ per rank: refuse it."""
+    if getattr(optimizer, "loss_reduction", "mean") == "mean" and \
+            getattr(optimizer, "expected_batch_size", None) is None:
+        raise ValueError(
+            "distributed DP-SGD with loss_reduction='mean' needs the expected batch size (the "
+            "mean divides by expected_batch_size · world_size on every rank): pass batch_size "
+            "and sample_size (classic API) or use the modern API's data loader"
+        )
+
+
+def _clipping_bounds(optimizer) -> Optional[float]:
+    """Σ of the clipping bounds (flat: C; per-layer: Σ_l C_l), None if unknown."""
+    bounds = getattr(optimizer, "max_grad_norms", None)
+    if bounds is None:
+        bounds = [getattr(optimizer, "max_grad_norm", None)]
+    if any(b is None for b in bounds):
+        return None
+    return float(sum(float(b) for b in bounds))

@@ -21,7 +21,8 @@ pre-hook takes over ``replicate`` on every ``DataParallel`` *instance* that is c
 (an instance attribute wrapping the class method; the model may have been wrapped before
 or after the privacy engine) and records ``replica submodule -> chunk index`` in a weak
 side table. When the last GradSampleModule is closed the hook and every instance
-attribute are removed.
+attribute are removed (an instance is also given back when a GradSampleModule inside
+or around it is closed).
 
 Refused, with a clear error: a replica that was not made by a taken-over ``replicate``
 (another replication scheme), and layers using the generic ``torch.func`` fallback
@@ -79,11 +80,24 @@ def acquire(owner: object) -> None:
         _OWNERS[owner] = weakref.finalize(owner, _drop_owner)
 
 
-def release(owner: object) -> None:
-    """``owner`` is closed: after the last one, remove the call hook and the overrides."""
+def release(owner: nn.Module) -> None:
+    """``owner`` is closed: give back the DataParallel instances around or inside it.
+
+    After the last owner is gone the call hook is removed as well.
+    """
     finalizer = _OWNERS.pop(owner, None)
+    with _LOCK:
+        mine = {id(m) for m in owner.modules()}
+        for data_parallel in list(_TAKEN_OVER):
+            if any(id(m) in mine for m in data_parallel.modules()):
+                _give_back(data_parallel)
     if finalizer is not None:
         finalizer()
+
+
+def _give_back(data_parallel: DataParallel) -> None:
+    data_parallel.__dict__.pop("replicate", None)
+    _TAKEN_OVER.discard(data_parallel)
 
 
 def _drop_owner() -> None:
@@ -94,8 +108,7 @@ def _drop_owner() -> None:
         _CALL_HOOK.remove()
         _CALL_HOOK = None
         for data_parallel in list(_TAKEN_OVER):
-            data_parallel.__dict__.pop("replicate", None)
-        _TAKEN_OVER.clear()
+            _give_back(data_parallel)
 
 
 def chunk_of(layer: nn.Module, master: nn.Module, *, describe_layer: str,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 
-def local_gradients_hook(state: object, bucket: "dist.GradBucket") -> torch.futures.Future:
+def local_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Comm hook: keep this rank's gradients as they are, send zero bytes."""
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(bucket.buffer())

@@ -54,8 +54,8 @@ def side_padding(layer: ConvNd) -> List[Tuple[int, int]]:
     return [(p, p) for p in layer.padding]
 
 
-def _pad_explicitly(x: torch.Tensor, layer: ConvNd, pads: Sequence[Tuple[int, int]]) -> torch.Tensor:
-    """``x`` padded with ``F.pad`` in the layer's padding mode (``F.pad`` lists the last dim first)."""
+def _pad_explicitly(x: torch.Tensor, layer: ConvNd, pads: Sequence[Tuple[int, int]]):
+    """``x`` padded by ``F.pad`` in the layer's padding mode (F.pad lists the last dim first)."""
     flat = [p for before_after in reversed(pads) for p in before_after]
     mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
     return F.pad(x, flat, mode=mode)

@@ -10,7 +10,8 @@ computed for all ``i`` at once with ``vmap(grad(.))`` over the batch. The layer 
 through ``functional_call`` on a batch of one sample (the batch dimension is restored at
 the layer's own batch position), with every tensor argument -- positional or keyword --
 batched along dimension 0 and non-tensor arguments passed through unchanged. Outputs may
-be any nest of tensors; ``backprops`` lists one gradient (or None) per tensor leaf.
+be any nest of tensors; ``backprops`` lists one gradient (or None) per tensor leaf
+(non-tensor leaves are not counted).
 Random operations inside the layer (e.g. dropout) raise inside ``vmap`` by design: a
 recomputed random forward would not reproduce the gradient.
 """
@@ -33,7 +34,8 @@ def _per_sample_objective(layer, leaves, spec, tensor_slots, output_slots, batch
         for slot, tensor in zip(tensor_slots, sample_tensors):
             filled[slot] = tensor.unsqueeze(batch_dim)
         args, kwargs = tree_unflatten(filled, spec)
-        outputs = tree_leaves(functional_call(layer, params, tuple(args), kwargs))
+        output = functional_call(layer, params, tuple(args), kwargs)
+        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
         total = 0
         for slot, backprop in zip(output_slots, sample_backprops):
             total = total + (outputs[slot] * backprop.unsqueeze(batch_dim)).sum()

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 from opacus_dp.distributed import data_parallel
 from opacus_dp.errors import UnsupportedModuleError
 from opacus_dp.grad_sample.functorch import functorch_grad_sample
-from opacus_dp.grad_sample.layer_call import LayerCall, layer_batch_dim
+from opacus_dp.grad_sample.layer_call import LayerCall, layer_batch_dim, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, find_sampler
 from opacus_dp.grad_sample.support import (
@@ -124,27 +124,30 @@ class GradSampleModule(nn.Module):
 
     def _make_forward_hook(self, path: str, master: nn.Module):
         def forward_hook(layer, args, kwargs, output):
-            self._capture(path, master, layer, args, kwargs, output)
+            return self._capture(path, master, layer, args, kwargs, output)
 
         return forward_hook
 
-    def _capture(self, path, master, layer, args, kwargs, output) -> None:
-        """Forward hook body: record the call and hook its outputs' gradients."""
+    def _capture(self, path, master, layer, args, kwargs, output):
+        """Forward hook body: record the call and hook its outputs' gradients.
+
+        Returns None (output unchanged) or, for a layer with several differentiable
+        outputs, the output with those tensors replaced by clones (see ``separate_outputs``).
+        """
         if not self.hooks_enabled or getattr(_RECOMPUTING, "active", False):
-            return
+            return None
         if not torch.is_grad_enabled() or not has_trainable_parameters(master):
-            return
-        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-        hooked = [i for i, t in enumerate(outputs) if t.requires_grad]
+            return None
+        replaced, outputs, hooked = separate_outputs(output)
         if not hooked:
-            return
+            return None
         batch_dim = layer_batch_dim(layer, self.batch_first)
         batch_size = self._batch_size(path, master, outputs[hooked[0]], batch_dim)
         if batch_size == 0:
             for _, param in own_parameters(master):
                 if param.requires_grad:
                     self._store.add_empty(param)
-            return
+            return replaced
         call = LayerCall.capture(args, kwargs, batch_dim, batch_size)
         if self._sampler_for(layer) is None:
             self._check_fallback_inputs(path, master, call)
@@ -157,6 +160,7 @@ class GradSampleModule(nn.Module):
         torch.autograd.graph.register_multi_grad_hook(
             [outputs[i] for i in hooked], on_output_grads
         )
+        return replaced
 
     def _batch_size(self, path, master, output: torch.Tensor, batch_dim: int) -> int:
         if output.dim() <= batch_dim:

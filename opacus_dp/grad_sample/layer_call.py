@@ -7,11 +7,11 @@ and the batch size ``B``. Per-sample gradient functions expect the batch on dime
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 _SIGNATURES: Dict[type, inspect.Signature] = {}
 
@@ -85,3 +85,29 @@ class LayerCall:
             return [*args, *kwargs.values()]
         bound.apply_defaults()
         return list(bound.args[1:]) + list(bound.kwargs.values())
+
+
+def separate_outputs(output: Any) -> Tuple[Optional[Any], List[torch.Tensor], List[int]]:
+    """``(replacement output or None, tensor outputs, indices of the differentiable ones)``.
+
+    A gradient hook on an output tensor receives the *total* gradient of that tensor,
+    including what flows back through other outputs derived from it (``(out, out[-1])``).
+    Per-sample gradients need each output's own share, so when a call has several
+    differentiable outputs they are replaced by clones (the caller gets the clones, the
+    hooks watch them). A tensor returned twice is watched once.
+    """
+    leaves, spec = tree_flatten(output)
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    seen: set = set()
+    hooked = []
+    for index, slot in enumerate(slots):
+        tensor = leaves[slot]
+        if tensor.requires_grad and id(tensor) not in seen:
+            seen.add(id(tensor))
+            hooked.append(index)
+    if len(hooked) < 2:
+        return None, [leaves[s] for s in slots], hooked
+    clones = {id(leaves[slots[i]]): leaves[slots[i]].clone() for i in hooked}
+    for slot in slots:
+        leaves[slot] = clones.get(id(leaves[slot]), leaves[slot])
+    return tree_unflatten(leaves, spec), [leaves[s] for s in slots], hooked

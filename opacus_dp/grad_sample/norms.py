@@ -30,21 +30,25 @@ InstanceNormNd = Union[nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d]
 
 
 def _sum_over(t: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
-    """``t`` summed over ``dims`` (an empty ``dims`` leaves ``t`` unchanged)."""
-    return t.sum(dim=tuple(dims)) if len(dims) > 0 else t
+    """``t`` summed over ``dims``; a copy of ``t`` when there are none (results never alias
+    ``backprops``, so a consumer may scale each per-sample gradient in place)."""
+    return t.sum(dim=tuple(dims)) if len(dims) > 0 else t.clone()
 
 
 def _affine_grads(layer, x_hat_fn, backprops: torch.Tensor, reduce_dims) -> Dict:
     """Per-sample ``{weight: sum(x_hat * gy), bias: sum(gy)}`` over ``reduce_dims``.
 
-    ``x_hat_fn`` is only called when the weight is trainable and there is data to normalise
-    (torch's instance norm rejects empty batches).
+    ``x_hat_fn`` returns a new tensor (it is multiplied in place); it is only called when the
+    weight is trainable and there is data to normalise (torch's instance norm rejects empty
+    batches: the sum of no terms, zeros, is returned without it).
     """
     grads = {}
     weight, bias = layer.weight, getattr(layer, "bias", None)
     if weight is not None and weight.requires_grad:
-        x_hat = x_hat_fn() if backprops.numel() > 0 else backprops
-        grads[weight] = _sum_over(x_hat * backprops, reduce_dims)
+        if backprops.numel() == 0:
+            grads[weight] = _sum_over(backprops, reduce_dims)
+        else:
+            grads[weight] = _sum_over(x_hat_fn().mul_(backprops), reduce_dims)
     if bias is not None and bias.requires_grad:
         grads[bias] = _sum_over(backprops, reduce_dims)
     return grads
@@ -116,7 +120,8 @@ def instance_norm_grad_sample(
     """Per-sample gradients of ``InstanceNorm1d/2d/3d`` per-channel weight and bias."""
     x = activations[0].to(backprops.dtype)
     _check_channels(layer, x, layer.num_features)
-    return _affine_grads(layer, lambda: _instance_norm_x_hat(layer, x), backprops, range(2, x.dim()))
+    x_hat = lambda: _instance_norm_x_hat(layer, x)  # noqa: E731
+    return _affine_grads(layer, x_hat, backprops, range(2, x.dim()))
 
 
 if hasattr(nn, "RMSNorm"):

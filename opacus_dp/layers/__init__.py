@@ -28,3 +28,6 @@ __all__ = [
 ]
 
 import opacus_dp.grad_sample.dp_layers  # noqa: E402,F401  (registers the samplers above)
+from opacus_dp.layers.dpddp import (  # noqa: E402,F401  (Opacus 0.x import path)
+    DifferentiallyPrivateDistributedDataParallel,
+)

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 def _as_additive(mask: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
     if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        return additive.masked_fill_(mask, float("-inf"))
     if not torch.is_floating_point(mask):
         raise TypeError(f"DPMultiheadAttention: {name} must be a bool or floating point tensor, "
                         f"got dtype {mask.dtype}")
@@ -35,9 +36,10 @@ def _attn_mask_4d(attn_mask: torch.Tensor, batch: int, heads: int, tgt_len: int,
                      f"got {tuple(attn_mask.shape)}")
 
 
-def additive_attention_mask(attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
-                            *, batch: int, heads: int, tgt_len: int, src_len: int, extra: int,
-                            unbatched: bool, dtype: torch.dtype) -> Optional[torch.Tensor]:
+def additive_attention_mask(attn_mask: Optional[torch.Tensor],
+                            key_padding_mask: Optional[torch.Tensor], *, batch: int, heads: int,
+                            tgt_len: int, src_len: int, extra: int, unbatched: bool,
+                            dtype: torch.dtype) -> Optional[torch.Tensor]:
     """Sum of both masks as an additive float mask broadcastable to (N, H, L, S + extra)."""
     total = None
     if attn_mask is not None:

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from opacus_dp.layers.arguments import check_positive_int, check_probability
 from opacus_dp.layers.attention_masks import additive_attention_mask
 from opacus_dp.layers.batch_first import BatchFirstLinear, SequenceBias
 from opacus_dp.layers.param_rename import report_external_names
@@ -188,8 +189,9 @@ class DPMultiheadAttention(nn.Module):
     def _check_inputs(self, query, key, value) -> bool:
         """Validates shapes; returns True for unbatched (2-D) inputs."""
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
-            raise ValueError("DPMultiheadAttention: query, key and value must all be 3-D (batched) "
-                             f"or all 2-D (unbatched), got {query.dim()}-D, {key.dim()}-D, {value.dim()}-D")
+            raise ValueError("DPMultiheadAttention: query, key and value must all be 3-D "
+                             f"(batched) or all 2-D (unbatched), got {query.dim()}-D, "
+                             f"{key.dim()}-D, {value.dim()}-D")
         for name, x, size in (("query", query, self.embed_dim), ("key", key, self.kdim),
                               ("value", value, self.vdim)):
             if x.shape[-1] != size:
@@ -211,12 +213,12 @@ class DPMultiheadAttention(nn.Module):
 
 
 def _check_sizes(embed_dim, num_heads, kdim, vdim, dropout) -> None:
+    owner = "DPMultiheadAttention"
     for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("kdim", kdim),
                         ("vdim", vdim)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise ValueError(f"DPMultiheadAttention: {name} must be a positive int, got {value!r}")
+        if value is not None:
+            check_positive_int(owner, name, value)
     if embed_dim % num_heads != 0:
-        raise ValueError(f"DPMultiheadAttention: embed_dim ({embed_dim}) must be divisible by "
+        raise ValueError(f"{owner}: embed_dim ({embed_dim}) must be divisible by "
                          f"num_heads ({num_heads})")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
-        raise ValueError(f"DPMultiheadAttention: dropout must be a number in [0, 1], got {dropout!r}")
+    check_probability(owner, "dropout", dropout)

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from opacus_dp.layers.arguments import check_positive_int, check_probability
 from opacus_dp.layers.param_rename import StateDictAliasMixin
 from opacus_dp.layers.rnn_cells import CELL_TYPES, DPRNNCellBase, State
 from opacus_dp.layers.rnn_sequences import from_batch_major, to_batch_major, valid_steps
@@ -58,10 +59,8 @@ class DPRNNBase(StateDictAliasMixin, nn.Module):
                  bidirectional: bool = False, proj_size: int = 0, device=None, dtype=None):
         super().__init__()
         name = type(self).__name__
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-            raise ValueError(f"{name}: num_layers must be a positive int, got {num_layers!r}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
-            raise ValueError(f"{name}: dropout must be a number in [0, 1], got {dropout!r}")
+        check_positive_int(name, "num_layers", num_layers)
+        check_probability(name, "dropout", dropout)
         if dropout > 0 and num_layers == 1:
             warnings.warn(f"{name}: dropout={dropout} has no effect with num_layers=1 (dropout is "
                           "applied between layers)")
@@ -74,13 +73,15 @@ class DPRNNBase(StateDictAliasMixin, nn.Module):
         self._install_state_dict_aliases(self._torch_aliases())
 
     def _make_cell(self, layer_input: int, device, dtype) -> DPRNNCellBase:
-        kinds = {"device": device, "dtype": dtype}
         if self.mode == "LSTM":
-            return CELL_TYPES["LSTM"](layer_input, self.hidden_size, self.bias, proj_size=self.proj_size, **kinds)
-        if self.mode == "GRU":
-            return CELL_TYPES["GRU"](layer_input, self.hidden_size, self.bias, **kinds)
-        act = "tanh" if self.mode == "RNN_TANH" else "relu"
-        return CELL_TYPES[self.mode](layer_input, self.hidden_size, self.bias, nonlinearity=act, **kinds)
+            options = {"proj_size": self.proj_size}
+        elif self.mode == "GRU":
+            options = {}
+        else:
+            options = {"nonlinearity": "tanh" if self.mode == "RNN_TANH" else "relu"}
+        cell_type = CELL_TYPES[self.mode]
+        return cell_type(layer_input, self.hidden_size, self.bias, device=device, dtype=dtype,
+                         **options)
 
     def _build_cells(self, device, dtype) -> None:
         output_size = self.proj_size or self.hidden_size
@@ -94,7 +95,7 @@ class DPRNNBase(StateDictAliasMixin, nn.Module):
     def _torch_aliases(self) -> List[Tuple[str, str]]:
         aliases = []
         for cell_name in self._cell_names:
-            for _, external in getattr(self, cell_name).__dict__["_state_dict_alias_table"]:
+            for _, external in getattr(self, cell_name).state_dict_aliases():
                 aliases.append((f"{cell_name}.{external}", f"{external}_{cell_name}"))
         return aliases
 
@@ -127,7 +128,8 @@ class DPRNNBase(StateDictAliasMixin, nn.Module):
             expected = (count, size) if unbatched else (count, batch, size)
             if tuple(h.shape) != expected:
                 raise ValueError(f"{type(self).__name__}: hx[{k}] must have shape {expected} "
-                                 f"(num_layers * num_directions, batch, size), got {tuple(h.shape)}")
+                                 "(num_layers * num_directions, batch, size), "
+                                 f"got {tuple(h.shape)}")
             states.append(h.unsqueeze(1) if unbatched else h)
         return [tuple(s[i] for s in states) for i in range(count)]
 
@@ -160,8 +162,8 @@ class DPRNNBase(StateDictAliasMixin, nn.Module):
         text = f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}"
         if self.proj_size:
             text += f", proj_size={self.proj_size}"
-        return text + (f", bias={self.bias}, batch_first={self.batch_first}, dropout={self.dropout}, "
-                       f"bidirectional={self.bidirectional}")
+        return text + (f", bias={self.bias}, batch_first={self.batch_first}, "
+                       f"dropout={self.dropout}, bidirectional={self.bidirectional}")
 
 
 class DPRNN(DPRNNBase):

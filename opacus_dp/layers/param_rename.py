@@ -78,11 +78,15 @@ class StateDictAliasMixin:
         self.register_load_state_dict_pre_hook(_load_external_names)
         self.register_load_state_dict_post_hook(_report_external_names)
 
+    def state_dict_aliases(self) -> Tuple[Tuple[str, str], ...]:
+        """``((internal_key, external_key), ...)`` of this module, in saving order."""
+        return self.__dict__.get("_state_dict_alias_table", ())
+
     def __getattr__(self, name: str):
         try:
             return nn.Module.__getattr__(self, name)
         except AttributeError:
-            for internal, external in self.__dict__.get("_state_dict_alias_table", ()):
+            for internal, external in self.state_dict_aliases():
                 if external == name:
                     return functools.reduce(getattr, internal.split("."), self)
             raise

@@ -24,6 +24,7 @@ from typing import Tuple
 import torch
 import torch.nn as nn
 
+from opacus_dp.layers.arguments import check_positive_int
 from opacus_dp.layers.batch_first import RNNLinear
 from opacus_dp.layers.param_rename import StateDictAliasMixin
 
@@ -36,13 +37,6 @@ _TORCH_NAMES = (
     ("hh.bias", "bias_hh"),
     ("hr.weight", "weight_hr"),
 )
-
-
-def _check_positive_int(owner: str, name: str, value, allow_zero: bool = False) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if allow_zero else 1)
-    if not ok:
-        bound = "a non-negative" if allow_zero else "a positive"
-        raise ValueError(f"{owner}: {name} must be {bound} int, got {value!r}")
 
 
 class DPRNNCellBase(StateDictAliasMixin, nn.Module, abc.ABC):
@@ -59,13 +53,14 @@ class DPRNNCellBase(StateDictAliasMixin, nn.Module, abc.ABC):
                  device=None, dtype=None):
         super().__init__()
         name = type(self).__name__
-        _check_positive_int(name, "input_size", input_size)
-        _check_positive_int(name, "hidden_size", hidden_size)
-        _check_positive_int(name, "proj_size", proj_size, allow_zero=True)
+        check_positive_int(name, "input_size", input_size)
+        check_positive_int(name, "hidden_size", hidden_size)
+        check_positive_int(name, "proj_size", proj_size, allow_zero=True)
         if proj_size >= hidden_size:
             raise ValueError(f"{name}: proj_size ({proj_size}) must be smaller than hidden_size "
                              f"({hidden_size})")
-        self.input_size, self.hidden_size, self.bias, self.proj_size = input_size, hidden_size, bias, proj_size
+        self.input_size, self.hidden_size = input_size, hidden_size
+        self.bias, self.proj_size = bias, proj_size
         factory = {"device": device, "dtype": dtype}
         width = self.num_gates * hidden_size
         self.ih = RNNLinear(input_size, width, bias=bias, **factory)
@@ -98,22 +93,29 @@ class DPRNNCellBase(StateDictAliasMixin, nn.Module, abc.ABC):
         if hx is None:
             return tuple(like.new_zeros(batch, s) for s in self.state_sizes())
         hx = tuple(hx) if isinstance(hx, (tuple, list)) else (hx,)
-        for k, (h, size) in enumerate(zip(hx, self.state_sizes())):
+        sizes = self.state_sizes()
+        if len(hx) != len(sizes):
+            want = "a tuple (h, c)" if len(sizes) == 2 else "a single tensor h"
+            raise ValueError(f"{type(self).__name__}: hx must be {want}")
+        for k, (h, size) in enumerate(zip(hx, sizes)):
             if tuple(h.shape) != (batch, size):
-                raise ValueError(f"{type(self).__name__}: hx[{k}] must have shape {(batch, size)}, "
-                                 f"got {tuple(h.shape)}")
+                raise ValueError(f"{type(self).__name__}: hx[{k}] must have shape "
+                                 f"{(batch, size)}, got {tuple(h.shape)}")
         return hx
 
     def forward(self, input: torch.Tensor, hx=None):
         """torch's cell API: ``input`` is ``(B, input_size)`` or unbatched ``(input_size,)``."""
         if input.dim() not in (1, 2) or input.shape[-1] != self.input_size:
-            raise ValueError(f"{type(self).__name__}: input must have shape (batch, {self.input_size}) "
-                             f"or ({self.input_size},), got {tuple(input.shape)}")
+            raise ValueError(f"{type(self).__name__}: input must have shape (batch, "
+                             f"{self.input_size}) or ({self.input_size},), "
+                             f"got {tuple(input.shape)}")
         unbatched = input.dim() == 1
         if unbatched:
             input = input.unsqueeze(0)
-            if hx is not None:
-                hx = tuple(h.unsqueeze(0) for h in hx) if isinstance(hx, (tuple, list)) else hx.unsqueeze(0)
+            if isinstance(hx, (tuple, list)):
+                hx = tuple(h.unsqueeze(0) for h in hx)
+            elif hx is not None:
+                hx = hx.unsqueeze(0)
         state = self.recurrence(self.ih(input), self._initial_state(hx, input.shape[0], input))
         if unbatched:
             state = tuple(s.squeeze(0) for s in state)
@@ -128,7 +130,8 @@ class DPRNNCell(DPRNNCellBase):
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True,
                  nonlinearity: str = "tanh", device=None, dtype=None):
         if nonlinearity not in ("tanh", "relu"):
-            raise ValueError(f"DPRNNCell: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
+            raise ValueError(
+                f"DPRNNCell: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
         super().__init__(input_size, hidden_size, bias, device=device, dtype=dtype)
         self.nonlinearity = nonlinearity
 
@@ -142,13 +145,14 @@ class DPGRUCell(DPRNNCellBase):
 
     num_gates = 3
 
-    def __init__(self, input_size: int, hidden_size: int, bias: bool = True, device=None, dtype=None):
+    def __init__(self, input_size: int, hidden_size: int, bias: bool = True, device=None,
+                 dtype=None):
         super().__init__(input_size, hidden_size, bias, device=device, dtype=dtype)
 
     def recurrence(self, input_gates: torch.Tensor, state: State) -> State:
         h = state[0]
-        x_r, x_z, x_n = input_gates.chunk(3, dim=1)
-        h_r, h_z, h_n = self.hh(h).chunk(3, dim=1)
+        x_r, x_z, x_n = input_gates.chunk(3, dim=-1)
+        h_r, h_z, h_n = self.hh(h).chunk(3, dim=-1)
         r = torch.sigmoid(x_r + h_r)
         z = torch.sigmoid(x_z + h_z)
         n = torch.tanh(x_n + r * h_n)
@@ -169,7 +173,7 @@ class DPLSTMCell(DPRNNCellBase):
 
     def recurrence(self, input_gates: torch.Tensor, state: State) -> State:
         h, c = state
-        i, f, g, o = (input_gates + self.hh(h)).chunk(4, dim=1)
+        i, f, g, o = (input_gates + self.hh(h)).chunk(4, dim=-1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)
         if self.proj_size > 0:

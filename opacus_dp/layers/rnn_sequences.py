@@ -40,8 +40,11 @@ def to_batch_major(input, batch_first: bool, input_size: int, owner: str):
         got = tuple(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__
         raise ValueError(f"{owner}: input must be a 3-D tensor, an unbatched 2-D tensor or a "
                          f"PackedSequence, got {got}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{owner}: the input sequence is empty; the sequence length must be > 0")
     if x.shape[-1] != input_size:
-        raise ValueError(f"{owner}: input has {x.shape[-1]} features, expected input_size={input_size}")
+        raise ValueError(f"{owner}: input has {x.shape[-1]} features, expected "
+                         f"input_size={input_size}")
     return x, layout
 
 

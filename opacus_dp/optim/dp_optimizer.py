@@ -306,6 +306,9 @@ class DPOptimizer(Optimizer):
 
     def noise_state_dict(self) -> dict:
         """State of the noise generator, for reproducible resumption."""
+        params = self.params
+        if params and not self.noise.secure_mode:
+            self.noise.generator_for(params[0].device)  # materialise it where the noise is drawn
         return self.noise.state_dict()
 
     def load_noise_state_dict(self, state: dict) -> None:

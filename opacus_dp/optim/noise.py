@@ -75,7 +75,8 @@ class GaussianNoise:
         self.generator = generator
         self._seed = None if (generator is not None or secure_mode) else seed_from_global_rng()
 
-    def _generator_for(self, device: torch.device) -> torch.Generator:
+    def generator_for(self, device: torch.device) -> torch.Generator:
+        """The generator, created on ``device`` (seeded as documented) if there is none yet."""
         if self.generator is None:
             self.generator = torch.Generator(device=device).manual_seed(self._seed)
         return self.generator
@@ -89,7 +90,7 @@ class GaussianNoise:
         """A tensor like ``reference`` with i.i.d. ``N(0, std²)`` entries (zeros if std=0)."""
         if std == 0:
             return torch.zeros_like(reference)
-        gen = self._generator_for(reference.device)
+        gen = self.generator_for(reference.device)
         draws = SECURE_NUM_DRAWS if self.secure_mode else 1
         total = torch.zeros(reference.shape, dtype=reference.dtype, device=gen.device)
         for _ in range(draws):
@@ -103,7 +104,7 @@ class GaussianNoise:
         """Generator state for checkpoints (nothing to save in secure mode)."""
         if self.secure_mode:
             return {"secure_mode": True}
-        gen = self._generator_for(torch.device("cpu"))
+        gen = self.generator_for(torch.device("cpu"))
         return {"secure_mode": False, "device": str(gen.device), "state": gen.get_state()}
 
     def load_state_dict(self, state: dict) -> None:

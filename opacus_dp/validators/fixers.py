@@ -14,7 +14,11 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from opacus_dp.validators.errors import NotYetSupportedModuleError
 
 MAX_GROUPS = 32  # Wu & He 2018, "Group Normalization": G = 32 is their default group count.
-_INSTANCE_NORMS = {nn.BatchNorm1d: nn.InstanceNorm1d, nn.BatchNorm2d: nn.InstanceNorm2d, nn.BatchNorm3d: nn.InstanceNorm3d}
+_INSTANCE_NORMS = {
+    nn.BatchNorm1d: nn.InstanceNorm1d,
+    nn.BatchNorm2d: nn.InstanceNorm2d,
+    nn.BatchNorm3d: nn.InstanceNorm3d,
+}
 _DP_RNN_NAMES = {nn.LSTM: "DPLSTM", nn.GRU: "DPGRU", nn.RNN: "DPRNN"}
 
 
@@ -38,7 +42,9 @@ def _factory(module: nn.Module) -> dict:
 
 def _channel_count(module: nn.Module) -> int:
     if not module.num_features:
-        raise ValueError(f"{type(module).__name__} has no channel count yet; run one forward pass before fixing it")
+        raise ValueError(
+            f"{type(module).__name__} has no channel count yet; run one forward pass before fixing it"
+        )
     return module.num_features
 
 
@@ -108,11 +114,14 @@ def _transfer(source: nn.Module, target: nn.Module) -> nn.Module:
     target.load_state_dict(source.state_dict())
     target_params = target.state_dict(keep_vars=True)
     for name, param in source.named_parameters():
-        if name not in target_params:
-            if not param.requires_grad:
-                raise ValueError(f"cannot carry requires_grad=False of {name!r} over to {type(target).__name__}")
-            continue
-        target_params[name].requires_grad_(param.requires_grad)
+        counterpart = target_params.get(name)
+        if isinstance(counterpart, nn.Parameter):
+            counterpart.requires_grad_(param.requires_grad)
+        elif not param.requires_grad:
+            raise ValueError(
+                f"{type(target).__name__} has no parameter {name!r} of its own, so its requires_grad=False "
+                "cannot be carried over; unfreeze it before fixing, or freeze the replacement afterwards"
+            )
     return target.to(**_factory(source)).train(source.training)
 
 

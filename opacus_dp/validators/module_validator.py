@@ -83,7 +83,9 @@ class ModuleValidator:
         return not cls.validate(module)
 
     @classmethod
-    def fix(cls, module: nn.Module, *, num_groups: Optional[int] = None, replace_bn_with_in: bool = False) -> nn.Module:
+    def fix(
+        cls, module: nn.Module, *, num_groups: Optional[int] = None, replace_bn_with_in: bool = False
+    ) -> nn.Module:
         """A fixed deep copy of ``module`` (the argument is left untouched).
 
         * BatchNorm1d/2d/3d, SyncBatchNorm -> GroupNorm(``num_groups`` or the largest divisor of C
@@ -105,7 +107,9 @@ class ModuleValidator:
             replacement = cls._replacement(sub_module, name, num_groups, replace_bn_with_in)
             if replacement is None:
                 continue
-            logger.info("replaced %s (%s) with %s", module_path(name), type(sub_module).__name__, type(replacement).__name__)
+            logger.info(
+                "replaced %s (%s) with %s", module_path(name), type(sub_module).__name__, type(replacement).__name__
+            )
             if not name:
                 return replacement
             _set_submodule(fixed, name, replacement)

@@ -33,7 +33,8 @@ class Problem:
     error_class: Type[UnsupportedModuleError] = ShouldReplaceModuleError
 
     def error(self, path: str, module: nn.Module) -> UnsupportedModuleError:
-        return self.error_class(f"{path} ({type(module).__name__}) cannot be private: {self.reason}; fix: {self.fix}")
+        message = f"{path} ({type(module).__name__}) cannot be private: {self.reason}; fix: {self.fix}"
+        return self.error_class(message)
 
 
 def has_trainable_parameters(module: nn.Module) -> bool:

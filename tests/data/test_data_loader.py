@@ -115,7 +115,8 @@ def test_non_empty_batches_are_the_sampled_examples():
     # and (ii) the Poisson batch sampler
     oracle_generator = seeded(3)
     torch.empty((), dtype=torch.int64).random_(generator=oracle_generator)
-    oracle_indices = list(UniformWithReplacementSampler(num_samples=20, sample_rate=0.3, generator=oracle_generator, steps=5))
+    oracle_sampler = UniformWithReplacementSampler(num_samples=20, sample_rate=0.3, generator=oracle_generator, steps=5)
+    oracle_indices = list(oracle_sampler)
     for (x, y, mask), indices in zip(loader, oracle_indices):
         expected = default_collate([ds[i] for i in indices]) if indices else None
         if expected is None:
@@ -217,6 +218,8 @@ def test_distributed_loader_in_single_process_group():
 
     from tests.conftest import free_port
 
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

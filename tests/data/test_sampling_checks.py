@@ -30,7 +30,8 @@ def test_poisson_loaders_are_silent():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert check_sampling(loader) == [] and check_sampling(loader, poisson_expected=False) == []
-        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=RecordingOptimizer()) as physical:
+        manager = BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=RecordingOptimizer())
+        with manager as physical:
             assert check_sampling(physical) == [] and is_poisson_loader(physical)
     assert is_poisson_loader(loader)
 
@@ -53,7 +54,8 @@ def test_weighted_sampler_warns():
 
 
 def test_custom_batch_sampler_warns():
-    assert "custom batch sampler" in messages(DataLoader(dataset(), batch_sampler=[[0, 1], [2, 3]]))
+    text = messages(DataLoader(dataset(), batch_sampler=[[0, 1], [2, 3]]))
+    assert "custom batch sampler" in text and "not Poisson samples" in text
 
 
 def test_unbatched_loader_and_non_loader():

@@ -102,7 +102,7 @@ def parallel_apply_on_cpu(modules: Sequence[nn.Module], inputs: Sequence[Any], k
         t.join()
     for i in range(len(modules)):
         if isinstance(results[i], BaseException):
-            raise RuntimeError(f"replica {i} failed") from results[i]
+            raise results[i]
     return [results[i] for i in range(len(modules))]
 
 

@@ -238,3 +238,16 @@ def test_bad_arguments_raise_value_error(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         DPOptimizer(torch.optim.SGD(small_model().parameters(), lr=0.1), **args)
+
+
+def test_lr_scheduler_drives_wrapped_optimizer():
+    gsm, opt = dp_setup(small_model(), lambda ps: torch.optim.SGD(ps, lr=1.0), noise_multiplier=0.0,
+                        max_grad_norm=math.inf, expected_batch_size=4)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = small_data(4)
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(gsm(x), y).backward()
+        opt.step()
+        scheduler.step()
+    assert opt.param_groups[0]["lr"] == opt.original_optimizer.param_groups[0]["lr"] == 0.25

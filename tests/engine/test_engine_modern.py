@@ -43,7 +43,7 @@ def run_readme_loop(privacy_engine, model, optimizer, data_loader, epochs):
 
 def test_readme_make_private_loop_runs_and_reports_accountant_epsilon():
     torch.manual_seed(0)
-    model = Net()
+    model = Net().double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     data_loader = small_loader(n=20, batch_size=2)  # q = 0.1: empty batches are frequent
     privacy_engine = PrivacyEngine(accountant="rdp")

@@ -146,3 +146,34 @@ def test_unbatched_tensor_argument_is_reported():
     with pytest.raises(ValueError, match=r"0 \(Masked\).*argument #1 has shape \(3,\)"):
         gsm._module[0](torch.randn(4, 3), torch.ones(3))
     gsm.close()
+
+
+class SequenceWithLast(nn.Module):
+    """Returns its output, a view of it, the same tensor again, and a non-tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3))
+        self.v = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):  # (B, T, 3)
+        out = torch.tanh(x @ self.w)
+        return out, out[:, -1], (out * self.v).sum(-1), out, "done"
+
+
+class UsesAllOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seq = SequenceWithLast()
+
+    def forward(self, x):
+        out, last, score, again, _ = self.seq(x)
+        return out.sum(1) + 2.0 * last + score.unsqueeze(-1) - again[:, 0]
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_outputs_derived_from_other_outputs_are_not_double_counted(loss_reduction):
+    model = UsesAllOutputs().double()
+    x = torch.randn(4, 5, 3, dtype=torch.double)
+    expected = oracle_grad_samples(model, (x,))
+    assert_grad_samples_close(gsm_grad_samples(model, (x,), loss_reduction=loss_reduction), expected)

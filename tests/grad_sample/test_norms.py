@@ -73,7 +73,8 @@ INSTANCE = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}
 def test_instance_norm(nd, channels, batch, track, data):
     spatial = data.draw(st.lists(st.integers(2, 4), min_size=nd, max_size=nd))
     layer = INSTANCE[nd](channels, affine=True, track_running_stats=track, eps=0.2, dtype=F64)
-    assert_matches_oracle(randomise_affine(layer), torch.randn(batch, channels, *spatial, dtype=F64))
+    x = torch.randn(batch, channels, *spatial, dtype=F64)
+    assert_matches_oracle(randomise_affine(layer), x)
 
 
 @pytest.mark.parametrize("nd", [1, 2, 3])
@@ -243,3 +244,14 @@ def test_grad_sample_module_agrees_with_opacus(kind, batch_first, reduction):
     assert len(ours) == len(theirs) == len(list(model.parameters()))
     for g, h in zip(ours.values(), theirs.values()):
         torch.testing.assert_close(g, h, atol=1e-10, rtol=1e-8)
+
+
+def test_results_do_not_alias_backprops():
+    """Without leading dims the bias gradient is gy itself: it must still be a new tensor."""
+    layer = nn.LayerNorm(4)
+    x = torch.randn(3, 4)
+    gy = torch.randn(3, 4)
+    got = norms.layer_norm_grad_sample(layer, [x], gy)
+    torch.testing.assert_close(got[layer.bias], gy)
+    got[layer.bias].mul_(0.0)
+    assert gy.abs().sum() > 0

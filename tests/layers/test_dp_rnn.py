@@ -146,6 +146,7 @@ def test_missing_keys_are_reported_with_torch_names():
         (lambda: DPLSTM(3, 4), lambda m: m(torch.randn(2, 5, 3), torch.zeros(1, 5, 4)), "tuple"),
         (lambda: DPGRU(3, 4), lambda m: m(torch.randn(2, 5, 3), torch.zeros(1, 2, 4)), r"hx\[0\]"),
         (lambda: DPGRU(3, 4), lambda m: m(torch.randn(1, 2, 5, 3)), "3-D"),
+        (lambda: DPGRU(3, 4), lambda m: m(torch.randn(0, 2, 3)), "empty"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(build, call, message):

@@ -158,7 +158,7 @@ def test_mha_per_sample_gradients_equal_torch_per_sample_loop(
 
 
 class _Tagger(nn.Module):
-    """Embedding -> DPGRU (sequence-first) -> Linear on the final hidden state."""
+    """Embedding -> DPGRU -> Linear, all sequence-first ``(T, B, ...)``; also returns h_n."""
 
     def __init__(self):
         super().__init__()
@@ -167,8 +167,8 @@ class _Tagger(nn.Module):
         self.head = nn.Linear(8, 3)
 
     def forward(self, tokens):
-        _, h_n = self.gru(self.embedding(tokens))
-        return self.head(torch.cat([h_n[-2], h_n[-1]], dim=1))
+        output, h_n = self.gru(self.embedding(tokens))
+        return self.head(output), h_n
 
 
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
@@ -176,14 +176,16 @@ def test_model_with_dp_gru_matches_its_own_batch_of_one_loop(loss_reduction):
     model = _Tagger().double()
     tokens = torch.randint(0, 10, (5, 4))  # (T, B)
     gsm = run_gsm(model, (tokens,), {}, 4, loss_reduction, batch_first=False)
-    for name, param in model.named_parameters():
-        rows = []
-        for i in range(4):
-            model.zero_grad()
-            output_loss(model(tokens[:, i : i + 1])).backward()
-            rows.append(model.get_parameter(name).grad.clone())
-        torch.testing.assert_close(param.grad_sample, torch.stack(rows), atol=1e-10, rtol=0)
+    actual = {name: param.grad_sample.clone() for name, param in model.named_parameters()}
     gsm.close()
+    rows = {name: [] for name in actual}
+    for i in range(4):
+        model.zero_grad()
+        output_loss(model(tokens[:, i : i + 1])).backward()
+        for name, param in model.named_parameters():
+            rows[name].append(param.grad.clone())
+    for name, grads in actual.items():
+        torch.testing.assert_close(grads, torch.stack(rows[name]), atol=1e-10, rtol=0)
 
 
 def test_dedicated_samplers_equal_the_generic_fallback():

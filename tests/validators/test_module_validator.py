@@ -129,7 +129,9 @@ def test_fix_returns_a_fixed_copy_and_leaves_the_original():
 def test_fixed_model_is_valid_for_the_reference_library_too():
     from opacus.validators import ModuleValidator as ReferenceValidator
 
-    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.InstanceNorm2d(6, affine=True, track_running_stats=True))
+    model = nn.Sequential(
+        nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.InstanceNorm2d(6, affine=True, track_running_stats=True)
+    )
     assert not ReferenceValidator.is_valid(model)
     assert ReferenceValidator.is_valid(ModuleValidator.fix(model))
 

@@ -44,9 +44,29 @@ from opacus_dp.accountants.validation import (
 
 DEFAULT_ALPHAS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
 
-_SERIES_CHUNK = 512
-_SERIES_MAX_TERMS = 10_000_000
-_RELATIVE_CUTOFF = -45.0  # stop the series once terms fall below e^-45 × partial sum
+_SERIES_CHUNK = 64
+_SERIES_CHUNK_MAX = 65_536
+_SERIES_MAX_TERMS = 50_000_000
+_SERIES_CUTOFF = -36.0  # stop once the last term is below e^-36 × partial sum
+
+
+def _signed_logsumexp(log_values: np.ndarray, signs: np.ndarray) -> Tuple[float, float]:
+    """(log|Σ s_i e^{v_i}|, sign of the sum), using log1p around the largest term for accuracy."""
+    top_index = int(np.argmax(log_values))
+    top = float(log_values[top_index])
+    if top == -math.inf:
+        return -math.inf, 1.0
+    scaled = signs * np.exp(log_values - top)
+    top_sign = float(signs[top_index])
+    scaled[top_index] = 0.0
+    rest = float(np.sum(scaled))
+    relative = top_sign * rest  # Σ = top_sign · e^top · (1 + relative)
+    if relative > -1.0:
+        return top + math.log1p(relative), top_sign
+    total = top_sign * (1.0 + relative)
+    if total == 0.0:
+        return -math.inf, 1.0
+    return top + math.log(abs(total)), math.copysign(1.0, total)
 
 
 def _log_expm1(x: np.ndarray) -> np.ndarray:
@@ -62,7 +82,8 @@ def _log_a_integer(q: float, sigma: float, alpha: int) -> float:
     k = np.arange(2, alpha + 1, dtype=float)
     log_binom = special.gammaln(alpha + 1) - special.gammaln(k + 1) - special.gammaln(alpha - k + 1)
     log_pmf = log_binom + k * math.log(q) + (alpha - k) * math.log1p(-q)
-    log_a_minus_one = special.logsumexp(log_pmf + _log_expm1((k * k - k) / (2 * sigma**2)))
+    log_terms = log_pmf + _log_expm1((k * k - k) / (2 * sigma**2))
+    log_a_minus_one, _ = _signed_logsumexp(log_terms, np.ones_like(log_terms))
     return float(np.logaddexp(0.0, log_a_minus_one))
 
 
@@ -78,23 +99,31 @@ def _series_terms(q: float, sigma: float, alpha: float, k: np.ndarray, log_abs_b
 
 
 def _log_a_fractional(q: float, sigma: float, alpha: float) -> float:
-    """log A_α for fractional α: signed series of Mironov, Talwar & Zhang (2019), Sec. 3.3."""
-    logs, signs = [], []
-    log_abs_binom_prev, sign_prev, start = 0.0, 1.0, 0
+    """log A_α for fractional α: signed series of Mironov, Talwar & Zhang (2019), Sec. 3.3.
+
+    For k > α the binomial coefficients alternate in sign and the terms shrink, so the
+    truncation error is below the last term kept; we stop once that term is < e^-36 ≤ A_α·e^-36.
+    """
+    log_total, sign_total = -math.inf, 1.0
+    log_abs_binom_prev, sign_prev, start, size = 0.0, 1.0, 0, _SERIES_CHUNK
     while start < _SERIES_MAX_TERMS:
-        k = np.arange(start, start + _SERIES_CHUNK, dtype=float)
+        k = np.arange(start, start + size, dtype=float)
         factors = (alpha - k) / (k + 1)  # binom(α, k+1) = binom(α, k)·(α−k)/(k+1)
-        log_abs_binom = log_abs_binom_prev + np.concatenate(([0.0], np.cumsum(np.log(np.abs(factors[:-1])))))
+        steps = np.concatenate(([0.0], np.cumsum(np.log(np.abs(factors[:-1])))))
+        log_abs_binom = log_abs_binom_prev + steps
         sign = sign_prev * np.concatenate(([1.0], np.cumprod(np.sign(factors[:-1]))))
         log_t0, log_t1 = _series_terms(q, sigma, alpha, k, log_abs_binom)
-        logs += [log_t0, log_t1]
-        signs += [sign, sign]
-        total, _ = special.logsumexp(np.concatenate(logs), b=np.concatenate(signs), return_sign=True)
-        start += _SERIES_CHUNK
+        chunk, chunk_sign = _signed_logsumexp(np.concatenate((log_t0, log_t1)), np.concatenate((sign, sign)))
+        log_total, sign_total = _signed_logsumexp(
+            np.array([log_total, chunk]), np.array([sign_total, chunk_sign])
+        )
+        start += size
+        size = min(2 * size, _SERIES_CHUNK_MAX)
         log_abs_binom_prev = log_abs_binom[-1] + math.log(abs(factors[-1]))
         sign_prev = sign[-1] * np.sign(factors[-1])
-        if max(log_t0.max(), log_t1.max()) < total + _RELATIVE_CUTOFF and start > alpha + 1:
-            return float(total)
+        last = max(log_t0[-1], log_t1[-1])
+        if start > alpha + 1 and last < log_total + _SERIES_CUTOFF:
+            return float(log_total)
     raise RuntimeError(f"RDP series did not converge for q={q}, sigma={sigma}, alpha={alpha}")
 
 

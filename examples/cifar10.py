@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Private CIFAR-10 classifier (DP-SGD).
+
+Models (``--architecture``):
+
+* ``convnet`` (default): the tanh convnet of Papernot et al. 2020, "Tempered Sigmoid
+  Activations for Deep Learning with Differential Privacy" — three blocks of two 3×3
+  convolutions (w, 2w, 4w channels, w = ``--width`` = 32) with tanh and 2×2 max-pooling, a
+  dense layer of 4w units with tanh, and the 10-way output;
+* ``resnet``: a CIFAR ResNet (He et al. 2016, depth 6n+2 = ``--depth``) whose BatchNorm
+  layers are GroupNorm (BatchNorm mixes the samples of a batch, which DP-SGD cannot allow).
+
+Data: ``torchvision.datasets.CIFAR10`` files (``cifar-10-batches-py/`` under ``--data-root``;
+``--download`` fetches them). The files are checked for presence (their content is read as
+torchvision reads it; the md5 of the archive is verified when downloading). Pixels are mapped
+to [-1, 1] with fixed constants, no statistics of the private data.
+
+Examples::
+
+    python examples/cifar10.py --data-root ~/data --download --epochs 20 --sigma 1.5 -c 1
+    python examples/cifar10.py --api classic --batch-size 128 --n-accumulation-steps 8
+    torchrun --nproc_per_node=2 examples/cifar10.py --epochs 20
+
+Batch sizes, sample rate, resume and budgets: see ``examples/README.md``.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+import torch.nn as nn
+
+from common.classification import run_classification
+from common.cli import add_data_args, add_output_args, add_privacy_args, add_training_args, check_common_args
+from common.data import missing_dataset
+from common.distributed import init_distributed, shutdown
+
+NUM_CLASSES = 10
+
+
+# ------------------------------------------------------------------------------------ models
+def tanh_convnet(width: int = 32, activation: str = "tanh", image_size: int = 32) -> nn.Module:
+    """Papernot et al. 2020 convnet (see module doc); ``activation`` tanh or relu."""
+    act = nn.Tanh if activation == "tanh" else nn.ReLU
+    layers, channels = [], 3
+    for out in (width, 2 * width, 4 * width):
+        layers += [nn.Conv2d(channels, out, 3, padding=1), act(),
+                   nn.Conv2d(out, out, 3, padding=1), act(), nn.MaxPool2d(2)]
+        channels = out
+    side = image_size // 8
+    layers += [nn.Flatten(), nn.Linear(channels * side * side, 4 * width), act(),
+               nn.Linear(4 * width, NUM_CLASSES)]
+    return nn.Sequential(*layers)
+
+
+def group_norm(channels: int) -> nn.GroupNorm:
+    return nn.GroupNorm(math.gcd(16, channels), channels)
+
+
+class BasicBlock(nn.Module):
+    """Two 3×3 convolutions with GroupNorm and an identity (or 1×1 projection) shortcut."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.norm1 = group_norm(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.norm2 = group_norm(out_channels)
+        self.act = nn.ReLU()
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                                          group_norm(out_channels))
+
+    def forward(self, x):
+        out = self.act(self.norm1(self.conv1(x)))
+        out = self.norm2(self.conv2(out))
+        return self.act(out + self.shortcut(x))
+
+
+def resnet_groupnorm(depth: int = 20, width: int = 16) -> nn.Module:
+    """CIFAR ResNet-``depth`` (3 stages of (depth−2)/6 blocks, widths w, 2w, 4w)."""
+    if depth < 8 or (depth - 2) % 6:
+        raise ValueError(f"--depth must be 6n+2 with n ≥ 1 (8, 14, 20, ...), got {depth}")
+    blocks = (depth - 2) // 6
+    layers = [nn.Conv2d(3, width, 3, padding=1, bias=False), group_norm(width), nn.ReLU()]
+    channels = width
+    for stage, out in enumerate((width, 2 * width, 4 * width)):
+        for b in range(blocks):
+            layers.append(BasicBlock(channels, out, stride=2 if stage > 0 and b == 0 else 1))
+            channels = out
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, NUM_CLASSES)]
+    return nn.Sequential(*layers)
+
+
+def build_model(args: argparse.Namespace) -> nn.Module:
+    if args.architecture == "resnet":
+        return resnet_groupnorm(depth=args.depth, width=args.width or 16)
+    return tanh_convnet(width=args.width or 32, activation=args.activation)
+
+
+# -------------------------------------------------------------------------------------- data
+def load_cifar10(root: str, download: bool):
+    """``(train, test)`` CIFAR-10 datasets as tensors in [-1, 1]; exit code 2 if missing."""
+    from torchvision import transforms
+    from torchvision.datasets import CIFAR10
+
+    class CIFAR10Files(CIFAR10):
+        """torchvision's reader; the files must be present (md5 of each file not compared)."""
+
+        train_list = [[name, None] for name, _ in CIFAR10.train_list]
+        test_list = [[name, None] for name, _ in CIFAR10.test_list]
+        meta = dict(CIFAR10.meta, md5=None)
+
+    folder = os.path.join(os.path.abspath(os.path.expanduser(root)), CIFAR10.base_folder)
+    files = [os.path.join(folder, name) for name, _ in CIFAR10.train_list + CIFAR10.test_list]
+    files.append(os.path.join(folder, CIFAR10.meta["filename"]))
+    if not download and not all(os.path.isfile(f) for f in files):
+        raise missing_dataset("CIFAR-10", [f for f in files if not os.path.isfile(f)],
+                              f"Get it with --download (into --data-root {root}), or unpack "
+                              f"{CIFAR10.url} so that {folder} holds these files.")
+    to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)])
+    train = CIFAR10Files(root, train=True, transform=to_tensor, download=download)
+    test = CIFAR10Files(root, train=False, transform=to_tensor, download=False)
+    return train, test
+
+
+# ---------------------------------------------------------------------------------------- cli
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Private CIFAR-10 classifier (DP-SGD)")
+    parser.add_argument("--architecture", default="convnet", choices=["convnet", "resnet"])
+    parser.add_argument("--width", type=int, default=None,
+                        help="base channels (default 32 for convnet, 16 for resnet)")
+    parser.add_argument("--depth", type=int, default=20, help="ResNet depth 6n+2")
+    parser.add_argument("--activation", default="tanh", choices=["tanh", "relu"], help="convnet activation")
+    add_training_args(parser, epochs=20, batch_size=512, lr=1e-3, optim="RMSprop")
+    add_privacy_args(parser, sigma=1.5, max_grad_norm=1.2)
+    add_output_args(parser, checkpoint_file="checkpoints/cifar10.pt")
+    add_data_args(parser, data_root="data/cifar10")
+    args = parser.parse_args(argv)
+    check_common_args(parser, args)
+    if args.width is not None and args.width < 1:
+        parser.error("--width must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    train_set, test_set = load_cifar10(args.data_root, args.download)
+    setup = init_distributed(args.device)
+    try:
+        return run_classification(args, build_model=lambda: build_model(args), train_set=train_set,
+                                  test_set=test_set, setup=setup)
+    finally:
+        shutdown(setup)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

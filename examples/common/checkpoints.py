@@ -1,0 +1,83 @@
+"""Checkpoints that let ``--resume`` continue a private run where it stopped.
+
+A checkpoint holds the model (without wrapper prefixes), the optimizer state, the complete
+privacy history (so ε keeps growing from where it was, never restarts at 0), the sampler's
+generator state, σ, and the example's own entries (epoch, best accuracy, ...).
+
+* modern API: ``PrivacyEngine.save_checkpoint`` / ``load_checkpoint``;
+* classic API: ``engine.state_dict()`` (steps and privacy history) next to model and optimizer;
+* no privacy: model and optimizer only.
+"""
+
+import os
+import shutil
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from common.privacy import TrainingRun
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside GradSampleModule / (DP)DDP / DataParallel wrappers."""
+    for _ in range(8):
+        inner = model.__dict__.get("_modules", {}).get("_module")
+        if inner is None and isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            inner = model.module
+        if inner is None and type(model).__name__ == "DifferentiallyPrivateDistributedDataParallel":
+            inner = model.module
+        if inner is None:
+            return model
+        model = inner
+    return model
+
+
+def read(path: str) -> dict:
+    """The raw checkpoint dictionary (on CPU), e.g. to read σ before building the run."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--resume {path}: no such checkpoint file")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def save(run: TrainingRun, path: str, entries: dict, *, best: bool = False) -> None:
+    """Write the checkpoint to ``path`` (and copy it to the best-checkpoint path if ``best``)."""
+    entries = dict(entries, api=run.api, noise_multiplier=run.noise_multiplier,
+                   privacy=run.privacy_summary())
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    if run.api == "modern":
+        run.engine.save_checkpoint(path=path, module=run.model, optimizer=run.optimizer,
+                                   checkpoint_dict=entries)
+    else:
+        state = dict(entries, module_state_dict=unwrap(run.model).state_dict(),
+                     optimizer_state_dict=run.optimizer.state_dict())
+        if run.api == "classic":
+            state["privacy_engine_state_dict"] = run.engine.state_dict()
+            state["sampler_generator_state"] = run.train_loader.generator.get_state()
+        torch.save(state, path)
+    if best:
+        shutil.copyfile(path, best_path(path))
+
+
+def best_path(path: str) -> str:
+    root, ext = os.path.splitext(path)
+    return f"{root}_best{ext or '.pt'}"
+
+
+def restore(run: TrainingRun, path: str, map_location: Optional[torch.device] = None) -> dict:
+    """Load ``path`` into ``run``; return the example's own entries (epoch, ...)."""
+    saved_api = read(path).get("api")
+    if saved_api != run.api:
+        raise SystemExit(f"--resume {path}: the checkpoint was written with api={saved_api!r}, "
+                         f"this run uses {run.api!r}; pass the same --api/--disable-dp flags")
+    if run.api == "modern":
+        return run.engine.load_checkpoint(path=path, module=run.model, optimizer=run.optimizer,
+                                          map_location=map_location)
+    state = torch.load(path, map_location=map_location, weights_only=False)
+    unwrap(run.model).load_state_dict(state.pop("module_state_dict"))
+    run.optimizer.load_state_dict(state.pop("optimizer_state_dict"))
+    if run.api == "classic":
+        run.engine.load_state_dict(state.pop("privacy_engine_state_dict"))
+        run.train_loader.generator.set_state(state.pop("sampler_generator_state"))
+    return state

@@ -1,0 +1,106 @@
+"""Command-line flags shared by the examples (names as in the Opacus example scripts).
+
+Batch sizes: ``--batch-size B`` is the expected *physical* batch per process; one private
+step (a "logical" Poisson batch) holds ``B × n_accumulation_steps × world_size`` examples in
+expectation, i.e. the sample rate is ``q = B · k · R / N`` unless ``--sample-rate`` gives q.
+"""
+
+import argparse
+from typing import Optional
+
+
+def add_privacy_args(parser: argparse.ArgumentParser, *, sigma: float, max_grad_norm: float,
+                     delta: float = 1e-5) -> None:
+    group = parser.add_argument_group("privacy")
+    group.add_argument("--sigma", type=float, default=sigma, help="noise multiplier σ")
+    group.add_argument("-c", "--max-per-sample-grad_norm", "--max-grad-norm", dest="max_grad_norm",
+                       type=float, default=max_grad_norm, help="per-sample clipping bound C")
+    group.add_argument("--delta", type=float, default=delta, help="δ of the reported (ε, δ)")
+    group.add_argument("--target-epsilon", type=float, default=None,
+                       help="calibrate σ so that --epochs spend at most this ε (overrides --sigma)")
+    group.add_argument("--max-epsilon", type=float, default=None,
+                       help="stop cleanly (checkpoint, exit 0) before a step would exceed this ε")
+    group.add_argument("--accountant", default=None, choices=["prv", "rdp", "gdp"],
+                       help="accountant (modern API, default prv; the classic API uses rdp)")
+    group.add_argument("--api", default="modern", choices=["modern", "classic"],
+                       help="modern: make_private (Opacus 1.x); classic: PrivacyEngine(model, ...).attach")
+    group.add_argument("--grad-sample-mode", default="hooks",
+                       help="how per-sample gradients are computed (hooks, functorch)")
+    group.add_argument("--disable-dp", action="store_true", help="train without privacy (baseline)")
+    group.add_argument("--secure-rng", action="store_true",
+                       help="OS-seeded noise and sampling (slower; for final models)")
+
+
+def add_training_args(parser: argparse.ArgumentParser, *, epochs: int, batch_size: int, lr: float,
+                      optim: str = "SGD", momentum: float = 0.0) -> None:
+    group = parser.add_argument_group("training")
+    group.add_argument("--epochs", type=int, default=epochs, help="total number of epochs")
+    group.add_argument("--batch-size", type=int, default=batch_size,
+                       help="expected physical batch size per process")
+    group.add_argument("--batch-size-test", type=int, default=256, help="batch size of evaluation")
+    group.add_argument("--sample-rate", type=float, default=None,
+                       help="Poisson sample rate q of a private step (default B·k·R/N, see module doc)")
+    group.add_argument("--n-accumulation-steps", type=int, default=1,
+                       help="physical batches per private step (memory: gradients are accumulated)")
+    group.add_argument("--lr", "--learning-rate", type=float, default=lr, help="learning rate")
+    group.add_argument("--momentum", type=float, default=momentum, help="SGD/RMSprop momentum")
+    group.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")
+    group.add_argument("--optim", default=optim, choices=["SGD", "Adam", "RMSprop"])
+    group.add_argument("--seed", type=int, default=0, help="seed of initialisation, sampling, noise")
+    group.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    group.add_argument("--data-parallel", action="store_true",
+                       help="replicate the model over the visible GPUs with nn.DataParallel")
+    group.add_argument("--workers", type=int, default=0, help="data loading worker processes")
+    group.add_argument("--print-freq", type=int, default=10,
+                       help="refresh ε in the progress bar every this many steps")
+
+
+def add_output_args(parser: argparse.ArgumentParser, *, checkpoint_file: str) -> None:
+    group = parser.add_argument_group("outputs")
+    group.add_argument("--checkpoint-file", default=checkpoint_file,
+                       help="path of the last checkpoint; the best one gets the suffix _best")
+    group.add_argument("--resume", default="", metavar="PATH",
+                       help="continue from this checkpoint (model, optimizer, privacy history)")
+    group.add_argument("--evaluate", action="store_true",
+                       help="only evaluate the model (of --resume) on the test set")
+    group.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON metrics")
+    group.add_argument("--tensorboard", default=None, metavar="DIR",
+                       help="TensorBoard log directory (needs the tensorboard package)")
+    group.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_data_args(parser: argparse.ArgumentParser, *, data_root: str) -> None:
+    group = parser.add_argument_group("data")
+    group.add_argument("--data-root", default=data_root, help="where the dataset lives")
+    group.add_argument("--download", action="store_true",
+                       help="download the dataset into --data-root if it is missing")
+
+
+def check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject inconsistent flags early (argparse error, exit code 2)."""
+    for name in ("epochs", "batch_size", "batch_size_test", "n_accumulation_steps", "print_freq"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.sample_rate is not None and not 0 < args.sample_rate <= 1:
+        parser.error("--sample-rate must lie in (0, 1]")
+    if args.evaluate and not args.resume:
+        parser.error("--evaluate needs --resume PATH (the checkpoint to evaluate)")
+    if not args.disable_dp and args.max_grad_norm <= 0:
+        parser.error("-c/--max-per-sample-grad_norm must be > 0")
+    if args.api == "classic" and args.accountant not in (None, "rdp"):
+        parser.error("the classic API accounts with RDP: drop --accountant or pass --accountant rdp")
+    if args.accountant is None:
+        args.accountant = "rdp" if args.api == "classic" else "prv"
+
+
+def sample_rate_of(args: argparse.Namespace, num_samples: int, world_size: int) -> float:
+    """q of a private step: ``--sample-rate`` or ``B · k · R / N`` (capped at 1)."""
+    if args.sample_rate is not None:
+        return float(args.sample_rate)
+    logical = args.batch_size * args.n_accumulation_steps * world_size
+    return min(1.0, logical / num_samples)
+
+
+def physical_batch_limit(args: argparse.Namespace) -> Optional[int]:
+    """Largest physical batch, or None when each private step is processed in one piece."""
+    return args.batch_size if args.n_accumulation_steps > 1 else None

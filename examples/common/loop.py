@@ -1,0 +1,105 @@
+"""Training and evaluation loops of the classification examples (images, names).
+
+One private step = one Poisson batch: ``zero_grad → forward → backward → step`` (or
+``virtual_step`` for all but the last physical piece of the batch, see
+:func:`common.privacy.physical_batches`). Empty Poisson batches go through the same calls: the
+optimizer then adds noise only, and the step is accounted like any other.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from common.privacy import TrainingRun, physical_batches
+
+
+@dataclass
+class EpochStats:
+    loss: float
+    accuracy: float
+    steps: int
+    epsilon: float
+
+
+def to_device(batch, device: torch.device):
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(item, device) for item in batch)
+    return batch.to(device, non_blocking=True)
+
+
+def set_epoch(loader: DataLoader, epoch: int) -> None:
+    """Let distributed samplers reshuffle their shards for ``epoch``."""
+    for sampler in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+
+
+def _progress(iterable, *, total: int, epoch: int, enabled: bool):
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
+
+
+def train_epoch(run: TrainingRun, epoch: int, *, device: torch.device, print_freq: int,
+                show_progress: bool) -> EpochStats:
+    """One pass over ``run.train_loader``; raises PrivacyBudgetExceededError from ``step``."""
+    run.model.train()
+    set_epoch(run.train_loader, epoch)
+    loss_sum, correct, seen, steps = 0.0, 0, 0, 0
+    epsilon = run.epsilon() if run.private else math.nan
+    with physical_batches(run) as batches:
+        bar = _progress(batches, total=len(run.train_loader), epoch=epoch, enabled=show_progress)
+        for batch, take_step in bar:
+            inputs, targets = to_device(batch, device)
+            run.optimizer.zero_grad(set_to_none=True)
+            outputs = run.model(inputs)
+            loss = F.cross_entropy(outputs, targets)
+            loss.backward()
+            if take_step:
+                run.optimizer.step()
+                steps += 1
+            else:
+                run.optimizer.virtual_step()
+            if len(targets):
+                loss_sum += loss.item() * len(targets)
+                correct += int((outputs.argmax(dim=1) == targets).sum())
+                seen += len(targets)
+            if run.private and take_step and steps % print_freq == 0:
+                epsilon = run.epsilon()
+            if show_progress:
+                bar.set_postfix(loss=f"{loss_sum / max(seen, 1):.3f}",
+                                acc=f"{correct / max(seen, 1):.3f}", eps=f"{epsilon:.2f}")
+    loss_sum, correct, seen = _sum_over_processes(device, loss_sum, correct, seen)
+    epsilon = run.epsilon() if run.private else math.nan
+    return EpochStats(loss=loss_sum / max(seen, 1), accuracy=correct / max(seen, 1),
+                      steps=steps, epsilon=epsilon)
+
+
+def _sum_over_processes(device: torch.device, *values: float):
+    """Totals over all processes of a torchrun job (the values themselves otherwise)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    totals = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    return tuple(totals.tolist())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict:
+    """Mean loss and accuracy of ``model`` on ``loader``."""
+    model.eval()
+    loss_sum, correct, seen = 0.0, 0, 0
+    for batch in loader:
+        inputs, targets = to_device(batch, device)
+        outputs = model(inputs)
+        loss_sum += float(F.cross_entropy(outputs, targets, reduction="sum"))
+        correct += int((outputs.argmax(dim=1) == targets).sum())
+        seen += len(targets)
+    return {"loss": loss_sum / max(seen, 1), "accuracy": correct / max(seen, 1)}

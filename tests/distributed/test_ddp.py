@@ -1,0 +1,205 @@
+"""Distributed DP-SGD on 2 gloo processes (CPU), different data on every rank, clipping on.
+
+Two spawned jobs run many checks each (a spawn costs seconds); the tests below compare
+what every rank reported with a single-process oracle computed here (per-sample
+gradients from a batch-size-1 autograd loop, clipped by hand) and with the reference
+accountants of Opacus.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.distributed.oracle import clipped_mean_update, per_sample_grads, sgd_step
+from tests.distributed.spawn import run_on_ranks
+from tests.distributed.workers import FLAT_C, LAYER_C, LR, equivalence_job, make_model
+from tests.distributed.workers_privacy import DELTA, privacy_job
+
+pytestmark = pytest.mark.distributed
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def equivalence():
+    return run_on_ranks(equivalence_job, WORLD, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def privacy(tmp_path_factory):
+    return run_on_ranks(privacy_job, WORLD, str(tmp_path_factory.mktemp("ckpt")), timeout=240)
+
+
+def model_at(params, template: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for p, value in zip(template.parameters(), params):
+            p.copy_(value)
+    return template
+
+
+def concatenated_step(per_rank_batches):
+    """All physical batches of one logical step, all ranks, as one batch."""
+    xs = [x for batches in per_rank_batches for x, _ in batches]
+    ys = [y for batches in per_rank_batches for _, y in batches]
+    return torch.cat(xs), torch.cat(ys)
+
+
+def replay(results, key, clip):
+    """One process, plain SGD on the concatenated batches, clipped by hand (σ = 0)."""
+    model = model_at(results[0][key]["start"], make_model(seed=0))
+    loss_fn = nn.CrossEntropyLoss()
+    clipped_any = False
+    for step in range(len(results[0][key]["batches"])):
+        x, y = concatenated_step([r[key]["batches"][step] for r in results])
+        if len(x):
+            norms = [torch.cat([g.flatten() for g in s]).norm() for s in per_sample_grads(model, loss_fn, x, y)]
+            clipped_any |= max(norms) > (clip if not isinstance(clip, list) else min(clip))
+            update = clipped_mean_update(model, loss_fn, x, y, clip, results[0][key]["global_batch"])
+            sgd_step(model, update, LR)
+    return [p.detach() for p in model.parameters()], clipped_any
+
+
+def assert_bit_identical(a, b):
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), "ranks applied different updates"
+
+
+CONFIGS = [(api, wrapper, clipping) for api in ("modern", "classic")
+           for wrapper in ("ddp", "dpddp") for clipping in ("flat", "per_layer")]
+
+
+@pytest.mark.parametrize("api,wrapper,clipping", CONFIGS)
+def test_sigma_zero_equals_one_process_on_the_concatenated_batch(equivalence, api, wrapper, clipping):
+    key = (api, wrapper, clipping)
+    r0, r1 = equivalence[0][key], equivalence[1][key]
+    assert_bit_identical(r0["start"], r1["start"])  # rank 0's parameters were broadcast
+    assert not torch.equal(r0["batches"][0][0][0], r1["batches"][0][0][0]), "ranks must see different data"
+    assert_bit_identical(r0["final"], r1["final"])
+    clip = FLAT_C if clipping == "flat" else [LAYER_C] * 4
+    expected, clipped_any = replay(equivalence, key, clip)
+    assert clipped_any, "clipping must be active for this comparison to mean anything"
+    for got, want in zip(r0["final"], expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "dpddp"])
+def test_empty_local_batch_takes_part_in_the_step(equivalence, wrapper):
+    key = ("empty", wrapper)
+    r0, r1 = equivalence[0][key], equivalence[1][key]
+    assert any(len(x) == 0 for step in r1["batches"] for x, _ in step)
+    assert_bit_identical(r0["final"], r1["final"])
+    expected, _ = replay(equivalence, key, FLAT_C)
+    for got, want in zip(r0["final"], expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_one_all_reduce_of_the_clipped_sums_per_step(equivalence, privacy):
+    r = equivalence[0][("modern", "ddp", "flat")]
+    numel = sum(p.numel() for p in r["start"])
+    steps = len(r["batches"])
+    assert r["all_reduces"] == steps
+    assert r["reducer_bytes"] == steps * numel * 8  # float64, once per logical step
+    assert privacy[0]["noise_ddp"]["ddp_grads_stayed_local"], "DDP must not all-reduce unclipped grads"
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "dpddp"])
+def test_noise_added_once_with_std_sigma_c_over_global_batch(privacy, wrapper):
+    r0, r1 = privacy[0][f"noise_{wrapper}"], privacy[1][f"noise_{wrapper}"]
+    assert_bit_identical(r0["after_first"], r1["after_first"])
+    assert_bit_identical(r0["final"], r1["final"])
+    x = torch.cat([r0["batch"][0], r1["batch"][0]])
+    y = torch.cat([r0["batch"][1], r1["batch"][1]])
+    model = model_at(r0["start"], nn.Linear(x.shape[1], 100, bias=False).double())
+    signal = clipped_mean_update(model, nn.CrossEntropyLoss(), x, y, 1.0, r0["global_batch"])[0]
+    noise = (r0["start"][0] - r0["after_first"][0]) / 1.0 - signal  # lr = 1
+    expected_std = r0["sigma"] * 1.0 / r0["global_batch"]
+    n = noise.numel()
+    assert abs(noise.std().item() / expected_std - 1) < 0.03
+    assert abs(noise.mean().item()) < 5 * expected_std / math.sqrt(n)
+
+
+def _reference_epsilon(mechanism, history, delta):
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    accountant = PRVAccountant() if mechanism == "prv" else RDPAccountant()
+    accountant.history = list(history)
+    return accountant.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("wrapper,mechanism", [("ddp", "prv"), ("dpddp", "rdp")])
+def test_epsilon_identical_on_ranks_and_equal_to_one_process(privacy, wrapper, mechanism):
+    from opacus_dp.accountants import create_accountant
+
+    r0, r1 = privacy[0][f"noise_{wrapper}"], privacy[1][f"noise_{wrapper}"]
+    assert r0["epsilon"] == r1["epsilon"]
+    global_rate = 8 * WORLD / 64  # DistributedSampler batches of 8 per rank, 64 samples
+    assert r0["sample_rate"] == pytest.approx(global_rate)
+    assert r0["history"] == r1["history"] == [(r0["sigma"], r0["sample_rate"], r0["steps"])]
+    single = create_accountant(mechanism)
+    for _ in range(r0["steps"]):
+        single.step(noise_multiplier=r0["sigma"], sample_rate=global_rate)
+    assert r0["epsilon"] == pytest.approx(single.get_epsilon(DELTA), rel=1e-9)
+    assert r0["epsilon"] == pytest.approx(_reference_epsilon(mechanism, r0["history"], DELTA), rel=2e-2)
+
+
+def test_classic_api_uses_the_global_sample_rate(privacy, equivalence):
+    from opacus.accountants import RDPAccountant
+
+    r0, r1 = privacy[0]["classic"], privacy[1]["classic"]
+    q = 4 * WORLD / 48
+    assert r0["sample_rate"] == r1["sample_rate"] == pytest.approx(q)
+    assert equivalence[0][("classic", "ddp", "flat")]["sample_rate"] == pytest.approx(q)
+    assert r0["epsilon"] == r1["epsilon"]
+    reference = RDPAccountant()
+    reference.history = [(0.9, q, 3)]
+    eps, _ = reference.get_privacy_spent(delta=DELTA, alphas=r0["alphas"])
+    assert r0["epsilon"][0] == pytest.approx(eps, rel=1e-6)
+    assert_bit_identical(r0["final"], r1["final"])
+
+
+def test_poisson_loader_with_empty_local_batches_stays_in_step(privacy):
+    r0, r1 = privacy[0]["empty_poisson"], privacy[1]["empty_poisson"]
+    assert len(r0["sizes"]) == len(r1["sizes"]) == r0["steps"] == r1["steps"]
+    assert 0 in r0["sizes"] + r1["sizes"]
+    assert_bit_identical(r0["final"], r1["final"])
+
+
+def test_distributed_poisson_sampling_end_to_end(privacy, total=200, rate=0.1):
+    e0, e1 = privacy[0]["sampler"], privacy[1]["sampler"]
+    for epoch in range(2):
+        s0, s1 = set(e0[epoch]["shard"]), set(e1[epoch]["shard"])
+        assert not s0 & s1 and s0 | s1 == set(range(total))
+        assert len(e0[epoch]["batches"]) == len(e1[epoch]["batches"])
+        picks = 0
+        for b0, b1 in zip(e0[epoch]["batches"], e1[epoch]["batches"]):
+            assert set(b0) <= s0 and set(b1) <= s1
+            picks += len(b0) + len(b1)
+        trials = total * len(e0[epoch]["batches"])
+        assert abs(picks / trials - rate) < 4 * math.sqrt(rate * (1 - rate) / trials)
+    assert e0[0]["shard"] != e0[1]["shard"], "set_epoch must reshuffle the shards"
+
+
+def test_secure_mode_keeps_ranks_identical(privacy):
+    assert_bit_identical(privacy[0]["secure"], privacy[1]["secure"])
+
+
+def test_checkpoint_written_by_rank_zero_resumes_everywhere(privacy):
+    c0, c1 = privacy[0]["checkpoint"], privacy[1]["checkpoint"]
+    assert_bit_identical(c0["saved"], c1["saved"])
+    assert_bit_identical(c0["loaded"], c0["saved"])
+    assert_bit_identical(c1["loaded"], c0["saved"])
+    assert_bit_identical(c0["resumed"], c1["resumed"])
+    assert c0["history"] == c1["history"] and c0["history"][0][2] == 3
+    assert c0["epsilon"] == c1["epsilon"]
+
+
+@pytest.mark.parametrize("case,words", [
+    ("sample_rate", "sample_rate differs between ranks"),
+    ("noise_multiplier", "noise_multiplier differs between ranks"),
+    ("unwrapped", "not wrapped for distributed training"),
+    ("loader_world_size", "num_replicas=3"),
+])
+def test_misconfigurations_are_refused_on_every_rank(privacy, case, words):
+    for rank in range(WORLD):
+        message = privacy[rank]["errors"][case]
+        assert message is not None and words in message, message

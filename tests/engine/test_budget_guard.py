@@ -1,0 +1,133 @@
+"""Privacy budget guard: stops exactly at the first step whose ε would exceed the budget."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from opacus_dp import PrivacyEngine
+from opacus_dp.accountants import create_accountant
+from opacus_dp.budget_guard import BudgetGuard, steps_added, with_extra_steps
+from opacus_dp.errors import PrivacyBudgetExceededError
+from tests.engine.helpers import small_loader, small_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:secure_mode is off")
+
+
+def allowed_steps_oracle(mechanism, sigma, q, max_eps, delta, limit=500):
+    """Largest k with ε(k steps) ≤ max_eps, by stepping a fresh accountant one step at a time."""
+    acc = create_accountant(mechanism)
+    for k in range(1, limit):
+        acc.step(noise_multiplier=sigma, sample_rate=q)
+        if acc.get_epsilon(delta) > max_eps:
+            return k - 1
+    raise AssertionError("budget not reached")
+
+
+@pytest.mark.parametrize("mechanism", ["rdp", "gdp", "prv"])
+def test_guard_remaining_steps_match_step_by_step_oracle(mechanism):
+    sigma, q, max_eps, delta = 1.5, 0.1, 2.0, 1e-5
+    expected = allowed_steps_oracle(mechanism, sigma, q, max_eps, delta)
+    assert expected >= 10
+    guard = BudgetGuard(create_accountant(mechanism), max_epsilon=max_eps, delta=delta, sample_rate=q)
+    assert guard.remaining_steps(sigma, q) == expected
+
+
+def test_guard_stops_engine_at_right_step_without_changing_anything():
+    sigma, max_eps, delta = 1.0, 8.0, 1e-5
+    engine = PrivacyEngine(accountant="rdp", max_epsilon=max_eps, max_epsilon_delta=delta)
+    model = small_model()
+    gsm, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=small_loader(n=12, batch_size=3), noise_multiplier=sigma, max_grad_norm=1.0)
+    q = 0.25
+    expected = allowed_steps_oracle("rdp", sigma, q, max_eps, delta)
+    taken = 0
+    with pytest.raises(PrivacyBudgetExceededError, match="max_epsilon"):
+        for _ in range(100):
+            for x, y in loader:
+                opt.zero_grad()
+                nn.functional.cross_entropy(gsm(x), y).backward()
+                before = [p.detach().clone() for p in model.parameters()]
+                noise_state = opt.noise_state_dict()["state"].clone()
+                opt.step()
+                taken += 1
+    assert taken == expected == len(engine.accountant) and expected >= 10
+    assert engine.get_epsilon(delta) <= max_eps
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert torch.equal(noise_state, opt.noise_state_dict()["state"])  # no noise drawn
+
+
+def test_guard_evaluates_epsilon_rarely_for_constant_schedule():
+    acc = create_accountant("rdp")
+    guard = BudgetGuard(acc, max_epsilon=3.0, delta=1e-5, sample_rate=0.05)
+    assert guard.remaining_steps(2.0, 0.05) > 80
+    first = guard.evaluations
+    for _ in range(80):
+        guard.check(2.0, 0.05)
+        acc.step(noise_multiplier=2.0, sample_rate=0.05)
+    assert guard.evaluations == first  # cached: no ε computation after the first search
+    assert first <= 2 * 12  # exponential search + bisection
+
+
+def test_guard_recomputes_when_sigma_changes():
+    acc = create_accountant("rdp")
+    guard = BudgetGuard(acc, max_epsilon=2.0, delta=1e-5, sample_rate=0.1)
+    for _ in range(5):
+        guard.check(1.5, 0.1)
+        acc.step(noise_multiplier=1.5, sample_rate=0.1)
+    high = guard.remaining_steps(3.0, 0.1)
+    assert high > 16  # larger σ: more steps than the 16 left at σ = 1.5
+    oracle = create_accountant("rdp")
+    for sigma, steps in ((1.5, 5), (3.0, high)):
+        for _ in range(steps):
+            oracle.step(noise_multiplier=sigma, sample_rate=0.1)
+    assert oracle.get_epsilon(1e-5) <= 2.0
+    oracle.step(noise_multiplier=3.0, sample_rate=0.1)
+    assert oracle.get_epsilon(1e-5) > 2.0
+
+
+def test_with_extra_steps_equals_stepping():
+    acc = create_accountant("rdp")
+    acc.step(noise_multiplier=2.0, sample_rate=0.1)
+    copy = with_extra_steps(acc, 1.0, 0.1, 7)
+    stepped = create_accountant("rdp")
+    stepped.step(noise_multiplier=2.0, sample_rate=0.1)
+    for _ in range(7):
+        stepped.step(noise_multiplier=1.0, sample_rate=0.1)
+    assert len(acc) == 1
+    assert copy.get_epsilon(1e-5) == pytest.approx(stepped.get_epsilon(1e-5), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "base, now, expected",
+    [
+        ([], [(1.0, 0.1, 3)], 3),
+        ([(1.0, 0.1, 2)], [(1.0, 0.1, 5)], 3),
+        ([(2.0, 0.1, 2)], [(2.0, 0.1, 2), (1.0, 0.1, 4)], 4),
+        ([(2.0, 0.1, 2)], [(2.0, 0.1, 3)], None),
+        ([(1.0, 0.1, 2)], [(1.0, 0.1, 1)], None),
+        ([(1.0, 0.1, 2)], [(3.0, 0.1, 2)], None),
+    ],
+)
+def test_steps_added(base, now, expected):
+    assert steps_added(base, now, 1.0, 0.1) == expected
+
+
+def test_classic_engine_budget_guard():
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    alphas = [2, 4, 8, 16, 32, 64]
+    engine = PrivacyEngine(model, 3, 12, alphas=alphas, noise_multiplier=1.0, max_grad_norm=1.0,
+                           target_delta=1e-5, max_epsilon=8.0)
+    engine.attach(optimizer)
+    x, y = small_loader(n=3, batch_size=3).dataset.tensors
+    with pytest.raises(PrivacyBudgetExceededError):
+        for _ in range(500):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    assert engine.steps >= 10 and engine.get_privacy_spent()[0] <= 8.0
+    acc = create_accountant("rdp")
+    acc.load_state_dict(engine.accountant.state_dict())
+    acc.step(noise_multiplier=1.0, sample_rate=0.25)
+    assert acc.get_privacy_spent(delta=1e-5, alphas=alphas)[0] > 8.0

@@ -1,0 +1,252 @@
+"""Classic (Opacus 0.x) API: attach/detach, virtual steps, Poisson, get_privacy_spent, state."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from opacus.accountants.analysis import rdp as reference_rdp
+from torch.optim import SGD
+from torch.utils.data import DataLoader, TensorDataset
+
+from opacus_dp import PrivacyEngine
+from opacus_dp.data import EmptyBatchCollate
+from opacus_dp.utils.uniform_sampler import UniformWithReplacementSampler
+from tests.engine.helpers import small_data, small_model, train_plain
+
+pytestmark = pytest.mark.filterwarnings("ignore:secure_mode is off")
+
+
+def reference_epsilon(q, sigma, steps, alphas, delta):
+    rdp = reference_rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=alphas)
+    return reference_rdp.get_privacy_spent(orders=alphas, rdp=rdp, delta=delta)
+
+
+def classic_loader(n=20, batch_size=5):
+    x, y = small_data(n)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def test_readme_0x_positional_snippet_runs_unchanged():
+    train_loader = classic_loader()
+    batch_size, sample_size, delta = 5, len(train_loader.dataset), 1e-5
+    model = small_model()
+    criterion = nn.CrossEntropyLoss()
+    # --- Opacus 0.9/0.10 README, with the import changed to opacus_dp ---
+    optimizer = SGD(model.parameters(), lr=0.05)
+    privacy_engine = PrivacyEngine(
+        model,
+        batch_size,
+        sample_size,
+        alphas=[10, 100],
+        noise_multiplier=1.3,
+        max_grad_norm=1.0,
+    )
+    privacy_engine.attach(optimizer)
+    # Now it's business as usual
+    for epoch in range(2):
+        for x, y in train_loader:
+            optimizer.zero_grad()
+            loss = criterion(model(x), y)
+            loss.backward()
+            optimizer.step()
+    epsilon, best_alpha = privacy_engine.get_privacy_spent(delta)
+    # --- end of snippet ---
+    assert privacy_engine.steps == 8
+    with pytest.warns(UserWarning):  # order 10 or 100 is at the edge of the list
+        eps_ref, alpha_ref = reference_epsilon(0.25, 1.3, 8, [10, 100], delta)
+    assert epsilon == pytest.approx(eps_ref, rel=1e-9) and best_alpha == alpha_ref
+
+
+def test_keyword_0_14_form_with_sample_rate():
+    model = small_model()
+    optimizer = SGD(model.parameters(), lr=0.05)
+    privacy_engine = PrivacyEngine(model, sample_rate=0.25, alphas=[2, 4, 8, 16, 32],
+                                   noise_multiplier=1.3, max_grad_norm=1.0)
+    privacy_engine.attach(optimizer)
+    for x, y in classic_loader():
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    eps, alpha = privacy_engine.get_privacy_spent(1e-5)
+    eps_ref, alpha_ref = reference_epsilon(0.25, 1.3, 4, [2, 4, 8, 16, 32], 1e-5)
+    assert (eps, alpha) == (pytest.approx(eps_ref, rel=1e-9), alpha_ref)
+    expected = torch.tensor(reference_rdp.compute_rdp(q=0.25, noise_multiplier=1.3, steps=1,
+                                                      orders=[2, 4, 8, 16, 32]))
+    torch.testing.assert_close(privacy_engine.get_renyi_divergence().double(), expected.double())
+
+
+def test_sigma0_unbounded_clip_equals_plain_and_detach_restores():
+    x, y = small_data(20)
+    batches = [(x[i:i + 5], y[i:i + 5]) for i in range(0, 20, 5)]
+    expected = train_plain(small_model(), batches, lambda ps: SGD(ps, lr=0.1, momentum=0.9))
+    model = small_model()
+    optimizer = SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = PrivacyEngine(model, 5, 20, noise_multiplier=0.0, max_grad_norm=math.inf)
+    engine.attach(optimizer)
+    assert optimizer.privacy_engine is engine
+    for xb, yb in batches[:2]:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        optimizer.step()
+    engine.detach()
+    assert not {"step", "zero_grad", "virtual_step", "privacy_engine"} & set(vars(optimizer))
+    assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
+    assert not any(hasattr(p, "grad_sample") for p in model.parameters())
+    for xb, yb in batches[2:]:  # plain training after detach
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        optimizer.step()
+    for a, b in zip(model.parameters(), expected):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-10, atol=1e-12)
+    assert engine.steps == 2
+
+
+def test_virtual_step_loop_of_0x_tutorial_equals_big_batch():
+    x, y = small_data(12)
+    ref_model = small_model()
+    ref_opt = SGD(ref_model.parameters(), lr=0.2)
+    PrivacyEngine(ref_model, 12, 24, noise_multiplier=0.0, max_grad_norm=0.2).attach(ref_opt)
+    nn.functional.cross_entropy(ref_model(x), y).backward()
+    ref_opt.step()
+
+    model = small_model()
+    optimizer = SGD(model.parameters(), lr=0.2)
+    PrivacyEngine(model, 12, 24, noise_multiplier=0.0, max_grad_norm=0.2).attach(optimizer)
+    n_accumulation_steps = 3
+    for i in range(3):  # the Opacus 0.x CIFAR-10 example loop
+        loss = nn.functional.cross_entropy(model(x[4 * i:4 * i + 4]), y[4 * i:4 * i + 4])
+        loss.backward()
+        if (i + 1) % n_accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            optimizer.virtual_step()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-10, atol=1e-12)
+    assert optimizer.privacy_engine.steps == 1
+
+
+def test_attaching_second_engine_raises():
+    model = small_model()
+    optimizer = SGD(model.parameters(), lr=0.1)
+    PrivacyEngine(model, 5, 20, noise_multiplier=1.0, max_grad_norm=1.0).attach(optimizer)
+    with pytest.raises(ValueError, match="already attached"):
+        PrivacyEngine(model, 5, 20, noise_multiplier=1.0, max_grad_norm=1.0).attach(optimizer)
+
+
+def test_poisson_empty_batches_are_real_steps():
+    x, y = small_data(8)
+    dataset = TensorDataset(x, y)
+    sampler = UniformWithReplacementSampler(num_samples=8, sample_rate=0.125,
+                                            generator=torch.Generator().manual_seed(2))
+    loader = DataLoader(dataset, batch_sampler=sampler,
+                        collate_fn=EmptyBatchCollate.from_dataset(dataset, None))
+    model = small_model()
+    optimizer = SGD(model.parameters(), lr=0.1)
+    engine = PrivacyEngine(model, sample_rate=0.125, sample_size=8, alphas=[2, 4, 8, 16, 32, 64],
+                           noise_multiplier=1.0, max_grad_norm=1.0, poisson=True)
+    engine.attach(optimizer)
+    sizes = []
+    for _ in range(4):
+        for xb, yb in loader:
+            sizes.append(len(xb))
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+            assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # noise
+    assert 0 in sizes and engine.steps == len(sizes) == 32
+    eps_ref, _ = reference_epsilon(0.125, 1.0, 32, [2, 4, 8, 16, 32, 64], 1e-5)
+    assert engine.get_privacy_spent(1e-5)[0] == pytest.approx(eps_ref, rel=1e-9)
+
+
+def test_state_dict_keeps_full_history():
+    model = small_model()
+    optimizer = SGD(model.parameters(), lr=0.1)
+    alphas = [2, 4, 8, 16, 32, 64]
+    engine = PrivacyEngine(model, 5, 20, alphas=alphas, noise_multiplier=1.0, max_grad_norm=1.0)
+    engine.attach(optimizer)
+    x, y = small_data(5)
+    for sigma in (1.0, 1.0, 2.0):
+        engine.noise_multiplier = sigma
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    other = PrivacyEngine(small_model(), 5, 20, alphas=alphas, noise_multiplier=3.0, max_grad_norm=1.0)
+    other.load_state_dict(engine.state_dict())
+    rdp = (reference_rdp.compute_rdp(q=0.25, noise_multiplier=1.0, steps=2, orders=alphas)
+           + reference_rdp.compute_rdp(q=0.25, noise_multiplier=2.0, steps=1, orders=alphas))
+    eps_ref, _ = reference_rdp.get_privacy_spent(orders=alphas, rdp=rdp, delta=1e-5)
+    assert other.steps == 3
+    assert other.get_privacy_spent(1e-5)[0] == pytest.approx(eps_ref, rel=1e-9)
+
+
+def test_target_epsilon_calibrates_noise():
+    alphas = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
+    engine = PrivacyEngine(small_model(), 5, 100, alphas=alphas, max_grad_norm=1.0,
+                           target_epsilon=2.0, target_delta=1e-5, epochs=3)
+    eps, _ = reference_epsilon(0.05, engine.noise_multiplier, 60, alphas, 1e-5)
+    assert 2.0 * 0.97 <= eps <= 2.0
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((30, 20), dict(noise_multiplier=1.0, max_grad_norm=1.0), "batch_size"),
+        ((), dict(sample_rate=1.5, noise_multiplier=1.0, max_grad_norm=1.0), "sample_rate"),
+        ((), dict(sample_rate=0.0, noise_multiplier=1.0, max_grad_norm=1.0), "sample_rate"),
+        ((5, 20), dict(noise_multiplier=-1.0, max_grad_norm=1.0), "noise_multiplier"),
+        ((5, 20), dict(noise_multiplier=1.0, max_grad_norm=0.0), "max_grad_norm"),
+        ((5, 20), dict(max_grad_norm=1.0), "noise_multiplier"),
+        ((5, 20), dict(noise_multiplier=1.0, max_grad_norm=1.0, loss_reduction="avg"), "loss_reduction"),
+        ((), dict(sample_rate=0.1, noise_multiplier=1.0, max_grad_norm=1.0, poisson=True), "sample_size"),
+    ],
+)
+def test_classic_bad_arguments(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PrivacyEngine(small_model(), *args, **kwargs)
+
+
+def test_per_layer_list_of_wrong_length_is_refused_at_attach():
+    model = small_model()
+    engine = PrivacyEngine(model, 5, 20, noise_multiplier=1.0, max_grad_norm=[1.0, 1.0])
+    optimizer = SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="max_grad_norm has 2 entries"):
+        engine.attach(optimizer)
+    assert "step" not in vars(optimizer)
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_invalid_model_is_refused_at_attach():
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    engine = PrivacyEngine(model, 5, 20, noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="BatchNorm"):
+        engine.attach(SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("scheduler_first", [False, True])
+def test_lr_scheduler_before_or_after_attach(scheduler_first):
+    x, y = small_data(5)
+    model = small_model()
+    optimizer = SGD(model.parameters(), lr=1.0)
+    engine = PrivacyEngine(model, 5, 20, noise_multiplier=0.0, max_grad_norm=math.inf)
+    if scheduler_first:
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        engine.attach(optimizer)
+    else:
+        engine.attach(optimizer)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    reference = small_model()
+    for lr in (1.0, 0.5):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        scheduler.step()
+        grads = torch.autograd.grad(nn.functional.cross_entropy(reference(x), y), list(reference.parameters()))
+        with torch.no_grad():
+            for p, g in zip(reference.parameters(), grads):
+                p -= lr * g
+    assert engine.steps == 2
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-10, atol=1e-12)
