@@ -11,9 +11,8 @@ Models (``--architecture``):
   layers are GroupNorm (BatchNorm mixes the samples of a batch, which DP-SGD cannot allow).
 
 Data: ``torchvision.datasets.CIFAR10`` files (``cifar-10-batches-py/`` under ``--data-root``;
-``--download`` fetches them). The files are checked for presence (their content is read as
-torchvision reads it; the md5 of the archive is verified when downloading). Pixels are mapped
-to [-1, 1] with fixed constants, no statistics of the private data.
+``--download`` fetches them), see :func:`common.vision_data.cifar10`. Pixels are mapped to
+[-1, 1] with fixed constants, no statistics of the private data.
 
 Examples::
 
@@ -26,14 +25,13 @@ Batch sizes, sample rate, resume and budgets: see ``examples/README.md``.
 
 import argparse
 import math
-import os
 import sys
 
 import torch.nn as nn
 
+from common import vision_data
 from common.classification import run_classification
 from common.cli import add_data_args, add_output_args, add_privacy_args, add_training_args, check_common_args
-from common.data import missing_dataset
 from common.distributed import init_distributed, shutdown
 
 NUM_CLASSES = 10
@@ -100,32 +98,6 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     return tanh_convnet(width=args.width or 32, activation=args.activation)
 
 
-# -------------------------------------------------------------------------------------- data
-def load_cifar10(root: str, download: bool):
-    """``(train, test)`` CIFAR-10 datasets as tensors in [-1, 1]; exit code 2 if missing."""
-    from torchvision import transforms
-    from torchvision.datasets import CIFAR10
-
-    class CIFAR10Files(CIFAR10):
-        """torchvision's reader; the files must be present (md5 of each file not compared)."""
-
-        train_list = [[name, None] for name, _ in CIFAR10.train_list]
-        test_list = [[name, None] for name, _ in CIFAR10.test_list]
-        meta = dict(CIFAR10.meta, md5=None)
-
-    folder = os.path.join(os.path.abspath(os.path.expanduser(root)), CIFAR10.base_folder)
-    files = [os.path.join(folder, name) for name, _ in CIFAR10.train_list + CIFAR10.test_list]
-    files.append(os.path.join(folder, CIFAR10.meta["filename"]))
-    if not download and not all(os.path.isfile(f) for f in files):
-        raise missing_dataset("CIFAR-10", [f for f in files if not os.path.isfile(f)],
-                              f"Get it with --download (into --data-root {root}), or unpack "
-                              f"{CIFAR10.url} so that {folder} holds these files.")
-    to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)])
-    train = CIFAR10Files(root, train=True, transform=to_tensor, download=download)
-    test = CIFAR10Files(root, train=False, transform=to_tensor, download=False)
-    return train, test
-
-
 # ---------------------------------------------------------------------------------------- cli
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Private CIFAR-10 classifier (DP-SGD)")
@@ -147,7 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    train_set, test_set = load_cifar10(args.data_root, args.download)
+    train_set = vision_data.cifar10(args.data_root, download=args.download, train=True)
+    test_set = vision_data.cifar10(args.data_root, download=False, train=False)
     setup = init_distributed(args.device)
     try:
         return run_classification(args, build_model=lambda: build_model(args), train_set=train_set,

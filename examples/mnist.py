@@ -16,19 +16,14 @@ Examples::
 """
 
 import argparse
-import os
 import sys
 
 import torch.nn as nn
 
+from common import vision_data
 from common.classification import run_classification
 from common.cli import add_data_args, add_output_args, add_privacy_args, add_training_args, check_common_args
-from common.data import missing_dataset
 from common.distributed import init_distributed, shutdown
-
-RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-
 
 def sample_convnet(width: int = 16) -> nn.Module:
     """28×28 → conv8/2 (w) → pool → conv4/2 (2w) → pool → dense 32 → 10, tanh activations."""
@@ -37,23 +32,6 @@ def sample_convnet(width: int = 16) -> nn.Module:
         nn.Conv2d(width, 2 * width, 4, stride=2), nn.Tanh(), nn.MaxPool2d(2, 1),
         nn.Flatten(), nn.Linear(2 * width * 4 * 4, 32), nn.Tanh(), nn.Linear(32, 10),
     )
-
-
-def load_mnist(root: str, download: bool):
-    """``(train, test)`` MNIST datasets as tensors in [-1, 1]; exit code 2 if missing."""
-    from torchvision import transforms
-    from torchvision.datasets import MNIST
-
-    raw = os.path.join(os.path.abspath(os.path.expanduser(root)), "MNIST", "raw")
-    missing = [os.path.join(raw, name) for name in RAW_FILES if not os.path.isfile(os.path.join(raw, name))]
-    if missing and not download:
-        raise missing_dataset("MNIST", missing,
-                              f"Get it with --download (into --data-root {root}), or place the "
-                              f"uncompressed idx files in {raw}.")
-    to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,), (0.5,))])
-    train = MNIST(root, train=True, transform=to_tensor, download=download)
-    test = MNIST(root, train=False, transform=to_tensor)
-    return train, test
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    train_set, test_set = load_mnist(args.data_root, args.download)
+    train_set = vision_data.mnist(args.data_root, download=args.download, train=True)
+    test_set = vision_data.mnist(args.data_root, download=False, train=False)
     setup = init_distributed(args.device)
     try:
         return run_classification(args, build_model=lambda: sample_convnet(args.width),

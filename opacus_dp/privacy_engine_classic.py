@@ -32,6 +32,7 @@ from opacus_dp.privacy_engine_classic_setup import (
     classic_sampling,
     patch_optimizer,
     restore_optimizer,
+    warn_fixed_size_batches,
 )
 
 
@@ -118,6 +119,8 @@ class ClassicPrivacyEngine(PrivacyEngine):
         self.grad_sample_module, self._dp_optimizer = gsm, dp_optimizer
         self._saved_attributes = patch_optimizer(optimizer, self)
         self.optimizer = optimizer
+        if not self.poisson:
+            warn_fixed_size_batches(self.sample_rate)
 
     def detach(self) -> None:
         """Restore the optimizer (step, zero_grad, ...) and the model exactly."""
@@ -168,6 +171,14 @@ class ClassicPrivacyEngine(PrivacyEngine):
     def steps(self) -> int:
         """Number of private steps taken (accounted) so far."""
         return len(self.accountant)
+
+    def _set_seed(self, seed: int) -> None:
+        """Seed the noise generator (Opacus 0.x debugging helper; not in secure mode)."""
+        if self.secure_mode:
+            raise ValueError("_set_seed is not allowed with secure_rng=True")
+        self.noise_generator = torch.Generator().manual_seed(int(seed))
+        if self._dp_optimizer is not None:
+            self._dp_optimizer.noise.generator = self.noise_generator
 
     def to(self, device) -> "ClassicPrivacyEngine":
         """Record the device of the model (noise is drawn on the parameters' device)."""

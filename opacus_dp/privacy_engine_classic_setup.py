@@ -2,6 +2,7 @@
 
 import math
 import types
+import warnings
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -73,6 +74,19 @@ def calibrate_noise_multiplier(*, target_epsilon, target_delta, sample_rate: flo
                                       alphas=list(alphas)))
 
 
+def warn_fixed_size_batches(sample_rate: float) -> None:
+    """The classic engine cannot see the loader: say what the accounting assumes."""
+    from opacus_dp.data import SamplingWarning
+
+    warnings.warn(
+        f"privacy is accounted as Poisson sampling with sample_rate={sample_rate:.4g}, but "
+        "poisson=False: shuffled fixed-size batches are not covered by that analysis and may be "
+        "less private than reported. Use poisson=True with a DataLoader whose batch_sampler is "
+        "opacus_dp.utils.uniform_sampler.UniformWithReplacementSampler (or a DPDataLoader)",
+        SamplingWarning, stacklevel=3,
+    )
+
+
 # -------------------------------------------------------------- optimizer instance patching
 def _dp_step(optimizer, closure=None):
     return optimizer.privacy_engine._dp_optimizer.step(closure)
@@ -90,11 +104,27 @@ def _dp_signal_skip_step(optimizer, do_skip: bool = True):
     optimizer.privacy_engine._dp_optimizer.signal_skip_step(do_skip)
 
 
+def _marked_as_scheduler_wrapped(optimizer):
+    """Private step carrying the mark of torch's LR-scheduler wrapper it replaces.
+
+    The wrapped original (called inside the private step) still records the call for the
+    scheduler, so the scheduler need not warn that ``step`` was overridden.
+    """
+    def step(closure=None):
+        return _dp_step(optimizer, closure)
+
+    step._wrapped_by_lr_sched = True
+    return step
+
+
 def patch_optimizer(optimizer: torch.optim.Optimizer, engine) -> Dict[str, object]:
     """Install the private methods on the ``optimizer`` instance; return what they replaced."""
     saved = {name: optimizer.__dict__.get(name, _MISSING) for name in PATCHED_ATTRIBUTES}
+    previous_step = optimizer.step
     optimizer.privacy_engine = engine
     optimizer.step = types.MethodType(_dp_step, optimizer)
+    if getattr(previous_step, "_wrapped_by_lr_sched", False):
+        optimizer.step = _marked_as_scheduler_wrapped(optimizer)
     optimizer.zero_grad = types.MethodType(_dp_zero_grad, optimizer)
     optimizer.virtual_step = types.MethodType(_dp_virtual_step, optimizer)
     optimizer.signal_skip_step = types.MethodType(_dp_signal_skip_step, optimizer)

@@ -88,24 +88,29 @@ def build(mode: str, width: int, batch_size: int):
     return gsm, optimizer, lambda: optimizer.reducer.bytes_reduced + counter.bytes
 
 
-def time_mode(mode: str, rank: int, width: int, batch_size: int, steps: int, warmup: int = 3):
-    model, optimizer, sent_bytes = build(mode, width, batch_size)
+def time_modes(rank: int, width: int, batch_size: int, steps: int, warmup: int = 3) -> dict:
+    """Mean step time and bytes per step of every mode; modes alternate step by step so
+    that load changes on a shared machine affect them alike."""
+    setups = {mode: build(mode, width, batch_size) for mode in MODES}
     generator = torch.Generator().manual_seed(1000 + rank)
     criterion = nn.CrossEntropyLoss()
-    elapsed, bytes_before = 0.0, 0
+    elapsed = dict.fromkeys(MODES, 0.0)
+    bytes_before = dict.fromkeys(MODES, 0)
     for step in range(warmup + steps):
         x = torch.randn(batch_size, width, generator=generator)
         y = torch.randint(0, 10, (batch_size,), generator=generator)
-        if step == warmup:
+        for mode, (model, optimizer, sent_bytes) in setups.items():
+            if step == warmup:
+                bytes_before[mode] = sent_bytes()
             dist.barrier()
-            bytes_before = sent_bytes()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        criterion(model(x), y).backward()
-        optimizer.step()
-        if step >= warmup:
-            elapsed += time.perf_counter() - start
-    return {"step_s": elapsed / steps, "bytes_per_step": (sent_bytes() - bytes_before) / steps}
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            criterion(model(x), y).backward()
+            optimizer.step()
+            if step >= warmup:
+                elapsed[mode] += time.perf_counter() - start
+    return {mode: {"step_s": elapsed[mode] / steps,
+                   "bytes_per_step": (setups[mode][2]() - bytes_before[mode]) / steps} for mode in MODES}
 
 
 def worker(rank: int, world_size: int, port: int, args, out_path: str):
@@ -114,7 +119,7 @@ def worker(rank: int, world_size: int, port: int, args, out_path: str):
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        results = {m: time_mode(m, rank, args.width, args.batch_size, args.steps) for m in MODES}
+        results = time_modes(rank, args.width, args.batch_size, args.steps)
         gathered = [None] * world_size
         dist.all_gather_object(gathered, results)
         if rank == 0:

@@ -12,9 +12,12 @@ the median of the plain pass:
 
 Usage::
 
-    python scripts/benchmark_layers.py [--repeats 20] [--warmup 3] [--only conv] [--json out.json]
+    python scripts/benchmark_layers.py [--repeats 20] [--warmup 3] [--only conv]
+                                       [--first-layer] [--device cpu] [--json out.json]
 
-Leave ``OMP_NUM_THREADS`` unset for representative CPU figures; the numbers are noisy on a
+Floating-point inputs require gradients, as for a layer inside a network (plain backward then
+also computes the input gradient); ``--first-layer`` times the layers as a network's first
+layer instead. Leave ``OMP_NUM_THREADS`` unset for representative CPU figures; the numbers are noisy on a
 shared machine (run it alone).
 """
 
@@ -89,6 +92,8 @@ def all_cases() -> List[Case]:
              _randn(32, 32, 32, 32)),
         Case("Conv2d stride 2", "B32 64->128 k3 16x16",
              lambda: nn.Conv2d(64, 128, 3, stride=2, padding=1), _randn(32, 64, 16, 16)),
+        Case("Conv2d", "B32 256->256 k3 8x8", lambda: nn.Conv2d(256, 256, 3, padding=1),
+             _randn(32, 256, 8, 8)),
         Case("Conv2d depthwise", "B32 64 k3 16x16",
              lambda: nn.Conv2d(64, 64, 3, padding=1, groups=64), _randn(32, 64, 16, 16)),
         Case("Conv3d", "B16 4->16 k3 16^3", lambda: nn.Conv3d(4, 16, 3, padding=1),
@@ -149,12 +154,17 @@ class SamplerHarness:
         return forward_hook
 
 
-def _make_step(kind: str, case: Case, device: torch.device) -> Callable[[], None]:
+def _prepare_inputs(case: Case, device: torch.device, input_grad: bool) -> Tuple[Any, ...]:
+    inputs = tuple(t.to(device) for t in case.inputs())
+    return tuple(t.requires_grad_(input_grad and t.is_floating_point()) for t in inputs)
+
+
+def _make_step(kind: str, case: Case, device: torch.device, input_grad: bool):
     """A closure running one forward + backward of ``case`` the ``kind`` way."""
     torch.manual_seed(0)
     build = case.build_opacus if (kind == "opacus" and case.build_opacus) else case.build
     model = build().to(device)
-    inputs = tuple(t.to(device) for t in case.inputs())
+    inputs = _prepare_inputs(case, device, input_grad)
     if kind == "ours":
         model = GradSampleModule(model, batch_first=True, loss_reduction="sum")
     elif kind == "opacus":
@@ -187,12 +197,13 @@ def _timed(step: Callable[[], None], device: torch.device) -> float:
 KINDS = ("plain", "ours", "samplers", "opacus")
 
 
-def run_case(case: Case, repeats: int, warmup: int, device: torch.device) -> Dict[str, Any]:
+def run_case(case: Case, repeats: int, warmup: int, device: torch.device,
+             input_grad: bool = True) -> Dict[str, Any]:
     """Median seconds per kind (None where a kind cannot run the case)."""
     steps, errors = {}, {}
     for kind in KINDS:
         try:
-            steps[kind] = _make_step(kind, case, device)
+            steps[kind] = _make_step(kind, case, device, input_grad)
         except Exception as error:  # unsupported layer in one of the wrappers: report n/a
             errors[kind] = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
     times: Dict[str, List[float]] = {kind: [] for kind in steps}
@@ -240,18 +251,23 @@ def main(argv=None) -> List[Dict[str, Any]]:
     parser.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
     parser.add_argument("--only", default="", help="run cases whose name contains this text")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--first-layer", action="store_true",
+                        help="inputs do not require gradients (a network's first layer)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}, "
+          f"{'first layer' if args.first_layer else 'inner layer'} (input gradients "
+          f"{'off' if args.first_layer else 'on'})")
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for case in all_cases():
             if args.only.lower() in case.name.lower():
-                rows.append(run_case(case, args.repeats, args.warmup, device))
+                rows.append(run_case(case, args.repeats, args.warmup, device,
+                                     input_grad=not args.first_layer))
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -39,7 +39,7 @@ def set_epoch(loader: DataLoader, epoch: int) -> None:
             sampler.set_epoch(epoch)
 
 
-def _progress(iterable, *, total: int, epoch: int, enabled: bool):
+def progress(iterable, *, total: int, epoch: int, enabled: bool):
     if not enabled:
         return iterable
     from tqdm import tqdm
@@ -55,7 +55,7 @@ def train_epoch(run: TrainingRun, epoch: int, *, device: torch.device, print_fre
     loss_sum, correct, seen, steps = 0.0, 0, 0, 0
     epsilon = run.epsilon() if run.private else math.nan
     with physical_batches(run) as batches:
-        bar = _progress(batches, total=len(run.train_loader), epoch=epoch, enabled=show_progress)
+        bar = progress(batches, total=len(run.train_loader), epoch=epoch, enabled=show_progress)
         for batch, take_step in bar:
             inputs, targets = to_device(batch, device)
             run.optimizer.zero_grad(set_to_none=True)

@@ -31,7 +31,7 @@ Refused, with a clear error: a replica that was not made by a taken-over ``repli
 
 import threading
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -111,6 +111,26 @@ def _drop_owner() -> None:
             _give_back(data_parallel)
 
 
+def _fallback_refusal(describe_layer: str) -> ValueError:
+    return ValueError(
+        f"{describe_layer} has no registered grad sampler (it would use the generic "
+        "torch.func fallback, or grad_sample_mode='functorch' was chosen), which is not "
+        "supported inside nn.DataParallel replicas: use grad_sample_mode='hooks' with "
+        "supported layers, or DistributedDataParallel instead of nn.DataParallel"
+    )
+
+
+def refuse_unsupported_replicas(module: nn.Module, has_registered_sampler: Callable) -> None:
+    """At wrapping time: every layer with parameters inside an ``nn.DataParallel`` of
+    ``module`` must have a registered grad sampler (replicas own no ``parameters()``)."""
+    for outer_path, data_parallel in module.named_modules():
+        if not isinstance(data_parallel, DataParallel):
+            continue
+        for path, layer in data_parallel.named_modules(prefix=outer_path):
+            if layer._parameters and not has_registered_sampler(layer):
+                raise _fallback_refusal(f"{path} ({type(layer).__name__})")
+
+
 def chunk_of(layer: nn.Module, master: nn.Module, *, describe_layer: str,
              uses_registered_sampler: bool) -> int:
     """The batch chunk handled by ``layer``: 0 for the master itself, else the replica's.
@@ -127,12 +147,7 @@ def chunk_of(layer: nn.Module, master: nn.Module, *, describe_layer: str,
             "assigned to their samples. Use nn.DataParallel or DistributedDataParallel."
         )
     if not uses_registered_sampler:
-        raise ValueError(
-            f"{describe_layer} has no registered grad sampler (it would use the generic "
-            "torch.func fallback, or grad_sample_mode='functorch' was chosen), which is not "
-            "supported inside nn.DataParallel replicas: use grad_sample_mode='hooks' with "
-            "supported layers, or DistributedDataParallel instead of nn.DataParallel"
-        )
+        raise _fallback_refusal(describe_layer)
     return chunk
 
 

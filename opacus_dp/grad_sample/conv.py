@@ -6,13 +6,19 @@ gradient ``gy_i`` of sample ``i``, the per-sample gradients are
     dL_i/dW[o, c, k] = sum_l gy_i[o, l] * x_i[g(o) * C/G + c, l * stride + k * dilation]
     dL_i/db[o]       = sum_l gy_i[o, l]
 
-i.e. the weight gradient of the same convolution run on sample ``i`` alone. All samples are
-obtained from ONE weight-gradient convolution by folding the batch into the channel axis:
-input ``(1, B*C, ...)``, output gradient ``(1, B*O, ...)`` and ``B*G`` groups; its weight
-gradient, of shape ``(B*O, C/G, *kernel)``, is the stack of the ``B`` per-sample gradients
-(Rochette et al., "Efficient per-example gradient computations in convolutional neural
-networks", 2019). On CPU this was measured 2-10x faster than im2col followed by a batched
-matrix product (``scripts/benchmark_layers.py``).
+i.e. the weight gradient of the same convolution run on sample ``i`` alone. Two equivalent
+ways to get all ``B`` of them at once, chosen by measurement (``scripts/benchmark_layers.py``):
+
+* folded convolution (Rochette et al., "Efficient per-example gradient computations in
+  convolutional neural networks", 2019): fold the batch into the channel axis -- input
+  ``(1, B*C, ...)``, output gradient ``(1, B*O, ...)``, ``B*G`` groups -- and take that
+  convolution's weight gradient, of shape ``(B*O, C/G, *kernel)``: the stack of the
+  per-sample gradients. Fastest on CPU for large spatial outputs and for grouped/depthwise
+  layers (no intermediate copy of the input);
+* im2col (Chellapilla et al., "High performance convolutional neural networks for document
+  processing", 2006) + batched matrix product: ``x`` unfolded to ``(B, G, C/G*K, L)`` windows, then ``gy @ windows^T`` per sample and
+  group. Faster for small spatial outputs (``L`` positions) with many channels, e.g. the late
+  stages of a ResNet.
 
 Zero padding that is the same on both sides is handled by the weight-gradient convolution;
 any other padding (``padding_mode`` reflect/replicate/circular, or the asymmetric split of
@@ -70,26 +76,69 @@ def _prepare_input(layer: ConvNd, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[
     return _pad_explicitly(x, layer, pads), (0,) * len(pads)
 
 
-def per_sample_conv_weight_grad(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
-    """Per-sample weight gradients ``(B, *layer.weight.shape)`` (formula in the module doc)."""
+def folded_conv_weight_grad(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
+    """Per-sample weight gradients from one convolution with the batch folded into groups."""
     batch = x.shape[0]
-    per_sample_shape = (batch, *layer.weight.shape)
-    if batch == 0:
-        return gy.new_zeros(per_sample_shape)
     x, padding = _prepare_input(layer, x)
-    folded_x = x.reshape(1, batch * x.shape[1], *x.shape[2:])
-    folded_gy = gy.reshape(1, batch * gy.shape[1], *gy.shape[2:])
     folded_weight_shape = (batch * layer.out_channels, *layer.weight.shape[1:])
     weight_grad = _WEIGHT_GRAD[x.dim() - 2](
-        folded_x,
+        x.reshape(1, batch * x.shape[1], *x.shape[2:]),
         folded_weight_shape,
-        folded_gy,
+        gy.reshape(1, batch * gy.shape[1], *gy.shape[2:]),
         stride=layer.stride,
         padding=padding,
         dilation=layer.dilation,
         groups=batch * layer.groups,
     )
-    return weight_grad.view(per_sample_shape)
+    return weight_grad.view(batch, *layer.weight.shape)
+
+
+def conv_windows(layer: ConvNd, x: torch.Tensor) -> torch.Tensor:
+    """im2col: ``(B, G, C/G * K, L)``, entry ``[i, g, (c, k), l]`` = padded
+    ``x_i[g*C/G + c, l*stride + k*dilation]`` (``K`` kernel taps, ``L`` output positions)."""
+    x = _pad_explicitly(x, layer, side_padding(layer))
+    spatial = len(layer.kernel_size)
+    for dim, (k, s, d) in enumerate(zip(layer.kernel_size, layer.stride, layer.dilation)):
+        x = x.unfold(2 + dim, d * (k - 1) + 1, s)  # (..., windows, span)
+        if d > 1:
+            x = x[..., ::d]
+    # x: (B, C, *positions, *taps) -> (B, C, *taps, *positions)
+    taps_first = [0, 1, *range(2 + spatial, 2 + 2 * spatial), *range(2, 2 + spatial)]
+    positions = x.shape[2 : 2 + spatial].numel()
+    return x.permute(taps_first).reshape(x.shape[0], layer.groups, -1, positions)
+
+
+def im2col_weight_grad(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
+    """Per-sample weight gradients as ``gy_i,g @ windows_i,g^T`` (one matrix product per
+    sample and group)."""
+    windows = conv_windows(layer, x)
+    gy = gy.reshape(gy.shape[0], layer.groups, -1, windows.shape[-1])
+    return torch.matmul(gy, windows.transpose(-1, -2)).view(x.shape[0], *layer.weight.shape)
+
+
+# Output positions up to which im2col beat the folded convolution on CPU (ungrouped layers).
+IM2COL_MAX_POSITIONS = 64
+
+
+def prefers_im2col(layer: ConvNd, gy: torch.Tensor) -> bool:
+    """True for ungrouped layers with few output positions (see the module doc)."""
+    return layer.groups == 1 and gy.shape[2:].numel() <= IM2COL_MAX_POSITIONS
+
+
+def per_sample_conv_weight_grad(
+    layer: ConvNd, x: torch.Tensor, gy: torch.Tensor, method: str = "auto"
+) -> torch.Tensor:
+    """Per-sample weight gradients ``(B, *layer.weight.shape)`` (formula in the module doc).
+
+    ``method``: ``"folded"``, ``"im2col"`` or ``"auto"`` (:func:`prefers_im2col`).
+    """
+    if method not in ("auto", "folded", "im2col"):
+        raise ValueError(f"method must be 'auto', 'folded' or 'im2col', got {method!r}")
+    if x.shape[0] == 0:
+        return gy.new_zeros((0, *layer.weight.shape))
+    if method == "im2col" or (method == "auto" and prefers_im2col(layer, gy)):
+        return im2col_weight_grad(layer, x, gy)
+    return folded_conv_weight_grad(layer, x, gy)
 
 
 def _check_batched(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) -> None:

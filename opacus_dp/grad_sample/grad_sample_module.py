@@ -14,7 +14,9 @@ After ``loss.backward()`` every trainable parameter ``p`` has ``p.grad_sample`` 
 ``loss_reduction="mean"`` the backprops are multiplied by the call's batch size ``B`` to
 undo the ``1/B`` of the mean. Gradient hooks are tied to one call's outputs (not to the
 module), so in-place operations after a layer (``ReLU(inplace=True)``), calls whose
-outputs never reach the loss, and evaluation passes leave no stale state behind.
+outputs never reach the loss, and evaluation passes leave no stale state behind
+(module-level full backward hooks are not used: torch forbids in-place changes of the
+outputs they wrap).
 """
 
 import threading
@@ -70,6 +72,13 @@ class GradSampleModule(nn.Module):
             trainable parameters cannot get per-sample gradients; otherwise such
             submodules are left without hooks.
         force_functorch: use the ``torch.func`` fallback for every layer.
+
+    Accumulation: per-sample gradients of all calls made for one backward pass (loops,
+    RNN time steps, tied weights, several forwards added into one loss) are summed;
+    each further forward/backward pair on a new batch is concatenated along dim 0
+    (virtual steps) until :meth:`pop_grad_samples`, :meth:`zero_grad_sample` or
+    :meth:`zero_grad` clears them. Read them as ``p.grad_sample``, or consume them with
+    :meth:`pop_grad_samples`. :meth:`close` removes every hook and attribute.
     """
 
     def __init__(
@@ -91,6 +100,7 @@ class GradSampleModule(nn.Module):
         self.unsupported = [str(e) for e in errors]
         self._store = PerSampleGradStore(batch_first, loss_reduction)
         self._handles: List[Any] = []
+        data_parallel.refuse_unsupported_replicas(module, lambda m: self._sampler_for(m) is not None)
         self._add_hooks()
         if self._handles:
             data_parallel.acquire(self)
@@ -199,8 +209,15 @@ class GradSampleModule(nn.Module):
                 backprops[index] = self._batch_first_backprop(grad, call)
         if all(b is None for b in backprops):
             return
-        grad_samples = self._per_sample_grads(layer, call, backprops)
         layer_name = describe(path, master)
+        if call.released:
+            raise RuntimeError(
+                f"{layer_name}: a second backward pass through the same graph "
+                f"(retain_graph=True) is not supported with per-sample gradients; "
+                f"run a new forward pass for each backward pass"
+            )
+        grad_samples = self._per_sample_grads(layer, call, backprops)
+        call.release()
         for param, grad_sample in _master_grad_samples(master, layer, grad_samples).items():
             self._store.add(param, grad_sample, layer_name, chunk)
 
@@ -259,9 +276,11 @@ class GradSampleModule(nn.Module):
         self.zero_grad_sample()
 
     def set_grad_sample_to_none(self) -> None:
+        """Opacus-compatible name of :meth:`zero_grad_sample`."""
         self._store.clear()
 
     def del_grad_sample(self) -> None:
+        """Free per-sample gradients and delete the ``grad_sample`` attributes."""
         self._store.remove_views()
 
     def forbid_grad_accumulation(self) -> None:

@@ -55,6 +55,16 @@ class LayerCall:
     kwargs: Dict[str, Any]
     batch_dim: int
     batch_size: int
+    released: bool = False
+
+    def release(self) -> None:
+        """Drop the inputs once the call's per-sample gradients are computed.
+
+        The gradient hook holding this record lives as long as the call's output tensor,
+        which a training loop often keeps until the next step; releasing early keeps the
+        activations from outliving the backward pass.
+        """
+        self.args, self.kwargs, self.released = (), {}, True
 
     @classmethod
     def capture(cls, args, kwargs, batch_dim: int, batch_size: int) -> "LayerCall":

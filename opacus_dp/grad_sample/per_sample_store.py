@@ -18,7 +18,7 @@ clears ``p.grad_sample`` itself, the table adopts that value.
 """
 
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -181,7 +181,3 @@ class PerSampleGradStore:
             for param in self._touched.values():
                 param.__dict__.pop("grad_sample", None)
             self._touched.clear()
-
-    def params_with_grad_sample(self) -> List[torch.Tensor]:
-        with self._lock:
-            return [p for p in list(self._touched.values()) if self._synced(p) is not None]

@@ -5,7 +5,12 @@ All of them accept the state dicts of their torch counterparts and produce state
 that torch loads. Importing this package registers their per-sample gradient functions.
 """
 
-from opacus_dp.layers.batch_first import BatchFirstLinear, RNNLinear, SequenceBias
+from opacus_dp.layers.batch_first import (
+    BatchFirstLinear,
+    BatchFirstSequenceBias,
+    RNNLinear,
+    SequenceBias,
+)
 from opacus_dp.layers.dp_multihead_attention import DPMultiheadAttention
 from opacus_dp.layers.dp_rnn import DPGRU, DPLSTM, DPRNN, DPRNNBase
 from opacus_dp.layers.param_rename import StateDictAliasMixin
@@ -22,6 +27,7 @@ __all__ = [
     "DPLSTMCell",
     "DPRNNCellBase",
     "BatchFirstLinear",
+    "BatchFirstSequenceBias",
     "RNNLinear",
     "SequenceBias",
     "StateDictAliasMixin",

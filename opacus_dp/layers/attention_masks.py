@@ -30,9 +30,9 @@ def _attn_mask_4d(attn_mask: torch.Tensor, batch: int, heads: int, tgt_len: int,
         return attn_mask.view(1, 1, tgt_len, src_len)
     if attn_mask.dim() == 3 and tuple(attn_mask.shape) == (batch * heads, tgt_len, src_len):
         return attn_mask.view(batch, heads, tgt_len, src_len)
-    lead = "num_heads" if unbatched else "batch * num_heads"
+    leading = "num_heads" if unbatched else "batch * num_heads"
     raise ValueError(f"DPMultiheadAttention: attn_mask must have shape {(tgt_len, src_len)} or "
-                     f"({lead}, {tgt_len}, {src_len}) = {(batch * heads, tgt_len, src_len)}, "
+                     f"({leading}, {tgt_len}, {src_len}) = {(batch * heads, tgt_len, src_len)}, "
                      f"got {tuple(attn_mask.shape)}")
 
 

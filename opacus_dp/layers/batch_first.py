@@ -8,6 +8,8 @@ DP layers rearrange their inputs themselves, so the per-sample axis is never gue
 import torch
 import torch.nn as nn
 
+from opacus_dp.layers.arguments import check_positive_int
+
 
 class BatchFirstLinear(nn.Linear):
     """``nn.Linear`` that is always called with the batch on dim 0: ``y = x W^T + b``.
@@ -25,31 +27,40 @@ RNNLinear = BatchFirstLinear
 
 
 class SequenceBias(nn.Module):
-    """Appends a learned vector as one extra step at the end of a batch-first sequence.
+    """Appends a learned vector as one extra step at the end of every sequence.
 
-    ``forward(x)`` with ``x`` of shape ``(B, S, E)`` returns ``(B, S + 1, E)`` whose last
-    step is ``bias`` for every sample; this is ``add_bias_kv`` of multi-head attention.
-    ``bias`` has torch's shape ``(1, 1, E)``; its per-sample gradient is the backprop of the
-    appended step.
+    ``forward(x)`` with ``x`` of shape ``(S, B, E)`` (``(B, S, E)`` if ``batch_first``)
+    returns ``S + 1`` steps, the last being ``bias`` for every sample; this is
+    ``add_bias_kv`` of multi-head attention. ``bias`` has torch's shape ``(1, 1, E)``; its
+    per-sample gradient is the backprop of the appended step. Like any plain layer, its
+    batch dimension under ``GradSampleModule`` is the wrapper's ``batch_first``.
     """
 
-    _dp_batch_dim = 0
-
-    def __init__(self, embed_dim: int, device=None, dtype=None):
+    def __init__(self, embed_dim: int, batch_first: bool = False, device=None, dtype=None):
         super().__init__()
-        if not isinstance(embed_dim, int) or embed_dim <= 0:
-            raise ValueError(f"SequenceBias: embed_dim must be a positive int, got {embed_dim!r}")
-        self.embed_dim = embed_dim
+        check_positive_int(type(self).__name__, "embed_dim", embed_dim)
+        self.embed_dim, self.batch_first = embed_dim, batch_first
         self.bias = nn.Parameter(torch.empty(1, 1, embed_dim, device=device, dtype=dtype))
         nn.init.xavier_normal_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
-            raise ValueError(
-                f"SequenceBias expects input of shape (batch, seq, {self.embed_dim}), "
-                f"got {tuple(x.shape)}"
-            )
-        return torch.cat([x, self.bias.expand(x.shape[0], 1, self.embed_dim)], dim=1)
+            layout = "(batch, seq, E)" if self.batch_first else "(seq, batch, E)"
+            raise ValueError(f"{type(self).__name__} expects input of shape {layout} with "
+                             f"E={self.embed_dim}, got {tuple(x.shape)}")
+        if self.batch_first:
+            return torch.cat([x, self.bias.expand(x.shape[0], 1, self.embed_dim)], dim=1)
+        return torch.cat([x, self.bias.expand(1, x.shape[1], self.embed_dim)], dim=0)
 
     def extra_repr(self) -> str:
-        return f"embed_dim={self.embed_dim}"
+        return f"embed_dim={self.embed_dim}, batch_first={self.batch_first}"
+
+
+class BatchFirstSequenceBias(SequenceBias):
+    """:class:`SequenceBias` whose calls always have the batch on dim 0 (used inside
+    DPMultiheadAttention): ``(B, S, E) -> (B, S + 1, E)``."""
+
+    _dp_batch_dim = 0
+
+    def __init__(self, embed_dim: int, device=None, dtype=None):
+        super().__init__(embed_dim, batch_first=True, device=device, dtype=dtype)

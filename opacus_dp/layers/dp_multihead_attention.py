@@ -7,7 +7,7 @@ likewise ``K``, ``V``, split into ``num_heads`` heads of size ``d = embed_dim / 
 
 where ``M`` is the additive mask built from ``attn_mask`` and ``key_padding_mask``
 (:mod:`opacus_dp.layers.attention_masks`). ``add_bias_kv`` appends the learned vectors
-``bias_k``/``bias_v`` as one more key/value step (a :class:`SequenceBias`),
+``bias_k``/``bias_v`` as one more key/value step (a ``BatchFirstSequenceBias``),
 ``add_zero_attn`` appends a step of zeros after the heads are split. The returned
 attention weights are ``A`` after dropout, averaged over heads if ``average_attn_weights``.
 
@@ -33,10 +33,15 @@ import torch.nn.functional as F
 
 from opacus_dp.layers.arguments import check_positive_int, check_probability
 from opacus_dp.layers.attention_masks import additive_attention_mask
-from opacus_dp.layers.batch_first import BatchFirstLinear, SequenceBias
+from opacus_dp.layers.batch_first import BatchFirstLinear, BatchFirstSequenceBias, SequenceBias
 from opacus_dp.layers.param_rename import report_external_names
 
+# SequenceBias is re-exported for the Opacus 1.x import path of the same module.
+__all__ = ["DPMultiheadAttention", "SequenceBias"]
+
 _PROJECTIONS = ("qlinear", "klinear", "vlinear")
+_PACKED_TORCH_PARAMETERS = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight",
+                            "v_proj_weight")
 
 
 def _torch_layout(module: "DPMultiheadAttention") -> List[Tuple[str, List[str]]]:
@@ -102,8 +107,8 @@ class DPMultiheadAttention(nn.Module):
         self.klinear = BatchFirstLinear(self.kdim, embed_dim, bias=bias, **factory)
         self.vlinear = BatchFirstLinear(self.vdim, embed_dim, bias=bias, **factory)
         if add_bias_kv:
-            self.seq_bias_k = SequenceBias(embed_dim, **factory)
-            self.seq_bias_v = SequenceBias(embed_dim, **factory)
+            self.seq_bias_k = BatchFirstSequenceBias(embed_dim, **factory)
+            self.seq_bias_v = BatchFirstSequenceBias(embed_dim, **factory)
         self.out_proj = BatchFirstLinear(embed_dim, embed_dim, bias=bias, **factory)
         self._reset_parameters()
         self.register_state_dict_post_hook(_save_torch_keys)
@@ -124,6 +129,17 @@ class DPMultiheadAttention(nn.Module):
         for linear in linears + [self.out_proj]:
             if linear.bias is not None:
                 nn.init.zeros_(linear.bias)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in _PACKED_TORCH_PARAMETERS:
+                raise AttributeError(
+                    f"DPMultiheadAttention has no {name!r}: the q/k/v projections are the separate "
+                    "layers qlinear, klinear and vlinear (state_dict() still emits torch's keys)"
+                ) from None
+            raise
 
     @property
     def bias_k(self) -> Optional[nn.Parameter]:

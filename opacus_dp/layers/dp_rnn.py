@@ -25,9 +25,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from opacus_dp.layers.arguments import check_positive_int, check_probability
+from opacus_dp.layers.batch_first import RNNLinear
 from opacus_dp.layers.param_rename import StateDictAliasMixin
-from opacus_dp.layers.rnn_cells import CELL_TYPES, DPRNNCellBase, State
+from opacus_dp.layers.rnn_cells import (
+    CELL_TYPES,
+    DPGRUCell,
+    DPLSTMCell,
+    DPRNNCell,
+    DPRNNCellBase,
+    State,
+)
 from opacus_dp.layers.rnn_sequences import from_batch_major, to_batch_major, valid_steps
+
+# The cells and RNNLinear are re-exported here because Opacus 1.x users import them from
+# ``opacus.layers.dp_rnn``.
+__all__ = ["DPRNNBase", "DPRNN", "DPGRU", "DPLSTM", "DPRNNCellBase", "DPRNNCell", "DPGRUCell",
+           "DPLSTMCell", "RNNLinear"]
 
 
 def _run_direction(cell: DPRNNCellBase, x: torch.Tensor, state: State,

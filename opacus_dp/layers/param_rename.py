@@ -27,7 +27,7 @@ import torch.nn as nn
 
 def _save_external_names(module, state_dict, prefix, local_metadata):
     """Post-hook of ``state_dict``: internal keys -> external keys (in alias order)."""
-    for internal, external in module._state_dict_alias_table:
+    for internal, external in module.state_dict_aliases():
         key = prefix + internal
         if key in state_dict:
             state_dict[prefix + external] = state_dict.pop(key)
@@ -38,7 +38,7 @@ def _load_external_names(
 ):
     """Pre-hook of ``load_state_dict``: external keys -> internal keys."""
     module.__dict__["_alias_load_prefix"] = prefix
-    for internal, external in module._state_dict_alias_table:
+    for internal, external in module.state_dict_aliases():
         key = prefix + external
         if key in state_dict:
             state_dict[prefix + internal] = state_dict.pop(key)
@@ -62,7 +62,7 @@ def report_external_names(module, incompatible_keys, renames) -> None:
 
 
 def _report_external_names(module, incompatible_keys):
-    report_external_names(module, incompatible_keys, module._state_dict_alias_table)
+    report_external_names(module, incompatible_keys, module.state_dict_aliases())
 
 
 class StateDictAliasMixin:

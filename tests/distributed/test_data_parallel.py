@@ -56,6 +56,8 @@ def oracle_grad_samples(model, x, y, loss_reduction):
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_grad_samples_gathered_in_batch_order(device, order, loss_reduction, replicas):
+    if device == "cuda" and torch.cuda.device_count() < replicas:
+        pytest.skip(f"needs {replicas} GPUs")
     model = make_model().to(device)
     x, y = (t.to(device) for t in batch(7))  # 7 rows: uneven chunks (4+3 or 3+3+1)
     want = oracle_grad_samples(model, x, y, loss_reduction)
@@ -72,12 +74,13 @@ def test_grad_samples_gathered_in_batch_order(device, order, loss_reduction, rep
     gsm.close()
 
 
-def _private_update(model, x, y, engine_api: str, order: str, replicas: int, clipping):
+def _private_update(model, x, y, engine_api: str, order: str, replicas: int, clipping, device):
     """Parameters after one σ=0 private step of ``model`` under DataParallel."""
+    model, x, y = model.to(device), x.to(device), y.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.7)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        wrapped = CPUDataParallel(model, replicas) if order == "before" else model
+        wrapped = data_parallel(model, replicas, device) if order == "before" else model
         if engine_api == "classic":
             engine = PrivacyEngine(wrapped, batch_size=x.shape[0], sample_size=10 * x.shape[0],
                                    noise_multiplier=0.0, max_grad_norm=clipping,
@@ -92,20 +95,21 @@ def _private_update(model, x, y, engine_api: str, order: str, replicas: int, cli
                 max_grad_norm=clipping, poisson_sampling=False,
                 clipping="per_layer" if isinstance(clipping, list) else "flat")
     if order == "after":
-        net = CPUDataParallel(net, replicas)
+        net = data_parallel(net, replicas, device)
     optimizer.zero_grad()
     nn.CrossEntropyLoss()(net(x), y).backward()
     optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().cpu() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("engine_api,order,clipping", [
     ("modern", "before", 0.5), ("modern", "after", [0.3] * 6),
     ("classic", "before", [0.3] * 6), ("classic", "after", 0.5),
 ])
-def test_private_step_equals_single_device(engine_api, order, clipping):
+def test_private_step_equals_single_device(engine_api, order, clipping, device):
     x, y = batch(9)
-    got = _private_update(make_model(), x, y, engine_api, order, 3, clipping)
+    got = _private_update(make_model(), x, y, engine_api, order, 2, clipping, device)
     reference = make_model()
     norms = [torch.cat([g.flatten() for g in s]).norm() for s in
              per_sample_grads(reference, nn.CrossEntropyLoss(), x, y)]
@@ -128,20 +132,23 @@ class Custom(nn.Module):
 
 
 def test_fallback_layers_are_refused_inside_replicas():
-    model = nn.Sequential(nn.Linear(4, 3).double(), Custom())
-    gsm = GradSampleModule(CPUDataParallel(model, 2))
+    with pytest.raises(ValueError, match=r"1 \(Custom\) has no registered grad sampler.*DistributedDataParallel"):
+        GradSampleModule(CPUDataParallel(nn.Sequential(nn.Linear(4, 3).double(), Custom()), 2))
+    gsm = GradSampleModule(nn.Sequential(nn.Linear(4, 3).double(), Custom()))  # wrapped afterwards
     try:
-        with pytest.raises(ValueError, match="no registered grad sampler.*DistributedDataParallel"):
-            gsm(torch.randn(4, 4, dtype=torch.float64))
+        with pytest.raises(ValueError, match="no registered grad sampler"):
+            CPUDataParallel(gsm, 2)(torch.randn(4, 4, dtype=torch.float64))
     finally:
         gsm.close()
 
 
 def test_functorch_mode_is_refused_inside_replicas():
-    gsm = GradSampleModule(CPUDataParallel(nn.Linear(4, 3).double(), 2), force_functorch=True)
+    with pytest.raises(ValueError, match="grad_sample_mode='functorch'"):
+        GradSampleModule(CPUDataParallel(nn.Linear(4, 3).double(), 2), force_functorch=True)
+    gsm = GradSampleModule(nn.Linear(4, 3).double(), force_functorch=True)
     try:
         with pytest.raises(ValueError, match="grad_sample_mode='functorch'"):
-            gsm(torch.randn(4, 4, dtype=torch.float64))
+            CPUDataParallel(gsm, 2)(torch.randn(4, 4, dtype=torch.float64))
     finally:
         gsm.close()
 

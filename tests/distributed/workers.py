@@ -114,7 +114,7 @@ def train_classic(rank, world_size, wrapper, clipping, steps=3, per_process_batc
         engine = PrivacyEngine(model, batch_size=per_process_batch, sample_size=N_SAMPLES,
                                noise_multiplier=0.0, max_grad_norm=_clipping_args(clipping, 4),
                                clip_per_layer=clipping == "per_layer")
-    engine.attach(optimizer)
+        engine.attach(optimizer)
     criterion = nn.CrossEntropyLoss()
     logical = []
     for step in range(steps):

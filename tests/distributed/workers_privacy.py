@@ -151,7 +151,7 @@ def classic_epsilon_run(rank, world_size, steps=3, per_process_batch=4):
         warnings.simplefilter("ignore")
         engine = PrivacyEngine(model, batch_size=per_process_batch, sample_size=48,
                                noise_multiplier=0.9, max_grad_norm=1.0)
-    engine.attach(optimizer)
+        engine.attach(optimizer)
     x, y = dataset().tensors
     for step in range(steps):
         rows = slice((2 * step + rank) * per_process_batch, (2 * step + rank + 1) * per_process_batch)

@@ -225,6 +225,7 @@ def test_invalid_model_is_refused_at_attach():
         engine.attach(SGD(model.parameters(), lr=0.1))
 
 
+@pytest.mark.filterwarnings("error:Seems like `optimizer.step\\(\\)` has been overridden")
 @pytest.mark.parametrize("scheduler_first", [False, True])
 def test_lr_scheduler_before_or_after_attach(scheduler_first):
     x, y = small_data(5)
@@ -243,10 +244,29 @@ def test_lr_scheduler_before_or_after_attach(scheduler_first):
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
         scheduler.step()
-        grads = torch.autograd.grad(nn.functional.cross_entropy(reference(x), y), list(reference.parameters()))
+        loss = nn.functional.cross_entropy(reference(x), y)
+        grads = torch.autograd.grad(loss, list(reference.parameters()))
         with torch.no_grad():
             for p, g in zip(reference.parameters(), grads):
                 p -= lr * g
     assert engine.steps == 2
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_opacus_0x_steps_only_state_dict_means_constant_schedule():
+    alphas = [2, 4, 8, 16, 32, 64]
+    engine = PrivacyEngine(small_model(), 5, 20, alphas=alphas, noise_multiplier=1.2, max_grad_norm=1.0)
+    engine.load_state_dict({"steps": 7})
+    eps_ref, _ = reference_epsilon(0.25, 1.2, 7, alphas, 1e-5)
+    assert engine.steps == 7
+    assert engine.get_privacy_spent(1e-5)[0] == pytest.approx(eps_ref, rel=1e-9)
+
+
+def test_fixed_size_batches_warn_about_sampling_assumption():
+    from opacus_dp.data import SamplingWarning
+
+    model = small_model()
+    engine = PrivacyEngine(model, 5, 20, noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.warns(SamplingWarning, match="Poisson"):
+        engine.attach(SGD(model.parameters(), lr=0.1))

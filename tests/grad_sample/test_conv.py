@@ -10,7 +10,12 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opacus_dp.grad_sample.conv import conv_grad_sample, side_padding
+from opacus_dp.grad_sample.conv import (
+    conv_grad_sample,
+    per_sample_conv_weight_grad,
+    prefers_im2col,
+    side_padding,
+)
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
@@ -28,6 +33,7 @@ def oracle_per_sample_grads(layer, x, gy):
 
 
 def assert_matches_oracle(layer, x, atol=1e-10, rtol=1e-8):
+    """The registered sampler, and both weight-gradient methods, agree with the oracle."""
     gy = torch.randn_like(layer(x))
     got = conv_grad_sample(layer, [x], gy)
     expected = oracle_per_sample_grads(layer, x, gy)
@@ -35,6 +41,10 @@ def assert_matches_oracle(layer, x, atol=1e-10, rtol=1e-8):
     for p, g in expected.items():
         assert got[p].shape == (x.shape[0], *p.shape)
         torch.testing.assert_close(got[p], g, atol=atol, rtol=rtol)
+    if layer.weight.requires_grad:
+        for method in ("folded", "im2col"):
+            by_method = per_sample_conv_weight_grad(layer, x, gy, method=method)
+            torch.testing.assert_close(by_method, expected[layer.weight], atol=atol, rtol=rtol)
 
 
 @st.composite
@@ -115,6 +125,21 @@ def test_empty_batch_gives_zero_rows(nd):
     got = conv_grad_sample(layer, [x], gy)
     assert got[layer.weight].shape == (0, *layer.weight.shape)
     assert got[layer.bias].shape == (0, *layer.bias.shape)
+
+
+def test_unknown_method_is_rejected():
+    layer = nn.Conv1d(1, 1, 2)
+    x = torch.randn(2, 1, 4)
+    with pytest.raises(ValueError, match="method"):
+        per_sample_conv_weight_grad(layer, x, layer(x).detach(), method="fft")
+
+
+def test_auto_method_choice():
+    """im2col only for ungrouped layers with few output positions."""
+    small, large = torch.zeros(2, 4, 8, 8), torch.zeros(2, 4, 16, 16)
+    assert prefers_im2col(nn.Conv2d(4, 4, 3), small)
+    assert not prefers_im2col(nn.Conv2d(4, 4, 3), large)
+    assert not prefers_im2col(nn.Conv2d(4, 4, 3, groups=2), small)
 
 
 def test_unbatched_input_is_rejected():

@@ -158,7 +158,7 @@ class SequenceWithLast(nn.Module):
 
     def forward(self, x):  # (B, T, 3)
         out = torch.tanh(x @ self.w)
-        return out, out[:, -1], (out * self.v).sum(-1), out, "done"
+        return out, out[:, -1], (out * self.v).sum((1, 2)), out, "done"
 
 
 class UsesAllOutputs(nn.Module):

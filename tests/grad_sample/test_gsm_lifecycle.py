@@ -214,3 +214,13 @@ def test_unsupported_modules_strict_and_non_strict():
     model[1].requires_grad_(False)
     model[2].requires_grad_(False)
     assert GradSampleModule.is_supported(model)
+
+
+def test_second_backward_through_a_retained_graph_is_refused():
+    model = make_model()
+    gsm = GradSampleModule(model)
+    loss = gsm(torch.randn(3, 2, 4)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+    gsm.close()

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opacus_dp.layers import DPMultiheadAttention
-from tests.layers.helpers import assert_outputs_close, output_loss
+from tests.layers.common import assert_outputs_close, output_loss
 
 EMBED, HEADS = 8, 2
 
@@ -34,12 +34,13 @@ def mha_inputs(batch, tgt_len, src_len, kdim, vdim, batch_first, unbatched, gen)
 def mha_masks(kind, batch, tgt_len, src_len, unbatched, gen):
     """Masks that never hide key 0, so no row of scores is fully masked."""
     masks = {}
-    lead = HEADS if unbatched else batch * HEADS
+    leading = HEADS if unbatched else batch * HEADS
     if "attn_bool" in kind:
         hidden = torch.rand(tgt_len, src_len, generator=gen) < 0.4
         masks["attn_mask"] = hidden.index_fill(1, torch.tensor([0]), False)
     if "attn_float3d" in kind:
-        masks["attn_mask"] = torch.randn(lead, tgt_len, src_len, dtype=torch.float64, generator=gen)
+        masks["attn_mask"] = torch.randn(leading, tgt_len, src_len, dtype=torch.float64,
+                                         generator=gen)
     if "padding" in kind:
         shape = (src_len,) if unbatched else (batch, src_len)
         hidden = (torch.rand(*shape, generator=gen) < 0.4).index_fill(-1, torch.tensor([0]), False)
@@ -66,8 +67,9 @@ MASK_KINDS = ["none", "attn_bool", "attn_float3d", "padding_bool", "padding_floa
     sizes=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4)),
     seed=st.integers(0, 2**16),
 )
-def test_forward_and_gradients_match_torch(bias, add_bias_kv, add_zero_attn, kvdim, batch_first,
-                                           unbatched, need_weights, average, mask_kind, sizes, seed):
+def test_forward_and_gradients_match_torch(bias, add_bias_kv, add_zero_attn, kvdim,
+                                           batch_first, unbatched, need_weights, average,
+                                           mask_kind, sizes, seed):
     gen = torch.Generator().manual_seed(seed)
     kdim, vdim = kvdim
     reference, layer = mha_pair(bias=bias, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
@@ -155,6 +157,8 @@ def test_internal_names_load_and_bias_properties_alias_parameters():
     assert DPMultiheadAttention(EMBED, HEADS).bias_k is None
     clone = copy.deepcopy(layer)
     assert list(clone.state_dict()) == list(layer.state_dict())
+    with pytest.raises(AttributeError, match="qlinear"):
+        layer.in_proj_weight
 
 
 def test_missing_keys_are_reported_with_torch_names():

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opacus_dp.layers import DPGRU, DPLSTM, DPRNN
-from tests.layers.helpers import (
+from tests.layers.common import (
     HIDDEN_SIZE,
     INPUT_SIZE,
     RNN_KINDS,
@@ -63,7 +63,8 @@ def test_state_dict_keys_order_and_shapes_equal_torch(kind):
 def test_state_dict_loads_both_ways(kind):
     dp_cls, torch_cls, extra = RNN_KINDS[kind]
     layer = dp_cls(INPUT_SIZE, HIDDEN_SIZE, num_layers=2, bidirectional=True, **extra).double()
-    reference = torch_cls(INPUT_SIZE, HIDDEN_SIZE, num_layers=2, bidirectional=True, **extra).double()
+    reference = torch_cls(INPUT_SIZE, HIDDEN_SIZE, num_layers=2, bidirectional=True, **extra)
+    reference = reference.double()
     reference.load_state_dict(layer.state_dict())
     x = torch.randn(5, 2, INPUT_SIZE, dtype=torch.float64)
     assert_outputs_close(layer(x), reference(x))

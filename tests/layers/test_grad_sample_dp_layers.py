@@ -13,8 +13,8 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 from opacus_dp.grad_sample import GradSampleModule
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, NORM_SAMPLERS
-from opacus_dp.layers import DPGRU, DPLSTM, DPMultiheadAttention, RNNLinear, SequenceBias
-from tests.layers.helpers import INPUT_SIZE, RNN_KINDS, output_loss, rnn_hx, rnn_pair
+from opacus_dp.layers import BatchFirstSequenceBias, DPGRU, DPLSTM, RNNLinear, SequenceBias
+from tests.layers.common import INPUT_SIZE, RNN_KINDS, output_loss, rnn_hx, rnn_pair
 from tests.layers.test_dp_multihead_attention import EMBED, HEADS, mha_masks, mha_pair
 
 
@@ -87,7 +87,8 @@ def test_rnn_per_sample_gradients_equal_torch_per_sample_loop(
     gsm = run_gsm(layer, args, {}, batch, loss_reduction, gsm_batch_first)
 
     hx_parts = None if hx is None else (hx if isinstance(hx, tuple) else (hx,))
-    expected = per_sample_torch_grads(reference, rnn_sample_calls(x, lengths, hx_parts, batch_first))
+    calls = rnn_sample_calls(x, lengths, hx_parts, batch_first)
+    expected = per_sample_torch_grads(reference, calls)
     for name, grads in expected.items():
         torch.testing.assert_close(getattr(layer, name).grad_sample, grads, atol=1e-10, rtol=0)
     gsm.close()
@@ -131,6 +132,7 @@ def _torch_named_grad_samples(layer):
     add_zero_attn=st.booleans(),
     kvdim=st.sampled_from([(None, None), (3, 5)]),
     batch_first=st.booleans(),
+    gsm_batch_first=st.booleans(),
     mask_kind=st.sampled_from(["none", "attn_bool+padding_bool", "attn_float3d+padding_bool",
                                "padding_float"]),
     loss_reduction=st.sampled_from(["mean", "sum"]),
@@ -138,7 +140,8 @@ def _torch_named_grad_samples(layer):
     seed=st.integers(0, 2**16),
 )
 def test_mha_per_sample_gradients_equal_torch_per_sample_loop(
-    add_bias_kv, add_zero_attn, kvdim, batch_first, mask_kind, loss_reduction, sizes, seed
+    add_bias_kv, add_zero_attn, kvdim, batch_first, gsm_batch_first, mask_kind, loss_reduction,
+    sizes, seed,
 ):
     gen = torch.Generator().manual_seed(seed)
     kdim, vdim = kvdim
@@ -150,7 +153,7 @@ def test_mha_per_sample_gradients_equal_torch_per_sample_loop(
     k = torch.randn(shape(src_len, kdim or EMBED), dtype=torch.float64, generator=gen)
     v = torch.randn(shape(src_len, vdim or EMBED), dtype=torch.float64, generator=gen)
     masks = mha_masks(mask_kind, batch, tgt_len, src_len, False, gen)
-    gsm = run_gsm(layer, (q, k, v), masks, batch, loss_reduction, batch_first)
+    gsm = run_gsm(layer, (q, k, v), masks, batch, loss_reduction, gsm_batch_first)
     expected = per_sample_torch_grads(reference, _mha_sample_calls(q, k, v, masks, batch_first))
     for name, grads in _torch_named_grad_samples(layer).items():
         torch.testing.assert_close(grads, expected[name], atol=1e-10, rtol=0)
@@ -203,21 +206,43 @@ def test_dedicated_samplers_equal_the_generic_fallback():
 
 
 def test_sequence_bias_samplers_against_autograd():
-    layer = SequenceBias(5).double()
+    layer = BatchFirstSequenceBias(5).double()
     x = torch.randn(4, 3, 5, dtype=torch.float64)
     backprops = torch.randn(4, 4, 5, dtype=torch.float64)
-    per_sample = GRAD_SAMPLERS[SequenceBias](layer, [x], backprops)[layer.bias]
+    per_sample = GRAD_SAMPLERS[BatchFirstSequenceBias](layer, [x], backprops)[layer.bias]
     for i in range(4):
-        (grad,) = torch.autograd.grad((layer(x[i : i + 1]) * backprops[i : i + 1]).sum(), layer.bias)
+        out = layer(x[i : i + 1])
+        assert torch.equal(out[0, -1], layer.bias[0, 0]) and torch.equal(out[:, :3], x[i : i + 1])
+        (grad,) = torch.autograd.grad((out * backprops[i : i + 1]).sum(), layer.bias)
         torch.testing.assert_close(per_sample[i], grad, atol=1e-14, rtol=0)
-    norms = NORM_SAMPLERS[SequenceBias](layer, [x], backprops)[layer.bias]
+    norms = NORM_SAMPLERS[BatchFirstSequenceBias](layer, [x], backprops)[layer.bias]
     torch.testing.assert_close(norms, per_sample.flatten(1).pow(2).sum(1))
 
 
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_public_sequence_bias_follows_its_layout_and_the_wrapper(batch_first):
+    layer = SequenceBias(5, batch_first=batch_first).double()
+    x = torch.randn(4, 3, 5, dtype=torch.float64)  # (B, S, E) or (S, B, E)
+    batch_dim, seq_dim = (0, 1) if batch_first else (1, 0)
+    out = layer(x)
+    assert out.shape[seq_dim] == x.shape[seq_dim] + 1
+    assert torch.equal(out.select(seq_dim, -1), layer.bias[0].expand(x.shape[batch_dim], 5))
+    gsm = GradSampleModule(layer, batch_first=batch_first, loss_reduction="sum")
+    output_loss(gsm(x)).backward()
+    actual = layer.bias.grad_sample.clone()
+    gsm.close()
+    for i in range(x.shape[batch_dim]):
+        layer.zero_grad()
+        output_loss(layer(x.narrow(batch_dim, i, 1))).backward()
+        torch.testing.assert_close(actual[i], layer.bias.grad, atol=1e-14, rtol=0)
+
+
 def test_frozen_sequence_bias_yields_nothing_and_rnn_linear_uses_linear_sampler():
-    layer = SequenceBias(5).requires_grad_(False)
-    assert GRAD_SAMPLERS[SequenceBias](layer, [torch.zeros(1, 2, 5)], torch.zeros(1, 3, 5)) == {}
+    layer = BatchFirstSequenceBias(5).requires_grad_(False)
+    sampler = GRAD_SAMPLERS[BatchFirstSequenceBias]
+    assert sampler(layer, [torch.zeros(1, 2, 5)], torch.zeros(1, 3, 5)) == {}
     assert GRAD_SAMPLERS[RNNLinear] is GRAD_SAMPLERS[nn.Linear]
+    assert sampler is GRAD_SAMPLERS[SequenceBias]
 
 
 def test_empty_batch_gives_empty_grad_samples():
@@ -227,4 +252,37 @@ def test_empty_batch_gives_empty_grad_samples():
     (out.sum() + h.sum() + c.sum()).backward()
     for _, param in layer.named_parameters():
         assert param.grad_sample.shape == (0, *param.shape)
+    gsm.close()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", ["lstm", "gru", "mha"])
+def test_per_sample_gradients_agree_with_opacus(kind):
+    """Cross-check with Opacus 1.6's DP layers and GradSampleModule (same torch state dict)."""
+    opacus = pytest.importorskip("opacus")
+    from opacus.layers import DPGRU as OpacusGRU
+    from opacus.layers import DPLSTM as OpacusLSTM
+    from opacus.layers import DPMultiheadAttention as OpacusMHA
+
+    batch_first = kind != "mha"  # Opacus' attention follows the wrapper's layout
+    if kind == "mha":
+        reference, ours = mha_pair(add_bias_kv=True)
+        theirs = OpacusMHA(EMBED, HEADS, add_bias_kv=True).double()
+        x = torch.randn(4, 3, EMBED, dtype=torch.float64)
+        args = (x, x, x)
+    else:
+        reference, ours = rnn_pair(kind, num_layers=2, bidirectional=True, batch_first=True)
+        their_cls = OpacusLSTM if kind == "lstm" else OpacusGRU
+        theirs = their_cls(INPUT_SIZE, 4, num_layers=2, bidirectional=True, batch_first=True)
+        theirs = theirs.double()
+        args = (torch.randn(3, 5, INPUT_SIZE, dtype=torch.float64),)
+    theirs.load_state_dict(reference.state_dict())
+    their_gsm = opacus.GradSampleModule(theirs, batch_first=batch_first, loss_reduction="sum")
+    output_loss(their_gsm(*args)).backward()
+    gsm = run_gsm(ours, args, {}, 3, "sum", batch_first=batch_first)
+    mine = dict(ours.named_parameters())
+    for name, param in theirs.named_parameters():
+        target = mine[name] if kind == "mha" else getattr(ours, name)
+        expected = param.grad_sample.reshape(target.grad_sample.shape)
+        torch.testing.assert_close(target.grad_sample, expected, atol=1e-10, rtol=0)
     gsm.close()

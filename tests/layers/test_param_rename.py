@@ -16,7 +16,8 @@ class _Reference(nn.Module):
 
 
 def test_nested_layers_use_torch_keys_under_their_prefix():
-    ours, theirs = _Reference(DPLSTM, DPMultiheadAttention), _Reference(nn.LSTM, nn.MultiheadAttention)
+    ours = _Reference(DPLSTM, DPMultiheadAttention)
+    theirs = _Reference(nn.LSTM, nn.MultiheadAttention)
     assert list(ours.state_dict()) == list(theirs.state_dict())
     ours.load_state_dict(theirs.state_dict())
     theirs.load_state_dict(ours.state_dict())

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from opacus_dp.grad_sample import GradSampleModule
 from opacus_dp.layers import DPGRUCell, DPLSTMCell, DPRNNCell
-from tests.layers.helpers import assert_outputs_close, output_loss
+from tests.layers.common import assert_outputs_close, output_loss
 
 CELLS = {
     "rnn_tanh": (DPRNNCell, nn.RNNCell, {"nonlinearity": "tanh"}),
@@ -26,9 +26,11 @@ def cell_pair(kind, bias=True):
     return reference, cell
 
 
-def random_state(kind, lead, gen):
-    h = torch.randn(*lead, 4, dtype=torch.float64, generator=gen)
-    return (h, torch.randn(*lead, 4, dtype=torch.float64, generator=gen)) if kind == "lstm" else h
+def random_state(kind, leading, gen):
+    h = torch.randn(*leading, 4, dtype=torch.float64, generator=gen)
+    if kind != "lstm":
+        return h
+    return h, torch.randn(*leading, 4, dtype=torch.float64, generator=gen)
 
 
 @settings(max_examples=20, deadline=None)
@@ -37,9 +39,9 @@ def random_state(kind, lead, gen):
 def test_cells_match_torch(kind, bias, unbatched, with_hx, batch, seed):
     gen = torch.Generator().manual_seed(seed)
     reference, cell = cell_pair(kind, bias)
-    lead = () if unbatched else (batch,)
-    x = torch.randn(*lead, 3, dtype=torch.float64, generator=gen)
-    args = (x, random_state(kind, lead, gen)) if with_hx else (x,)
+    leading = () if unbatched else (batch,)
+    x = torch.randn(*leading, 3, dtype=torch.float64, generator=gen)
+    args = (x, random_state(kind, leading, gen)) if with_hx else (x,)
     expected, actual = reference(*args), cell(*args)
     assert_outputs_close(actual, expected)
     output_loss(expected).backward()

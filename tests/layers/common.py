@@ -1,4 +1,4 @@
-"""Test helpers for the DP layers: building matching torch/DP pairs and comparing outputs."""
+"""Shared test utilities for the DP layers: matching torch/DP pairs and output comparison."""
 
 import torch
 import torch.nn as nn
@@ -28,7 +28,8 @@ def rnn_pair(kind: str, **options):
 
 
 def rnn_input(batch: int, steps: int, batch_first: bool, kind: str, generator: torch.Generator):
-    """``kind`` in {'tensor', 'unbatched', 'packed_sorted', 'packed_unsorted'}; returns (input, lengths)."""
+    """Returns ``(input, lengths)``; ``kind`` is one of 'tensor', 'unbatched',
+    'packed_sorted', 'packed_unsorted'."""
     x = torch.randn(batch, steps, INPUT_SIZE, dtype=torch.float64, generator=generator)
     if kind == "unbatched":
         return x[0], None
@@ -47,11 +48,12 @@ def rnn_input(batch: int, steps: int, batch_first: bool, kind: str, generator: t
 def rnn_hx(reference: nn.Module, batch: int, unbatched: bool, generator: torch.Generator):
     """A random initial state of the right shape for ``reference`` (h_0 or (h_0, c_0))."""
     layers = reference.num_layers * (2 if reference.bidirectional else 1)
-    lead = (layers,) if unbatched else (layers, batch)
+    leading = (layers,) if unbatched else (layers, batch)
     out_size = getattr(reference, "proj_size", 0) or reference.hidden_size
-    h = torch.randn(*lead, out_size, dtype=torch.float64, generator=generator)
+    h = torch.randn(*leading, out_size, dtype=torch.float64, generator=generator)
     if isinstance(reference, nn.LSTM):
-        return h, torch.randn(*lead, reference.hidden_size, dtype=torch.float64, generator=generator)
+        c = torch.randn(*leading, reference.hidden_size, dtype=torch.float64, generator=generator)
+        return h, c
     return h
 
 

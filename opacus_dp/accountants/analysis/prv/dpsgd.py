@@ -1,0 +1,78 @@
+r"""ε of a DP-SGD run, i.e. of composed Poisson-subsampled Gaussian steps, from grid PLDs.
+
+Under add/remove-one adjacency the same record is added (or removed) in every step, so the
+run is dominated by the T-fold products of the per-step ``remove`` pairs and of the per-step
+``add`` pairs; ε(δ) is the larger of the two (Zhu, Dong & Wang 2022).  Every approximation is
+pessimistic (see ``subsampled_gaussian`` and ``composition``), so the result is an upper bound
+on the true ε.  When the loss grid would need more than ``MAX_WINDOW_BINS`` bins (very large ε,
+or very small σ) the grid step is coarsened, which keeps the bound valid but less tight.
+"""
+
+import math
+from typing import List, Sequence, Tuple
+
+from opacus_dp.accountants.analysis.prv.composition import chernoff_window, compose, window_bins
+from opacus_dp.accountants.analysis.prv.discrete_pld import DiscretePLD, epsilon_for_delta
+from opacus_dp.accountants.analysis.prv.subsampled_gaussian import (
+    DIRECTIONS,
+    loss_range,
+    subsampled_gaussian_pld,
+)
+
+MAX_STEP_BINS = 1 << 20
+MAX_WINDOW_BINS = 1 << 20
+_MAX_REFINEMENTS = 6
+
+Segment = Tuple[float, float, int]  # (noise_multiplier σ, sample_rate q, steps)
+
+
+def _widest_step_range(segments: Sequence[Segment], tail_mass: float) -> float:
+    widths = []
+    for sigma, q, _ in segments:
+        for direction in DIRECTIONS:
+            low, high = loss_range(sigma, q, direction, tail_mass)
+            widths.append(high - low)
+    return max(widths)
+
+
+def _step_plds(segments: Sequence[Segment], grid_step: float, direction: str, tail_mass: float):
+    return [(subsampled_gaussian_pld(sigma, q, grid_step, direction, tail_mass), steps) for sigma, q, steps in segments]
+
+
+def _plds_on_fitting_grid(segments: Sequence[Segment], grid_step: float, window_tail: float, step_tail: float):
+    """Per direction: (list of (step PLD, steps), composed loss window) on the finest grid
+    (≥ ``grid_step``) whose window fits in ``MAX_WINDOW_BINS`` bins."""
+    grid_step = max(grid_step, _widest_step_range(segments, step_tail) / MAX_STEP_BINS)
+    for _ in range(_MAX_REFINEMENTS):
+        per_direction = []
+        for direction in DIRECTIONS:
+            plds = _step_plds(segments, grid_step, direction, step_tail)
+            per_direction.append((plds, chernoff_window(plds, window_tail)))
+        bins = max(window_bins(window, grid_step) for _, window in per_direction)
+        if bins <= MAX_WINDOW_BINS:
+            return per_direction
+        grid_step *= 1.05 * bins / MAX_WINDOW_BINS
+    raise RuntimeError("could not fit the privacy loss distribution on a grid; history too extreme")
+
+
+def active_segments(history: Sequence[Segment]) -> List[Segment]:
+    """The segments that cost privacy (q > 0 and at least one step)."""
+    return [(float(s), float(q), int(n)) for s, q, n in history if q > 0 and n > 0]
+
+
+def compute_epsilon(history: Sequence[Segment], delta: float, grid_step: float, tail_mass: float) -> float:
+    """Upper bound on ε(δ) of the composition of all ``(σ, q, steps)`` segments.
+
+    ``tail_mass`` bounds the probability mass dropped by truncation (it is charged to δ as
+    mass at +∞, so the bound stays valid for the requested δ).
+    """
+    segments = active_segments(history)
+    if not segments:
+        return 0.0
+    if any(sigma == 0.0 for sigma, _, _ in segments):
+        return math.inf
+    total_steps = sum(steps for _, _, steps in segments)
+    step_tail = tail_mass / (4 * total_steps)
+    per_direction = _plds_on_fitting_grid(segments, grid_step, tail_mass / 4, step_tail)
+    composed: List[DiscretePLD] = [compose(plds, tail_mass / 4, window) for plds, window in per_direction]
+    return max(epsilon_for_delta(pld, delta) for pld in composed)

@@ -1,0 +1,138 @@
+"""In-process checks of the distributed pieces (a one-process gloo group; no spawning)."""
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from opacus_dp.distributed import (
+    AllReduceReducer,
+    DifferentiallyPrivateDistributedDataParallel,
+    check_data_loader_world_size,
+    check_same_on_all_ranks,
+    configure_optimizer,
+    find_distributed_wrapper,
+    find_parallel_wrapper,
+    install_local_gradients_hook,
+    local_gradients_hook,
+    parameters_in_sync,
+    validate_parallel_module,
+    world_size_of,
+)
+from opacus_dp.grad_sample import GradSampleModule
+from tests.conftest import free_port
+from tests.distributed.cpu_data_parallel import CPUDataParallel
+
+
+def test_dpddp_needs_a_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already active in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        DifferentiallyPrivateDistributedDataParallel(nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        AllReduceReducer()
+
+
+@pytest.fixture(scope="module")
+def group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already active in this process")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+def test_dpddp_forwards_and_keeps_opacus_state_dict_keys(group):
+    inner = nn.Linear(3, 2)
+    model = DifferentiallyPrivateDistributedDataParallel(inner)
+    x = torch.randn(4, 3)
+    assert torch.equal(model(x), inner(x))
+    assert set(model.state_dict()) == {"module.weight", "module.bias"}
+    assert model.world_size == 1
+    from opacus_dp.layers import DifferentiallyPrivateDistributedDataParallel as compat
+
+    assert compat is DifferentiallyPrivateDistributedDataParallel
+
+
+def test_reducer_flattens_every_dtype_into_one_bucket(group):
+    reducer = AllReduceReducer()
+    tensors = [torch.randn(3, 2), torch.randn(5), torch.randn(2, dtype=torch.float64)]
+    copies = [t.clone() for t in tensors]
+    out = reducer.reduce(tensors)
+    assert out is tensors and all(torch.equal(a, b) for a, b in zip(out, copies))
+    assert reducer.num_all_reduces == 2  # one per dtype
+    assert reducer.bytes_reduced == 11 * 4 + 2 * 8
+    assert reducer.world_size == 1 and reducer.adds_noise  # rank 0 adds the noise
+
+
+def test_comm_hook_is_installed_once_and_a_foreign_hook_is_refused(group):
+    ddp = DistributedDataParallel(nn.Linear(3, 2))
+    install_local_gradients_hook(ddp)
+    install_local_gradients_hook(ddp)  # idempotent
+    assert [h for h, _ in ddp._comm_hooks] == [local_gradients_hook]
+    other = DistributedDataParallel(nn.Linear(3, 2))
+    other.register_comm_hook(None, lambda state, bucket: local_gradients_hook(state, bucket))
+    with pytest.raises(ValueError, match="already has a communication hook"):
+        install_local_gradients_hook(other)
+
+
+def test_wrappers_are_found_through_grad_sample_module(group):
+    ddp = DistributedDataParallel(nn.Linear(3, 2))
+    gsm = GradSampleModule(ddp)
+    assert find_parallel_wrapper(gsm) is ddp and find_distributed_wrapper(gsm) is ddp
+    assert world_size_of(gsm) == 1
+    dp = CPUDataParallel(nn.Linear(3, 2), 2)
+    assert find_parallel_wrapper(dp) is dp and find_distributed_wrapper(dp) is None
+    assert world_size_of(nn.Linear(3, 2)) == 1
+    validate_parallel_module(nn.Linear(3, 2))  # world size 1: an unwrapped model is fine
+    gsm.close()
+
+
+def test_consistency_checks_pass_on_one_rank(group):
+    check_same_on_all_ranks({"sample_rate": 0.1, "noise_multiplier": None})
+    assert parameters_in_sync(nn.Linear(3, 2))
+
+
+class _Optimizer:
+    noise_multiplier, max_grad_norm, max_grad_norms, loss_reduction = 1.0, 1.0, [1.0], "mean"
+
+    def __init__(self, expected_batch_size):
+        self.expected_batch_size = expected_batch_size
+        self.reducer = "local"
+
+
+def test_configure_optimizer_installs_reducer_and_hook(group):
+    ddp = DistributedDataParallel(nn.Linear(3, 2))
+    optimizer = _Optimizer(expected_batch_size=4)
+    configure_optimizer(ddp, optimizer, sample_rate=0.1)
+    assert isinstance(optimizer.reducer, AllReduceReducer)
+    assert [h for h, _ in ddp._comm_hooks] == [local_gradients_hook]
+    local = _Optimizer(expected_batch_size=4)
+    configure_optimizer(nn.Linear(3, 2), local, sample_rate=0.1)
+    assert local.reducer == "local"
+
+
+def test_mean_over_the_actual_batch_is_refused_under_ddp(group):
+    with pytest.raises(ValueError, match="expected batch size"):
+        configure_optimizer(DifferentiallyPrivateDistributedDataParallel(nn.Linear(3, 2)),
+                            _Optimizer(expected_batch_size=None), sample_rate=0.1)
+
+
+def test_loader_sharding_must_match_the_world():
+    data = TensorDataset(torch.arange(12))
+    sharded = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    check_data_loader_world_size(sharded, 2, poisson_sampling=False)
+    with pytest.raises(ValueError, match="num_replicas=2 processes but the process group has world_size=3"):
+        check_data_loader_world_size(sharded, 3, poisson_sampling=True)
+    plain = DataLoader(data, batch_size=2)
+    check_data_loader_world_size(plain, 2, poisson_sampling=True)  # the engine shards it itself
+    with pytest.raises(ValueError, match="poisson_sampling=False"):
+        check_data_loader_world_size(plain, 2, poisson_sampling=False)
+    check_data_loader_world_size(plain, 1, poisson_sampling=False)
