@@ -1,0 +1,77 @@
+r"""Gaussian differential privacy (μ-GDP) of DP-SGD via the central limit theorem.
+
+Dong, Roth & Su (2022), "Gaussian Differential Privacy", JRSS-B, Thm 3.5/Cor. 5.4, and Bu,
+Dong, Long & Su (2020), "Deep Learning with Gaussian Differential Privacy", HDSR: T steps of
+the subsampled Gaussian mechanism are *asymptotically* μ-GDP with
+
+* Poisson sampling:  :math:`\mu = q\sqrt{T\,(e^{1/\sigma^2} - 1)}`,
+* uniform sampling without replacement:
+  :math:`\mu = \sqrt{2}\,q\sqrt{T\,(e^{1/\sigma^2}\Phi(1.5/\sigma) + 3\Phi(-0.5/\sigma) - 2)}`.
+
+Segments compose as :math:`\mu^2 = \sum_s \mu_s^2`.  A μ-GDP mechanism is (ε, δ(ε))-DP with
+:math:`\delta(\varepsilon) = \Phi(-\varepsilon/\mu + \mu/2) - e^{\varepsilon}\Phi(-\varepsilon/\mu - \mu/2)`
+(Dong, Roth & Su, Cor. 2.13).  This is a limit theorem, **not** a guaranteed upper bound:
+for finite T it can under-report ε (Gopi et al. 2021).
+"""
+
+import math
+
+from scipy import optimize, special
+
+from opacus_dp.accountants.validation import check_delta, check_noise_multiplier, check_sample_rate, check_steps
+
+
+def compute_mu_poisson(*, steps: int, noise_multiplier: float, sample_rate: float) -> float:
+    """CLT μ of ``steps`` Poisson-subsampled Gaussian steps."""
+    sigma = check_noise_multiplier(noise_multiplier)
+    q, steps = check_sample_rate(sample_rate), check_steps(steps)
+    if q == 0 or steps == 0:
+        return 0.0
+    if sigma == 0:
+        return math.inf
+    return q * math.sqrt(steps * math.expm1(sigma**-2)) if sigma**-2 < 700 else math.inf
+
+
+def compute_mu_uniform(*, steps: int, noise_multiplier: float, sample_rate: float) -> float:
+    """CLT μ of ``steps`` Gaussian steps on uniformly sampled fixed-size batches."""
+    sigma = check_noise_multiplier(noise_multiplier)
+    q, steps = check_sample_rate(sample_rate), check_steps(steps)
+    if q == 0 or steps == 0:
+        return 0.0
+    if sigma == 0 or sigma**-2 >= 700:
+        return math.inf
+    inner = math.exp(sigma**-2) * special.ndtr(1.5 / sigma) + 3 * special.ndtr(-0.5 / sigma) - 2
+    return math.sqrt(2) * q * math.sqrt(steps * inner)
+
+
+def delta_eps_mu(*, eps: float, mu: float) -> float:
+    """δ(ε) of μ-GDP: Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2)."""
+    if mu == 0:
+        return 0.0
+    second = math.exp(eps + special.log_ndtr(-eps / mu - mu / 2))
+    return max(0.0, float(special.ndtr(-eps / mu + mu / 2) - second))
+
+
+def eps_from_mu(*, mu: float, delta: float) -> float:
+    """Smallest ε ≥ 0 with δ(ε) ≤ δ for a μ-GDP mechanism."""
+    delta = check_delta(delta)
+    if math.isinf(mu):
+        return math.inf
+    if delta_eps_mu(eps=0.0, mu=mu) <= delta:
+        return 0.0
+    high = max(1.0, mu * mu)
+    while delta_eps_mu(eps=high, mu=mu) > delta:
+        high *= 2
+    return float(optimize.brentq(lambda e: delta_eps_mu(eps=e, mu=mu) - delta, 0.0, high, xtol=1e-12, rtol=1e-12))
+
+
+def compute_eps_poisson(*, steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
+    """CLT ε of Poisson-subsampled DP-SGD."""
+    mu = compute_mu_poisson(steps=steps, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+    return eps_from_mu(mu=mu, delta=delta)
+
+
+def compute_eps_uniform(*, steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
+    """CLT ε of DP-SGD with uniformly sampled fixed-size batches."""
+    mu = compute_mu_uniform(steps=steps, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+    return eps_from_mu(mu=mu, delta=delta)
