@@ -172,7 +172,7 @@ def train(args, setup, dataset, channels: int) -> str:
             break
         log.add_epoch(record)
         if setup.is_main:
-            save_grids(args.outf, dataset, netG, fixed_noise.to(setup.device), epoch)
+            save_grids(args.outf, dataset, checkpoints.unwrap(netG), fixed_noise.to(setup.device), epoch)
             eps = f", ε = {record['epsilon']:.3f}" if run.private else ""
             print(f"epoch {epoch}: loss D {record['loss_d']:.4f}, loss G {record['loss_g']:.4f}{eps}", flush=True)
         _save(run, args, setup, netG, optimizer_g, dict(epoch=epoch, metrics=log.epochs))

@@ -29,9 +29,22 @@ def _wrap_functorch(module: nn.Module, *, batch_first: bool, loss_reduction: str
                             strict=True, force_functorch=True)
 
 
+def _wrap_norms_only(mode: str) -> Callable:
+    """Wrapper builder of a norms-only mode or "auto" (see opacus_dp.grad_sample.mode_selection)."""
+    def wrap(module: nn.Module, *, batch_first: bool, loss_reduction: str):
+        from opacus_dp.grad_sample.mode_selection import wrap_norms_only
+
+        return wrap_norms_only(module, mode, batch_first=batch_first, loss_reduction=loss_reduction)
+
+    return wrap
+
+
 GRAD_SAMPLE_MODES: Dict[str, Callable] = {
     "hooks": _wrap_hooks,
     "functorch": _wrap_functorch,
+    "ghost": _wrap_norms_only("ghost"),
+    "bk": _wrap_norms_only("bk"),
+    "auto": _wrap_norms_only("auto"),
 }
 
 CLIPPING_MODES = ("flat", "per_layer")
@@ -114,10 +127,13 @@ def wrap_module(module: nn.Module, *, grad_sample_mode: str, batch_first: bool, 
     if hasattr(module, "pop_grad_samples") and hasattr(module, "_module"):
         wanted = (batch_first, loss_reduction, grad_sample_mode == "functorch")
         found = (module.batch_first, module.loss_reduction, bool(getattr(module, "force_functorch", False)))
-        if wanted != found:
+        norms_only = hasattr(module, "clipped_sums")
+        mode_fits = grad_sample_mode == "auto" or norms_only == (grad_sample_mode in ("ghost", "bk"))
+        if wanted != found or not mode_fits:
             raise ValueError(
-                f"module is already a GradSampleModule with (batch_first, loss_reduction, functorch)"
-                f"={found}, but {wanted} was requested: pass the unwrapped model"
+                f"module is already a {type(module).__name__} with (batch_first, loss_reduction, "
+                f"functorch)={found}, but {wanted} and grad_sample_mode={grad_sample_mode!r} were "
+                "requested: pass the unwrapped model"
             )
         return module
     return GRAD_SAMPLE_MODES[grad_sample_mode](module, batch_first=batch_first, loss_reduction=loss_reduction)

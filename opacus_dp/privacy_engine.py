@@ -92,7 +92,10 @@ class PrivacyEngine:
 
         With ``poisson_sampling`` the loader is replaced by a ``DPDataLoader`` with
         ``q = 1/len(data_loader)``; the expected batch size is ``⌊q·N⌋`` (per process).
-        ``criterion`` is accepted for API compatibility and unused by these modes.
+        ``grad_sample_mode``: "hooks", "functorch", "ghost", "bk" or "auto" (see
+        :mod:`opacus_dp.grad_sample.mode_selection`). As in Opacus 1.6, "ghost" returns
+        ``(module, optimizer, criterion, data_loader)``, ``criterion`` (default
+        ``nn.CrossEntropyLoss()``) wrapped in a :class:`GhostCriterion`; other modes ignore it.
         """
         check_privacy_arguments(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                                 loss_reduction=loss_reduction, clipping=clipping)
@@ -118,6 +121,8 @@ class PrivacyEngine:
                 gsm.close()
             raise
         self._data_loader = loader
+        if grad_sample_mode == "ghost":
+            return gsm, dp_optimizer, _ghost_criterion(criterion, loss_reduction), loader
         return gsm, dp_optimizer, loader
 
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -245,6 +250,14 @@ class PrivacyEngine:
             map_location=map_location, module_load_dict_kwargs=module_load_dict_kwargs,
             torch_load_kwargs=torch_load_kwargs,
         )
+
+
+def _ghost_criterion(criterion, loss_reduction: str):
+    """The criterion returned in ghost mode (Opacus 1.6 returns one, default cross-entropy)."""
+    from opacus_dp.grad_sample.ghost_criterion import GhostCriterion
+
+    return GhostCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(
+        reduction=loss_reduction), loss_reduction)
 
 
 def _check_distributed(module: nn.Module) -> int:

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from opacus_dp.budget_guard import BudgetGuard
+from opacus_dp.accountants import RDPAccountant
 from opacus_dp.engine_setup import (
     check_optimizer_params,
     check_privacy_arguments,
@@ -65,6 +65,7 @@ class ClassicPrivacyEngine(PrivacyEngine):
         self.module = module
         self.world_size = _check_distributed(module)
         self.alphas = list(alphas)
+        self.accountant = RDPAccountant(alphas=self.alphas)
         self.target_delta = target_delta
         self.batch_first, self.loss_reduction, self.poisson = batch_first, loss_reduction, poisson
         self.sample_rate, self.batch_size, self.sample_size, self.expected_batch_size = classic_sampling(
@@ -215,9 +216,9 @@ class ClassicPrivacyEngine(PrivacyEngine):
         if "accountant" in state_dict:
             self.accountant.load_state_dict(state_dict["accountant"])
         else:
-            self.accountant.load_state_dict(type(self.accountant)().state_dict())
-            for _ in range(int(state_dict["steps"])):
-                self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+            steps = int(state_dict["steps"])
+            history = [(self.noise_multiplier, self.sample_rate, steps)] if steps else []
+            self.accountant.load_state_dict({"history": history, "mechanism": self.accountant.mechanism()})
         noise = state_dict.get("noise_generator_state")
         if noise is not None and self._dp_optimizer is not None:
             self._dp_optimizer.load_noise_state_dict(noise)

@@ -162,7 +162,8 @@ def main():
         base = results["ddp"]
         for mode in MODES:
             r = results[mode]
-            byte_ratio = r["bytes_per_step"] / base["bytes_per_step"] if base["bytes_per_step"] else float("nan")
+            base_bytes = base["bytes_per_step"] or float("nan")
+            byte_ratio = r["bytes_per_step"] / base_bytes
             print(f"{world_size:>2} {mode:>9} {1e3 * r['step_s']:>9.2f} {r['bytes_per_step']:>11.0f} "
                   f"{r['step_s'] / base['step_s']:>9.2f} {byte_ratio:>10.2f}")
 

@@ -1,8 +1,8 @@
 """Cost of per-sample gradients, layer by layer: opacus_dp against Opacus 1.6.
 
-For every case the script times one forward + backward pass (loss = sum of the output) in
-four ways, interleaved repetition by repetition, and reports the median of each divided by
-the median of the plain pass:
+For every case the script times one forward + backward pass (loss = half the squared norm of
+the output) in four ways, interleaved repetition by repetition, and reports the median of
+each divided by the median of the plain pass:
 
 * ``plain``    the bare module (reference time, in ms);
 * ``ours``     wrapped in ``opacus_dp.grad_sample.GradSampleModule``;
@@ -13,12 +13,14 @@ the median of the plain pass:
 Usage::
 
     python scripts/benchmark_layers.py [--repeats 20] [--warmup 3] [--only conv]
-                                       [--first-layer] [--device cpu] [--json out.json]
+                                       [--first-layer] [--clock wall|cpu] [--device cpu]
+                                       [--json out.json]
 
 Floating-point inputs require gradients, as for a layer inside a network (plain backward then
 also computes the input gradient); ``--first-layer`` times the layers as a network's first
-layer instead. Leave ``OMP_NUM_THREADS`` unset for representative CPU figures; the numbers are noisy on a
-shared machine (run it alone).
+layer instead. Leave ``OMP_NUM_THREADS`` unset for representative CPU figures. Wall-clock
+figures are noisy on a shared machine: run it alone, or compare ``--clock cpu`` figures under
+``OMP_NUM_THREADS=1``.
 """
 
 import argparse
@@ -124,8 +126,10 @@ def all_cases() -> List[Case]:
 
 # ----------------------------------------------------------------------------- runners
 def _loss(output) -> torch.Tensor:
+    """Half the squared norm of the (first) output: its gradient is the output itself, a dense
+    tensor like in real training (``output.sum()`` would give a stride-0 gradient)."""
     first = output[0] if isinstance(output, (tuple, list)) else output
-    return first.sum()
+    return 0.5 * first.pow(2).sum()
 
 
 class SamplerHarness:
@@ -184,21 +188,24 @@ def _make_step(kind: str, case: Case, device: torch.device, input_grad: bool):
     return step
 
 
-def _timed(step: Callable[[], None], device: torch.device) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _timed(step: Callable[[], None], device: torch.device, clock: Callable[[], float]) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 KINDS = ("plain", "ours", "samplers", "opacus")
 
 
 def run_case(case: Case, repeats: int, warmup: int, device: torch.device,
-             input_grad: bool = True) -> Dict[str, Any]:
+             input_grad: bool = True, clock: str = "wall") -> Dict[str, Any]:
     """Median seconds per kind (None where a kind cannot run the case)."""
     steps, errors = {}, {}
     for kind in KINDS:
@@ -211,7 +218,7 @@ def run_case(case: Case, repeats: int, warmup: int, device: torch.device,
     for rep in range(warmup + repeats):
         order = order[1:] + order[:1]  # rotate so that no kind always runs first
         for kind in order:
-            elapsed = _timed(steps[kind], device)
+            elapsed = _timed(steps[kind], device, CLOCKS[clock])
             if rep >= warmup:
                 times[kind].append(elapsed)
     medians = {kind: statistics.median(ts) if ts else None for kind, ts in times.items()}
@@ -251,6 +258,9 @@ def main(argv=None) -> List[Dict[str, Any]]:
     parser.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
     parser.add_argument("--only", default="", help="run cases whose name contains this text")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall time, or process CPU time (steadier on a shared machine; "
+                             "use with OMP_NUM_THREADS=1)")
     parser.add_argument("--first-layer", action="store_true",
                         help="inputs do not require gradients (a network's first layer)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
@@ -259,6 +269,7 @@ def main(argv=None) -> List[Dict[str, Any]]:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}, "
+          f"{args.clock} clock, "
           f"{'first layer' if args.first_layer else 'inner layer'} (input gradients "
           f"{'off' if args.first_layer else 'on'})")
     rows = []
@@ -267,7 +278,7 @@ def main(argv=None) -> List[Dict[str, Any]]:
         for case in all_cases():
             if args.only.lower() in case.name.lower():
                 rows.append(run_case(case, args.repeats, args.warmup, device,
-                                     input_grad=not args.first_layer))
+                                     input_grad=not args.first_layer, clock=args.clock))
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -6,6 +6,8 @@ Importing this package registers every dedicated sampler (one module per layer f
 from opacus_dp.grad_sample import conv, embedding, embedding_bag, linear, norms  # noqa: F401
 from opacus_dp.grad_sample.functorch import functorch_grad_sample
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
+from opacus_dp.grad_sample import norm_samplers  # noqa: F401,E402  (ghost / bk layer functions)
+from opacus_dp.grad_sample.bookkeeping_module import BookkeepingGradSampleModule
 from opacus_dp.grad_sample.registry import (
     GRAD_SAMPLERS,
     NORM_SAMPLERS,
@@ -15,6 +17,7 @@ from opacus_dp.grad_sample.registry import (
 
 __all__ = [
     "GradSampleModule",
+    "BookkeepingGradSampleModule",
     "GRAD_SAMPLERS",
     "NORM_SAMPLERS",
     "register_grad_sampler",

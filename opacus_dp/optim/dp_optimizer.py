@@ -128,6 +128,9 @@ class DPOptimizer(Optimizer):
     def clip_and_accumulate(self) -> None:
         """``S_l += Σ_i f_il · g_il`` for the per-sample gradients of the last backward."""
         params = self.params
+        if hasattr(self.grad_source, "clipped_sums"):
+            self._clip_and_accumulate_from_norms(params)
+            return
         grad_samples = self.grad_source.pop(params)
         if params and not grad_samples:
             raise RuntimeError(
@@ -146,6 +149,18 @@ class DPOptimizer(Optimizer):
             clipped = torch.einsum("i,i...->...", factor.to(device=g.device, dtype=p.dtype), g)
             self._summed[p] = self._summed[p] + clipped if p in self._summed else clipped
         self._num_accumulated += batch_size
+
+    def _clip_and_accumulate_from_norms(self, params) -> None:
+        """The same three steps with a *norm provider* (``ghost``/``bk`` modes, see
+        :mod:`opacus_dp.grad_sample.bookkeeping_module`): it returns the per-sample norms
+        and, given the factors, ``Σ_i f_il · g_il`` without materialised per-sample gradients."""
+        norms = [self._check_finite(p, n) for p, n in zip(params, self.grad_source.per_sample_norms(params))]
+        factors = self.clipper.clip_factors(norms)
+        for p, clipped in zip(params, self.grad_source.clipped_sums(params, factors)):
+            if clipped is not None:
+                clipped = clipped.to(p.dtype)
+                self._summed[p] = self._summed[p] + clipped if p in self._summed else clipped
+        self._num_accumulated += norms[0].shape[0] if norms else 0
 
     def add_noise(self, sums: List[torch.Tensor]) -> List[torch.Tensor]:
         """``S_l + N(0, (σ · sensitivity)²)``, one draw per coordinate."""
@@ -199,7 +214,9 @@ class DPOptimizer(Optimizer):
     def _per_sample_norms(self, p, g, batch_size) -> torch.Tensor:
         if g is None:
             return torch.zeros(batch_size, device=p.device, dtype=p.dtype)
-        norms = g.reshape(g.shape[0], p.numel()).norm(2, dim=1)
+        return self._check_finite(p, g.reshape(g.shape[0], p.numel()).norm(2, dim=1))
+
+    def _check_finite(self, p, norms: torch.Tensor) -> torch.Tensor:
         if not bool(torch.isfinite(norms).all()):
             raise ValueError(
                 f"non-finite (NaN or inf) per-sample gradient in parameter {self._name(p)}: "

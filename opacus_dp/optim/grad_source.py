@@ -57,7 +57,11 @@ class ModuleGradSource:
 
 
 def grad_source_for(module) -> object:
-    """The best source for ``module``: its ``pop_grad_samples`` if it has one."""
+    """The best source for ``module``: the module itself if it is a norm provider
+    (``per_sample_norms``/``clipped_sums``, the ghost/bk modes), else its
+    ``pop_grad_samples`` if it has one."""
+    if module is not None and hasattr(module, "clipped_sums"):
+        return module
     if module is not None and hasattr(module, "pop_grad_samples"):
         return ModuleGradSource(module)
     return AttributeGradSource()

@@ -44,7 +44,7 @@ def data_parallel(module: nn.Module, replicas: int, device: str) -> nn.DataParal
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_REPLICAS, reason="needs 2 GPUs"))]
 
 
-def oracle_grad_samples(model, x, y, loss_reduction):
+def oracle_grad_samples(model, x, y):
     """Per-sample gradients from a batch-size-1 autograd loop (loss of sample i alone)."""
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     grads = per_sample_grads(model, loss_fn, x, y)
@@ -60,7 +60,7 @@ def test_grad_samples_gathered_in_batch_order(device, order, loss_reduction, rep
         pytest.skip(f"needs {replicas} GPUs")
     model = make_model().to(device)
     x, y = (t.to(device) for t in batch(7))  # 7 rows: uneven chunks (4+3 or 3+3+1)
-    want = oracle_grad_samples(model, x, y, loss_reduction)
+    want = oracle_grad_samples(model, x, y)
     if order == "before":
         gsm = GradSampleModule(data_parallel(model, replicas, device), loss_reduction=loss_reduction)
         run = gsm
@@ -132,7 +132,8 @@ class Custom(nn.Module):
 
 
 def test_fallback_layers_are_refused_inside_replicas():
-    with pytest.raises(ValueError, match=r"1 \(Custom\) has no registered grad sampler.*DistributedDataParallel"):
+    refusal = r"1 \(Custom\) has no registered grad sampler.*DistributedDataParallel"
+    with pytest.raises(ValueError, match=refusal):
         GradSampleModule(CPUDataParallel(nn.Sequential(nn.Linear(4, 3).double(), Custom()), 2))
     gsm = GradSampleModule(nn.Sequential(nn.Linear(4, 3).double(), Custom()))  # wrapped afterwards
     try:

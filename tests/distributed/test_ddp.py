@@ -1,6 +1,6 @@
 """Distributed DP-SGD on 2 gloo processes (CPU), different data on every rank, clipping on.
 
-Two spawned jobs run many checks each (a spawn costs seconds); the tests below compare
+One spawned job runs all checks (a spawn costs seconds); the tests below compare
 what every rank reported with a single-process oracle computed here (per-sample
 gradients from a batch-size-1 autograd loop, clipped by hand) and with the reference
 accountants of Opacus.
@@ -14,21 +14,27 @@ import torch.nn as nn
 
 from tests.distributed.oracle import clipped_mean_update, per_sample_grads, sgd_step
 from tests.distributed.spawn import run_on_ranks
-from tests.distributed.workers import FLAT_C, LAYER_C, LR, equivalence_job, make_model
-from tests.distributed.workers_privacy import DELTA, privacy_job
+from tests.distributed.workers import FLAT_C, LAYER_C, LR, make_model
+from tests.distributed.workers_privacy import DELTA, distributed_job
 
 pytestmark = pytest.mark.distributed
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
-def equivalence():
-    return run_on_ranks(equivalence_job, WORLD, timeout=240)
+def spawned(tmp_path_factory):
+    """Every rank's report of the one spawned job (see workers*.py)."""
+    return run_on_ranks(distributed_job, WORLD, str(tmp_path_factory.mktemp("ckpt")), timeout=300)
 
 
 @pytest.fixture(scope="module")
-def privacy(tmp_path_factory):
-    return run_on_ranks(privacy_job, WORLD, str(tmp_path_factory.mktemp("ckpt")), timeout=240)
+def equivalence(spawned):
+    return [r["equivalence"] for r in spawned]
+
+
+@pytest.fixture(scope="module")
+def privacy(spawned):
+    return [r["privacy"] for r in spawned]
 
 
 def model_at(params, template: nn.Module) -> nn.Module:
@@ -53,7 +59,8 @@ def replay(results, key, clip):
     for step in range(len(results[0][key]["batches"])):
         x, y = concatenated_step([r[key]["batches"][step] for r in results])
         if len(x):
-            norms = [torch.cat([g.flatten() for g in s]).norm() for s in per_sample_grads(model, loss_fn, x, y)]
+            samples = per_sample_grads(model, loss_fn, x, y)
+            norms = [torch.cat([g.flatten() for g in s]).norm() for s in samples]
             clipped_any |= max(norms) > (clip if not isinstance(clip, list) else min(clip))
             update = clipped_mean_update(model, loss_fn, x, y, clip, results[0][key]["global_batch"])
             sgd_step(model, update, LR)

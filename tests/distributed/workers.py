@@ -9,7 +9,6 @@ final parameters and the global divisor ``B_global``.
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from opacus_dp import PrivacyEngine
 from opacus_dp.data import DPDataLoader
-from tests.distributed.workers import dataset, make_model, params_of, wrap
+from tests.distributed.workers import dataset, equivalence_job, make_model, params_of, wrap
 
 DELTA = 1e-5
 NOISE_FEATURES, NOISE_CLASSES, NOISE_SAMPLES = 150, 100, 64
@@ -212,3 +212,9 @@ def privacy_job(rank, world_size, checkpoint_dir):
         "checkpoint": checkpoint_run(rank, world_size, os.path.join(checkpoint_dir, "ckpt.pt")),
         "errors": error_runs(rank, world_size),
     }
+
+
+def distributed_job(rank, world_size, checkpoint_dir):
+    """The only spawned job of the test suite: job A (σ = 0 equivalence) and job B."""
+    return {"equivalence": equivalence_job(rank, world_size),
+            "privacy": privacy_job(rank, world_size, checkpoint_dir)}

@@ -12,9 +12,18 @@ from torch.utils.data import DataLoader, TensorDataset
 from opacus_dp import PrivacyEngine
 from opacus_dp.data import EmptyBatchCollate
 from opacus_dp.utils.uniform_sampler import UniformWithReplacementSampler
-from tests.engine.helpers import small_data, small_model, train_plain
+from tests.engine.helpers import (
+    clipped_sum_oracle,
+    per_sample_grads_oracle,
+    small_data,
+    small_model,
+    train_plain,
+)
 
-pytestmark = pytest.mark.filterwarnings("ignore:secure_mode is off")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:secure_mode is off"),
+    pytest.mark.filterwarnings("ignore::opacus_dp.data.sampling_checks.SamplingWarning"),
+]
 
 
 def reference_epsilon(q, sigma, steps, alphas, delta):
@@ -270,3 +279,25 @@ def test_fixed_size_batches_warn_about_sampling_assumption():
     engine = PrivacyEngine(model, 5, 20, noise_multiplier=1.0, max_grad_norm=1.0)
     with pytest.warns(SamplingWarning, match="Poisson"):
         engine.attach(SGD(model.parameters(), lr=0.1))
+
+
+def test_optimizer_with_foreign_parameters_is_refused_at_attach():
+    engine = PrivacyEngine(small_model(), 5, 20, noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="not a parameter of the module"):
+        engine.attach(SGD(small_model(seed=3).parameters(), lr=0.1))
+
+
+def test_clip_per_layer_with_one_bound_clips_each_tensor():
+    model = small_model()
+    x, y = small_data(6)
+    grads = per_sample_grads_oracle(model, x, y)
+    summed = clipped_sum_oracle(grads, [0.1] * 4, per_layer=True)
+    expected = [p.detach() - 0.5 * s / 6 for p, s in zip(model.parameters(), summed)]
+    optimizer = SGD(model.parameters(), lr=0.5)
+    engine = PrivacyEngine(model, 6, 24, noise_multiplier=0.0, max_grad_norm=0.1, clip_per_layer=True)
+    engine.attach(optimizer)
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-9, atol=1e-12)
+    assert engine._dp_optimizer.max_grad_norm == pytest.approx(0.1 * math.sqrt(4))

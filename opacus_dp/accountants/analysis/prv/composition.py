@@ -21,13 +21,27 @@ from scipy import fft as sp_fft
 from opacus_dp.accountants.analysis.prv.discrete_pld import DiscretePLD
 
 _LAMBDAS = np.logspace(-4.0, 4.0, 33)
+_MGF_BLOCKS = 1 << 15
+
+
+def _blocked(pld: DiscretePLD, upward: bool):
+    """At most ``_MGF_BLOCKS`` (loss, mass) pairs; each block's mass sits at its highest loss
+    (``upward``) or lowest loss, which can only increase E[e^{λL}] for λ > 0 (resp. λ < 0)."""
+    losses, pmf = pld.losses, pld.pmf
+    width = -(-pmf.size // _MGF_BLOCKS)
+    if width == 1:
+        return losses, pmf
+    padded = np.concatenate((pmf, np.zeros(-pmf.size % width)))
+    masses = padded.reshape(-1, width).sum(axis=1)
+    starts = losses[0] + np.arange(masses.size) * width * pld.grid_step
+    return (starts + (width - 1) * pld.grid_step if upward else starts), masses
 
 
 def _log_mgf(pld: DiscretePLD, lambdas: np.ndarray) -> np.ndarray:
-    """log E[e^{λL}; L finite] for every λ (a sub-probability when mass sits at +∞)."""
-    positive = pld.pmf > 0
-    log_p = np.log(pld.pmf[positive])
-    losses = pld.losses[positive]
+    """Upper bound on log E[e^{λL}; L finite] for every λ (all λ of one sign)."""
+    losses, masses = _blocked(pld, upward=bool(lambdas[0] > 0))
+    positive = masses > 0
+    log_p, losses = np.log(masses[positive]), losses[positive]
     result = np.empty(lambdas.size)
     for i, lam in enumerate(lambdas):
         exponents = log_p + lam * losses

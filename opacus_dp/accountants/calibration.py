@@ -1,0 +1,88 @@
+"""Noise calibration: the smallest σ (up to a tolerance) whose ε stays within a budget.
+
+One generic bisection over any registered accountant: build a fresh accountant, record the
+planned run as a single segment (σ, q, steps), read ε(δ).  ε decreases with σ; the search
+keeps ``sigma_high`` with ε(sigma_high) ≤ target at all times and returns it, so the result
+never exceeds the budget (for the chosen accountant).
+"""
+
+import math
+from typing import Optional
+
+from opacus_dp.accountants.registry import create_accountant
+from opacus_dp.accountants.validation import check_delta, check_sample_rate, check_steps, check_target_epsilon
+
+MAX_SIGMA = 1e6
+_MAX_BISECTIONS = 200
+
+
+def planned_steps(*, sample_rate: float, epochs: Optional[float] = None, steps: Optional[int] = None) -> int:
+    """Number of steps of the run: ``steps``, or ``int(epochs / sample_rate)`` (as Opacus)."""
+    if (epochs is None) == (steps is None):
+        raise ValueError("give exactly one of epochs or steps")
+    if steps is not None:
+        count = check_steps(steps)
+    else:
+        if not (isinstance(epochs, (int, float)) and not isinstance(epochs, bool) and math.isfinite(epochs) and epochs > 0):
+            raise ValueError(f"epochs must be a positive finite number, got {epochs!r}")
+        count = int(epochs / sample_rate)
+    if count < 1:
+        raise ValueError(f"the run must have at least one step, got {count} (epochs={epochs}, steps={steps})")
+    return count
+
+
+def _epsilon_at(accountant_name: str, sigma: float, sample_rate: float, steps: int, delta: float, epsilon_kwargs):
+    accountant = create_accountant(accountant_name)
+    accountant.history = [(sigma, sample_rate, steps)]
+    return accountant.get_epsilon(delta, **epsilon_kwargs)
+
+
+def get_noise_multiplier(
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    epochs: Optional[float] = None,
+    steps: Optional[int] = None,
+    accountant: str = "prv",
+    epsilon_tolerance: float = 0.01,
+    **epsilon_kwargs,
+) -> float:
+    """Noise multiplier σ such that the run spends at most ``target_epsilon`` at ``target_delta``.
+
+    The returned σ satisfies ``target − tol ≤ ε(σ) ≤ target`` with
+    ``tol = epsilon_tolerance × min(1, target_epsilon)`` (relative for ε ≥ 1, absolute below);
+    ``epsilon_kwargs`` go unchanged to ``accountant.get_epsilon`` (e.g. ``alphas`` for RDP).
+    Raises ``ValueError`` when even σ = 10⁶ exceeds the budget.
+    """
+    target = check_target_epsilon(target_epsilon)
+    delta = check_delta(target_delta, "target_delta")
+    q = check_sample_rate(sample_rate)
+    if q == 0:
+        raise ValueError("sample_rate must be > 0 to calibrate noise (q = 0 uses no data and costs no privacy)")
+    if not 0 < epsilon_tolerance < 1:
+        raise ValueError(f"epsilon_tolerance must lie in (0, 1), got {epsilon_tolerance!r}")
+    count = planned_steps(sample_rate=q, epochs=epochs, steps=steps)
+    create_accountant(accountant)  # fail early on an unknown name
+    tolerance = epsilon_tolerance * min(1.0, target)
+
+    def eps(sigma: float) -> float:
+        return _epsilon_at(accountant, sigma, q, count, delta, epsilon_kwargs)
+
+    sigma_low, sigma_high = 0.0, 1.0
+    eps_high = eps(sigma_high)
+    while eps_high > target:
+        sigma_low, sigma_high = sigma_high, 2 * sigma_high
+        if sigma_high > MAX_SIGMA:
+            raise ValueError(f"the privacy budget target_epsilon={target} is too small for any sigma <= {MAX_SIGMA:g}")
+        eps_high = eps(sigma_high)
+    for _ in range(_MAX_BISECTIONS):
+        if target - eps_high <= tolerance:
+            break
+        sigma = (sigma_low + sigma_high) / 2
+        eps_mid = eps(sigma)
+        if eps_mid <= target:
+            sigma_high, eps_high = sigma, eps_mid
+        else:
+            sigma_low = sigma
+    return sigma_high

@@ -1,0 +1,130 @@
+"""Privacy calculator: ε of a DP-SGD run, and the noise needed for a target ε.
+
+Usage (console script ``opacus-dp-calculator`` or ``python -m opacus_dp.cli``)::
+
+    opacus-dp-calculator -r 0.004267 -n 1.1 -e 60 -d 1e-5
+    opacus-dp-calculator --batch-size 256 --dataset-size 60000 --steps 14063 -n 1.1 --json
+    opacus-dp-calculator -r 0.01 -e 10 --target-epsilon 3 --accountant rdp
+
+The flags ``-r/--sample-rate``, ``-n/--noise-multiplier``, ``-e/--epochs``, ``-d/--delta`` and
+``-a/--alphas`` are those of Opacus's ``compute_dp_sgd_privacy`` script.  Epochs become
+``int(epochs / sample_rate)`` steps (the rule of the noise calibration).  The accountant is
+``prv`` unless ``--alphas`` is given, which selects ``rdp`` as in Opacus's script.
+"""
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from typing import List, Optional
+
+from opacus_dp.accountants import create_accountant, get_noise_multiplier
+from opacus_dp.accountants.calibration import planned_steps
+from opacus_dp.accountants.registry import available_accountants
+from opacus_dp.accountants.validation import check_delta, check_noise_multiplier, check_sample_rate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="opacus-dp-calculator",
+        description="Privacy (epsilon) of DP-SGD with Poisson sampling, or the noise needed for a target epsilon.",
+    )
+    rate = parser.add_argument_group("sampling (give a sample rate, or batch and dataset size)")
+    rate.add_argument("-r", "--sample-rate", "--sampling-rate", dest="sample_rate", type=float)
+    rate.add_argument("--batch-size", type=int, help="expected batch size B (sample rate = B / N)")
+    rate.add_argument("--dataset-size", type=int, help="number of records N")
+    parser.add_argument("-n", "--noise-multiplier", "--sigma", dest="sigma", type=float, help="noise multiplier")
+    length = parser.add_mutually_exclusive_group(required=True)
+    length.add_argument("-e", "--epochs", type=float, help="number of epochs")
+    length.add_argument("--steps", type=int, help="number of optimizer steps")
+    parser.add_argument("-d", "--delta", type=float, default=1e-5, help="target delta (default: 1e-5)")
+    parser.add_argument("-a", "--alphas", type=float, nargs="+", help="RDP orders (implies --accountant rdp)")
+    parser.add_argument("--accountant", choices=available_accountants(), help="default: prv (rdp with --alphas)")
+    parser.add_argument("--target-epsilon", type=float, help="also report the noise multiplier for this epsilon")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return parser
+
+
+def _sample_rate(args, parser) -> float:
+    if args.sample_rate is not None:
+        if args.batch_size is not None or args.dataset_size is not None:
+            parser.error("give either --sample-rate or --batch-size with --dataset-size, not both")
+        return check_sample_rate(args.sample_rate, "--sample-rate")
+    if args.batch_size is None or args.dataset_size is None:
+        parser.error("give --sample-rate, or both --batch-size and --dataset-size")
+    if not 0 < args.batch_size <= args.dataset_size:
+        parser.error("--batch-size must lie in [1, --dataset-size]")
+    return args.batch_size / args.dataset_size
+
+
+def compute_report(args, parser) -> dict:
+    """All figures of the calculator as a dictionary (``inf`` for an unbounded ε)."""
+    q = _sample_rate(args, parser)
+    delta = check_delta(args.delta, "--delta")
+    steps = planned_steps(sample_rate=q, epochs=args.epochs, steps=args.steps) if q > 0 else (args.steps or 0)
+    name = args.accountant or ("rdp" if args.alphas else "prv")
+    if args.alphas and name != "rdp":
+        parser.error("--alphas only applies to --accountant rdp")
+    if args.sigma is None and args.target_epsilon is None:
+        parser.error("give --noise-multiplier (to get epsilon) and/or --target-epsilon (to get the noise)")
+    options = {"alphas": args.alphas} if args.alphas else {}
+    report = {"sample_rate": q, "steps": steps, "delta": delta, "accountant": name}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if args.sigma is not None:
+            accountant = create_accountant(name)
+            accountant.history = [(check_noise_multiplier(args.sigma, "--noise-multiplier"), q, steps)]
+            epsilon, best_alpha = accountant.get_privacy_spent(delta=delta, **options)
+            report.update(noise_multiplier=args.sigma, epsilon=epsilon, best_alpha=best_alpha)
+        if args.target_epsilon is not None:
+            sigma = get_noise_multiplier(
+                target_epsilon=args.target_epsilon, target_delta=delta, sample_rate=q,
+                steps=steps, accountant=name, **options,
+            )
+            report.update(target_epsilon=args.target_epsilon, required_noise_multiplier=sigma)
+    return report
+
+
+def format_report(report: dict) -> str:
+    """Human-readable text of :func:`compute_report`'s dictionary."""
+    lines = [f"DP-SGD with sample rate {100 * report['sample_rate']:.4g}% over {report['steps']} steps"]
+    if "epsilon" in report:
+        lines.append(
+            f"and noise multiplier {report['noise_multiplier']} satisfies "
+            f"({report['epsilon']:.4g}, {report['delta']:g})-differential privacy "
+            f"[{report['accountant']} accountant]."
+        )
+        alpha = report.get("best_alpha")
+        if alpha is not None and not math.isnan(alpha):
+            lines.append(f"The optimal RDP order is {alpha:g}.")
+    if "required_noise_multiplier" in report:
+        lines.append(
+            f"Epsilon {report['target_epsilon']:g} at delta {report['delta']:g} needs a noise "
+            f"multiplier of at least {report['required_noise_multiplier']:.6g}."
+        )
+    return "\n".join(lines)
+
+
+def _json_ready(report: dict) -> dict:
+    def convert(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None if math.isnan(value) else "inf"
+        return value
+
+    return {key: convert(value) for key, value in report.items()}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        report = compute_report(args, parser)
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))
+    print(json.dumps(_json_ready(report)) if args.json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

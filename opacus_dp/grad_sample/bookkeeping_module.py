@@ -1,0 +1,166 @@
+"""``BookkeepingGradSampleModule``: per-sample norms and clipped sums, no per-sample gradients.
+
+The same hooks as :class:`~opacus_dp.grad_sample.GradSampleModule` (forward hook keeps a
+call's inputs, gradient hook gets its output gradients), but the backward hook only
+*records* the call in a :class:`~opacus_dp.grad_sample.bookkeeping.Bookkeeper`; the
+optimizer then asks this module (the *norm provider* interface of
+:class:`~opacus_dp.optim.DPOptimizer`) for
+
+* ``per_sample_norms(params)``: ``‖g_i‖₂`` per parameter, shape ``(B,)``;
+* ``clipped_sums(params, factors)``: ``Σ_i f_i g_i`` per parameter,
+
+so one step is: norms → clip factors (the clipper) → clipped sums, for flat and per-layer
+clipping alike. No ``p.grad_sample`` is produced. Per layer, the norm comes from the ghost
+identity or from materialised per-sample gradients (``layer_rule``, see
+:mod:`~opacus_dp.grad_sample.bookkeeping`); layers without a norm sampler are materialised
+transparently.
+
+By default autograd's own weight gradients are not computed (see
+:mod:`~opacus_dp.grad_sample.weight_grad_skipping`), except under
+``torch.nn.parallel.DistributedDataParallel``, whose reducer expects every parameter to
+receive a gradient. ``nn.DataParallel`` is not supported (use ``grad_sample_mode="hooks"``).
+"""
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from opacus_dp.grad_sample import grad_sample_module as gsm_module
+from opacus_dp.grad_sample.bookkeeping import Bookkeeper
+from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
+from opacus_dp.grad_sample.support import describe
+from opacus_dp.grad_sample.weight_grad_skipping import skip_weight_grads
+
+
+def _refuse_data_parallel(module: nn.Module) -> None:
+    for path, sub in module.named_modules():
+        if isinstance(sub, DataParallel):
+            raise ValueError(
+                f"{describe(path, sub)}: the norms-only modes ('ghost', 'bk') do not support "
+                "nn.DataParallel; use grad_sample_mode='hooks', or DistributedDataParallel"
+            )
+
+
+class BookkeepingGradSampleModule(GradSampleModule):
+    """Wraps ``module`` for the ``ghost``/``bk`` modes (see the module doc).
+
+    Args:
+        module, batch_first, loss_reduction, strict: as for ``GradSampleModule``.
+        layer_rule: ``"mixed"`` (per layer the cheaper of ghost norm and materialised
+            per-sample gradients; mode ``bk``) or ``"ghost"`` (ghost norm wherever the layer
+            type has one; mode ``ghost``).
+        skip_weight_grads: do not let autograd compute weight gradients (default: True
+            unless the model contains ``DistributedDataParallel``).
+    """
+
+    def __init__(self, module: nn.Module, batch_first: bool = True, loss_reduction: str = "mean",
+                 strict: bool = True, layer_rule: str = "mixed",
+                 skip_weight_grads: Optional[bool] = None):
+        if isinstance(module, nn.Module):
+            _refuse_data_parallel(module)
+        self._bookkeeper = Bookkeeper(self._per_sample_grads, layer_rule)
+        super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction,
+                         strict=strict)
+        if skip_weight_grads is None:
+            skip_weight_grads = not any(isinstance(m, DistributedDataParallel) for m in module.modules())
+        self.skips_weight_grads = bool(skip_weight_grads)
+        if self.skips_weight_grads:
+            self._install_weight_grad_skipping()
+
+    def _install_weight_grad_skipping(self) -> None:
+        def active() -> bool:
+            return self.hooks_enabled and not getattr(gsm_module._RECOMPUTING, "active", False)
+
+        for sub in self._module.modules():
+            if gsm_module._HOOKED_BY.get(sub) is self:
+                self._handles.extend(skip_weight_grads(sub, active))
+
+    @property
+    def layer_rule(self) -> str:
+        return self._bookkeeper.layer_rule
+
+    # ------------------------------------------------------------------ backward hook
+    def _on_backward(self, path, master, layer, call, hooked, n_outputs, grads, chunk=0) -> None:
+        """Record the call (batch-first output gradients, loss-reduction scale) for later."""
+        if not self.hooks_enabled:
+            return
+        backprops: List[Optional[torch.Tensor]] = [None] * n_outputs
+        for index, grad in zip(hooked, grads):
+            if grad is not None:
+                grad = grad.detach()
+                backprops[index] = grad.movedim(call.batch_dim, 0) if call.batch_dim != 0 else grad
+        if all(b is None for b in backprops):
+            return
+        scale = float(call.batch_size) if self.loss_reduction == "mean" else 1.0
+        self._bookkeeper.record(master, describe(path, master), call, backprops, scale)
+
+    # ------------------------------------------------------------------ norm provider
+    def per_sample_norms(self, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """``‖g_i‖₂`` of every param, shape ``(B,)`` (B summed over unconsumed passes)."""
+        if self._bookkeeper.num_passes == 0:
+            return self._norms_without_passes(params)
+        self._check_unrecorded_grads(params)
+        norms = [sq.clamp(min=0).sqrt() for sq in self._bookkeeper.sq_norms(params)]
+        names = {p: n for n, p in self._module.named_parameters()}
+        for p, n in zip(params, norms):
+            if not bool(torch.isfinite(n).all()):
+                raise ValueError(
+                    f"non-finite (NaN or inf) per-sample gradient in parameter "
+                    f"{names.get(p, tuple(p.shape))}: check the loss and inputs of this batch "
+                    "(no update was made)"
+                )
+        return norms
+
+    def _norms_without_passes(self, params) -> List[torch.Tensor]:
+        """Empty batches leave zero-row ``grad_sample`` views (see GradSampleModule)."""
+        empty = self._store.pop_all()
+        if params and not empty:
+            raise RuntimeError(
+                "no per-sample gradients to process: call loss.backward() on the model "
+                "before optimizer.step()/virtual_step() (was step() called twice on the "
+                "same gradients?)"
+            )
+        return [torch.zeros(0, device=p.device, dtype=p.dtype) for p in params]
+
+    def _check_unrecorded_grads(self, params) -> None:
+        recorded = self._bookkeeper.recorded_params()
+        names = {p: n for n, p in self._module.named_parameters()}
+        for p in params:
+            if p not in recorded and p.grad is not None and bool(torch.any(p.grad != 0)):
+                raise ValueError(
+                    f"parameter {names.get(p, tuple(p.shape))} has a gradient but no per-sample "
+                    "gradient: it is used outside the modules that own it, or its module is not "
+                    "handled by the wrapper"
+                )
+
+    def clipped_sums(self, params: Sequence[torch.Tensor],
+                     factors: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        """``Σ_i f_i g_i`` per param for the factors of :meth:`per_sample_norms`; consumes."""
+        return self._bookkeeper.clipped_sums(params, factors)
+
+    def clear(self, params=None) -> None:
+        """Drop all recorded per-sample information (the provider's ``zero_grad``)."""
+        self.zero_grad_sample()
+
+    def layer_modes(self):
+        """``{layer: "ghost" | "materialised"}`` chosen for the unconsumed passes."""
+        return self._bookkeeper.layer_modes()
+
+    # ------------------------------------------------------------------ state
+    def zero_grad_sample(self) -> None:
+        super().zero_grad_sample()
+        self._bookkeeper.clear()
+
+    def forbid_grad_accumulation(self) -> None:
+        super().forbid_grad_accumulation()
+        self._bookkeeper.accumulation_allowed = False
+
+    def allow_grad_accumulation(self) -> None:
+        super().allow_grad_accumulation()
+        self._bookkeeper.accumulation_allowed = True
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        self._bookkeeper.clear()

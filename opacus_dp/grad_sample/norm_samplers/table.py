@@ -1,0 +1,63 @@
+"""What the norms-only modes (``ghost`` / ``bk``) need from a layer type, besides its norm sampler.
+
+A layer type gets per-sample gradient *norms* without materialised per-sample gradients
+when it has
+
+* a norm sampler in :data:`opacus_dp.grad_sample.registry.NORM_SAMPLERS`
+  (``(layer, activations, backprops) -> {param: ‖g_i‖²}``), and
+* a :class:`GhostLayer` entry here:
+
+  - ``weighted_grad(layer, activations, backprops, factors) -> {param: Σ_i f_i · g_i}``,
+    the per-sample gradients of one call weighted by ``factors[param]`` (shape ``(B,)``)
+    and summed over the batch, computed like the ordinary batch gradient with each
+    sample's output gradient scaled (no per-sample tensor of the parameter's size);
+  - ``merge_calls(layer, calls) -> (activations, backprops)`` (optional): one call
+    equivalent to the ``[(activations, backprops), ...]`` of several calls of the layer in one
+    backward pass (per-sample gradients add up over calls; for Linear/Embedding the
+    positions are concatenated), or None if they cannot be merged. A layer called more than
+    once per pass whose calls are not merged is materialised;
+  - ``prefers_ghost(layer, activations) -> bool`` (optional, default True): the cost rule of
+    mixed ghost clipping (Bu et al. 2022, "Scalable and Efficient Training of Large
+    Convolutional Neural Networks with Differential Privacy"): the norm is computed with the
+    ghost identity when that is cheaper than materialising the per-sample gradients.
+
+All functions receive batch-first tensors and the output gradient of the *summed* loss; they
+are linear (weighted grads) or quadratic (norms) in ``backprops``, which lets callers apply a
+loss-reduction scale to the result instead of to the (large) backprops.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Optional, Type, Union
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class GhostLayer:
+    """Functions of one layer type for the norms-only modes (see the module doc)."""
+
+    weighted_grad: Callable
+    merge_calls: Optional[Callable] = None
+    prefers_ghost: Optional[Callable] = None
+
+
+GHOST_LAYERS: Dict[Type[nn.Module], GhostLayer] = {}
+
+
+def register_ghost_layer(target_types: Union[Type[nn.Module], Iterable[Type[nn.Module]]], *,
+                         weighted_grad: Callable, merge_calls: Optional[Callable] = None,
+                         prefers_ghost: Optional[Callable] = None) -> None:
+    """Register the :class:`GhostLayer` functions of ``target_types`` (exact types)."""
+    types = target_types if isinstance(target_types, (list, tuple)) else [target_types]
+    for t in types:
+        GHOST_LAYERS[t] = GhostLayer(weighted_grad, merge_calls, prefers_ghost)
+
+
+def ghost_layer_of(layer: nn.Module) -> Optional[GhostLayer]:
+    """The entry of exactly ``type(layer)`` (subclasses may change ``forward``), else None."""
+    return GHOST_LAYERS.get(type(layer))
+
+
+def trainable(param) -> bool:
+    """True for a parameter that exists and requires a gradient."""
+    return param is not None and param.requires_grad
