@@ -112,18 +112,24 @@ def fake_rows(run, dataset_size: int, world_size: int) -> int:
     return max(1, round(q * dataset_size / world_size))
 
 
+def latent_generator(seed: int, epoch: int, rank: int) -> torch.Generator:
+    """Generator of the latent vectors z of one epoch on one rank (resumable, distinct per rank)."""
+    return torch.Generator().manual_seed((seed * 100_003 + epoch) * 1_009 + rank)
+
+
 def train_epoch(args, run, netG, optimizer_g, setup, epoch: int, fakes: int) -> dict:
     """One pass of Poisson batches: private D step, then non-private G step (module doc)."""
     criterion = nn.BCEWithLogitsLoss()
     run.model.train()
     netG.train()
     set_epoch(run.train_loader, epoch)
+    latent = latent_generator(args.seed, epoch, setup.rank)
     totals = {"loss_d": 0.0, "loss_g": 0.0, "steps": 0}
     bar = progress(run.train_loader, total=len(run.train_loader), epoch=epoch,
                     enabled=setup.is_main and not args.no_progress)
     for batch in bar:
         real = to_device(batch[0], setup.device)
-        fake = netG(torch.randn(fakes, args.nz, 1, 1, device=setup.device))
+        fake = netG(torch.randn(fakes, args.nz, 1, 1, generator=latent).to(setup.device))
         labels = torch.cat([torch.ones(len(real)), torch.zeros(fakes)]).to(setup.device)
         run.optimizer.zero_grad(set_to_none=True)
         loss_d = criterion(run.model(torch.cat([real, fake.detach()])), labels)
@@ -178,7 +184,7 @@ def train(args, setup, dataset, channels: int) -> str:
         _save(run, args, setup, netG, optimizer_g, dict(epoch=epoch, metrics=log.epochs))
     epsilon = run.epsilon()
     log.finish(epsilon=epsilon, privacy=run.privacy_summary(), world_size=setup.world_size,
-               stopped=stopped, fake_rows=fakes)
+               stopped=stopped, fake_rows=fakes, dataset_size=len(dataset))
     if setup.is_main and run.private:
         print(privacy_line(epsilon, args.delta, run.engine.accountant.mechanism()), flush=True)
     return stopped

@@ -21,6 +21,7 @@ Run ``python examples/quickstart.py`` (add ``--json out.json`` for a machine-rea
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -106,7 +107,7 @@ def train(args: argparse.Namespace) -> dict:
     }
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     result = train(args)
@@ -114,13 +115,13 @@ def main(argv=None) -> dict:
     print(f"noise multiplier σ = {result['noise_multiplier']:.4f}, sample rate q = "
           f"{result['sample_rate']:.4f}, {result['steps']} steps")
     print(f"test accuracy = {100 * result['test_accuracy']:.2f} %")
-    print(f"ε = {result['epsilon']:.4f} at δ = {args.delta:g} ({result['accountant']} accountant)")
+    print(f"ε = {result['epsilon']:.6f} at δ = {args.delta:g} ({result['accountant']} accountant)")
     print(f"time = {result['seconds']:.1f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
-    return result
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,6 +18,8 @@ import torch.nn as nn
 
 from opacus_dp.accountants import RDPAccountant
 from opacus_dp.engine_setup import (
+    GRAD_SAMPLE_MODES,
+    check_choice,
     check_optimizer_params,
     check_privacy_arguments,
     make_dp_optimizer,
@@ -44,7 +46,9 @@ class ClassicPrivacyEngine(PrivacyEngine):
     and ``epochs`` to calibrate it); ``max_grad_norm`` (C, or a list for per-layer clipping);
     ``secure_rng``; ``batch_first``; ``target_delta``; ``loss_reduction``; ``poisson`` (the
     data loader samples Poisson batches, possibly empty: each is a real step);
-    ``clip_per_layer``; ``max_epsilon`` (budget guard at ``target_delta``).
+    ``clip_per_layer``; ``max_epsilon`` (budget guard at ``target_delta``). Beyond Opacus 0.x:
+    ``grad_sample_mode`` ("hooks", "functorch", "ghost", "bk", "auto"; see
+    :mod:`opacus_dp.grad_sample.mode_selection`).
     """
 
     def __init__(self, module: nn.Module, batch_size: Optional[int] = None,
@@ -56,7 +60,7 @@ class ClassicPrivacyEngine(PrivacyEngine):
                  target_epsilon: Optional[float] = None, epochs: Optional[float] = None,
                  loss_reduction: str = "mean", poisson: bool = False, clip_per_layer: bool = False,
                  grad_norm_type: int = 2, max_epsilon: Optional[float] = None,
-                 noise_generator: Optional[torch.Generator] = None):
+                 noise_generator: Optional[torch.Generator] = None, grad_sample_mode: str = "hooks"):
         super().__init__(accountant="rdp", secure_mode=secure_rng)
         if max_grad_norm is None:
             raise ValueError("max_grad_norm is required (the per-sample clipping bound C)")
@@ -86,6 +90,7 @@ class ClassicPrivacyEngine(PrivacyEngine):
             raise ValueError("noise_generator must be None when secure_rng=True")
         self.max_epsilon, self.max_epsilon_delta = max_epsilon, target_delta
         self.noise_generator = noise_generator
+        self.grad_sample_mode = check_choice(grad_sample_mode, tuple(GRAD_SAMPLE_MODES), "grad_sample_mode")
         self.device = None
         self.optimizer = None
         self.grad_sample_module = None
@@ -105,7 +110,7 @@ class ClassicPrivacyEngine(PrivacyEngine):
             raise ValueError("this PrivacyEngine is already attached to an optimizer: detach it first")
         check_optimizer_params(self.module, optimizer)
         validate_module(self.module)
-        gsm = wrap_module(self.module, grad_sample_mode="hooks", batch_first=self.batch_first,
+        gsm = wrap_module(self.module, grad_sample_mode=self.grad_sample_mode, batch_first=self.batch_first,
                           loss_reduction=self.loss_reduction)
         try:
             dp_optimizer = make_dp_optimizer(

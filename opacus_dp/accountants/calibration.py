@@ -1,9 +1,10 @@
 """Noise calibration: the smallest σ (up to a tolerance) whose ε stays within a budget.
 
-One generic bisection over any registered accountant: build a fresh accountant, record the
-planned run as a single segment (σ, q, steps), read ε(δ).  ε decreases with σ; the search
-keeps ``sigma_high`` with ε(sigma_high) ≤ target at all times and returns it, so the result
-never exceeds the budget (for the chosen accountant).
+One generic bracketing search over any registered accountant: build a fresh accountant,
+record the planned run as a single segment (σ, q, steps), read ε(δ).  ε decreases with σ; the
+search (false position, falling back to bisection whenever a step shrinks the bracket by less
+than half) keeps ``sigma_high`` with ε(sigma_high) ≤ target at all times and returns it, so the
+result never exceeds the budget (for the chosen accountant).
 """
 
 import math
@@ -70,19 +71,32 @@ def get_noise_multiplier(
         return _epsilon_at(accountant, sigma, q, count, delta, epsilon_kwargs)
 
     sigma_low, sigma_high = 0.0, 1.0
-    eps_high = eps(sigma_high)
+    eps_low, eps_high = math.inf, eps(sigma_high)
     while eps_high > target:
-        sigma_low, sigma_high = sigma_high, 2 * sigma_high
+        sigma_low, eps_low, sigma_high = sigma_high, eps_high, 2 * sigma_high
         if sigma_high > MAX_SIGMA:
             raise ValueError(f"the privacy budget target_epsilon={target} is too small for any sigma <= {MAX_SIGMA:g}")
         eps_high = eps(sigma_high)
+    aim = target - tolerance / 2
+    use_interpolation = True
     for _ in range(_MAX_BISECTIONS):
         if target - eps_high <= tolerance:
             break
-        sigma = (sigma_low + sigma_high) / 2
+        width = sigma_high - sigma_low
+        sigma = _next_sigma(sigma_low, sigma_high, eps_low - aim, eps_high - aim, use_interpolation)
         eps_mid = eps(sigma)
         if eps_mid <= target:
             sigma_high, eps_high = sigma, eps_mid
         else:
-            sigma_low = sigma
+            sigma_low, eps_low = sigma, eps_mid
+        use_interpolation = sigma_high - sigma_low < width / 2  # bisect after a poor step
     return sigma_high
+
+
+def _next_sigma(low: float, high: float, f_low: float, f_high: float, interpolate: bool) -> float:
+    """False position on ε(σ) − aim inside (low, high); bisection when asked or undefined."""
+    if interpolate and math.isfinite(f_low) and f_low > f_high:
+        candidate = high - f_high * (high - low) / (f_high - f_low)
+        if low < candidate < high:
+            return candidate
+    return (low + high) / 2

@@ -33,7 +33,10 @@ def simulate_scores(*, noise_multiplier: float, sample_rate: float, steps: int,
 
 def model_thresholds(*, noise_multiplier: float, sample_rate: float, steps: int, negatives: int,
                      positives: int, delta: float, confidence: float) -> Tuple[float, float]:
-    """``(τ for the GDP bound, τ for the plain bound)`` for ``negatives`` absent and ``positives`` present canaries."""
+    """``(τ for the GDP bound, τ for the plain bound)``.
+
+    For ``negatives`` absent and ``positives`` present canaries under the claimed σ, q and T.
+    """
     if negatives <= 0 or positives <= 0:
         return 0.0, 0.0
     size = int(max(2_000, min(20_000, _MAX_SIMULATED_DRAWS // steps)))

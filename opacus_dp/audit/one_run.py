@@ -5,7 +5,7 @@ Setting: ``m`` canaries, each included in the training data independently with p
 "out" for the ``k₋`` lowest, and abstains on the rest (``r = k₊ + k₋`` guesses). If training is
 (ε, δ)-DP with respect to each canary, the number ``W`` of correct guesses satisfies, for all v,
 
-    P[W ≥ v] ≤ P[Binomial(r, p_ε) ≥ v] + 2mδ · max_{1 ≤ i ≤ v} P[v − i ≤ Binomial(r, p_ε) < v] / i,
+    P[W ≥ v] ≤ P[Bin(r, p_ε) ≥ v] + 2mδ · max_{1 ≤ i ≤ v} P[v − i ≤ Bin(r, p_ε) < v] / i,
 
 with ``p_ε = e^ε / (1 + e^ε)`` (the paper's Thm. 3.1 and its δ > 0 extension, evaluated as in its
 Appendix D). The right-hand side is a p-value for the hypothesis "(ε, δ)-DP"; the largest ε
@@ -24,7 +24,7 @@ from scipy import special, stats
 from opacus_dp.audit.statistics import check_confidence, check_delta
 
 DEFAULT_GUESS_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.5)
-_BISECTION_STEPS = 60
+_BISECTION_STEPS = 40
 
 
 def _check_counts(num_canaries: int, num_guesses: int, num_correct: int) -> None:
@@ -106,7 +106,10 @@ def _guess_counts(num_canaries: int, guess_fractions: Sequence[float]) -> Tuple[
 
 def one_run_audit(scores, membership, *, delta: float, confidence: float = 0.95,
                   guess_fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS) -> OneRunBound:
-    """Best one-run bound over the guess counts ``f·m`` (level ``α/len`` each, so ≥ ``confidence`` overall)."""
+    """Best one-run bound over the guess counts ``f·m``.
+
+    Each count is tested at level ``α / (number of counts)``, so the best holds with ≥ ``confidence``.
+    """
     scores, membership = np.asarray(scores, dtype=float), np.asarray(membership, dtype=bool)
     if scores.shape != membership.shape or scores.ndim != 1 or scores.size == 0:
         raise ValueError("scores and membership must be 1-d arrays of the same, non-zero length")

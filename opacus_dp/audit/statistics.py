@@ -66,7 +66,10 @@ def clopper_pearson_lower(successes, trials, alpha: float) -> np.ndarray:
 
 
 def mu_lower_bound(fpr_upper, fnr_upper) -> np.ndarray:
-    """``Φ⁻¹(1 − FPR) − Φ⁻¹(FNR)`` floored at 0: no μ-GDP mechanism with smaller μ has these rates."""
+    """``Φ⁻¹(1 − FPR) − Φ⁻¹(FNR)``, floored at 0.
+
+    No μ-GDP mechanism with a smaller μ has these rates.
+    """
     fpr, fnr = np.asarray(fpr_upper, dtype=float), np.asarray(fnr_upper, dtype=float)
     return np.maximum(0.0, special.ndtri(1.0 - fpr) - special.ndtri(fnr))
 
@@ -82,7 +85,10 @@ def gdp_epsilon(mu: float, delta: float) -> float:
 
 
 def plain_epsilon_lower_bound(fpr_upper, fnr_upper, delta: float) -> np.ndarray:
-    """``max(log((1−δ−FNR)/FPR), log((1−δ−FPR)/FNR), 0)``: ε of no (ε, δ)-DP mechanism allows these rates."""
+    """``max(log((1−δ−FNR)/FPR), log((1−δ−FPR)/FNR), 0)``.
+
+    No (ε, δ)-DP mechanism with a smaller ε allows these rates.
+    """
     fpr, fnr = np.asarray(fpr_upper, dtype=float), np.asarray(fnr_upper, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         first = np.log(np.maximum(1.0 - delta - fnr, 0.0)) - np.log(fpr)

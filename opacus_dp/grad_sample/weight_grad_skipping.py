@@ -2,16 +2,21 @@
 
 In the ``ghost``/``bk`` modes the update ``Σ_i f_i g_i`` is assembled from the recorded layer
 inputs and output gradients, so autograd's own weight gradient ``Σ_i g_i`` (a third of a
-Linear layer's backward arithmetic) is wasted work. While a hooked layer runs on inputs of
-which at least one requires grad, its own parameters are switched to
-``requires_grad=False``; a forward hook (run first, and also when the forward raises)
-switches them back. The gradients w.r.t. the *inputs* are unchanged (they do not depend on
-whether the parameters require grad), and the layer's output still requires grad through
-its inputs, so the per-sample hooks see its output gradient.
+Linear layer's backward arithmetic) is wasted work. While a hooked layer runs, its own
+parameters are switched to ``requires_grad=False``; a forward hook (run before the other
+forward hooks, and also when the forward raises) switches them back. Gradients w.r.t. the
+*inputs* do not depend on whether the parameters require grad, so they are unchanged.
 
-A layer none of whose inputs requires grad (the first layer: data, token indices) keeps its
-parameters as they are: there they are the only path by which the output requires grad.
-Autograd then also fills ``p.grad`` of those parameters; the optimizer overwrites it.
+The per-sample hooks need the layer's output to require grad:
+
+* if one of the layer's inputs requires grad, the output does through it;
+* otherwise (the first layer: data, token indices) the output of a layer of
+  :data:`ANCHORED_TYPES` is marked, in place and without a copy, as the output of an
+  identity autograd node (``_Anchor``), so that its gradient is still computed and seen by
+  the hooks; these layers' backward never uses their output, so the in-place mark is safe;
+* a layer of another type keeps its parameters as they are for such a call (they are the
+  only path by which its output requires grad); autograd then also fills their ``p.grad``,
+  which the optimizer overwrites.
 """
 
 from typing import Callable, List
@@ -21,6 +26,24 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from opacus_dp.grad_sample.support import own_parameters
+from opacus_dp.layers.batch_first import BatchFirstLinear
+
+ANCHORED_TYPES = (nn.Linear, BatchFirstLinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding,
+                  nn.LayerNorm, nn.GroupNorm)
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+class _Anchor(torch.autograd.Function):
+    """Identity on ``output`` (marked as modified in place) that makes it require grad."""
+
+    @staticmethod
+    def forward(ctx, output, anchor):
+        ctx.mark_dirty(output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _carries_grad(args, kwargs) -> bool:
@@ -41,19 +64,27 @@ def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool]) -> List[o
     layer is recomputed for the ``torch.func`` fallback).
     """
     params = [p for _, p in own_parameters(layer)]
-    saved: List[List[torch.Tensor]] = []
+    anchored = type(layer) in ANCHORED_TYPES
+    saved: List[tuple] = []
 
     def before(module, args, kwargs):
-        switched = []
-        if is_active() and torch.is_grad_enabled() and _carries_grad(args, kwargs):
-            switched = [p for p in params if p.requires_grad]
-            for p in switched:
-                p.requires_grad_(False)
-        saved.append(switched)
+        switched, anchor = [], False
+        if is_active() and torch.is_grad_enabled():
+            carries = _carries_grad(args, kwargs)
+            if carries or anchored:
+                switched = [p for p in params if p.requires_grad]
+                anchor = bool(switched) and not carries
+                for p in switched:
+                    p.requires_grad_(False)
+        saved.append((switched, anchor))
 
     def after(module, args, kwargs, output):
-        for p in saved.pop() if saved else ():
+        switched, anchor = saved.pop() if saved else ((), False)
+        for p in switched:
             p.requires_grad_(True)
+        if anchor and isinstance(output, torch.Tensor) and not output.requires_grad:
+            return _Anchor.apply(output, _ANCHOR)
+        return None
 
     return [
         layer.register_forward_pre_hook(before, with_kwargs=True),

@@ -22,13 +22,16 @@ from opacus_dp.accountants.analysis.prv.discrete_pld import DiscretePLD
 
 _LAMBDAS = np.logspace(-4.0, 4.0, 33)
 _MGF_BLOCKS = 1 << 15
+_MGF_TOTAL_SHIFT = 0.5  # loss units
+_DOMINANT_MASS = 0.5
 
 
-def _blocked(pld: DiscretePLD, upward: bool):
-    """At most ``_MGF_BLOCKS`` (loss, mass) pairs; each block's mass sits at its highest loss
-    (``upward``) or lowest loss, which can only increase E[e^{λL}] for λ > 0 (resp. λ < 0)."""
+def _blocked(pld: DiscretePLD, upward: bool, max_shift: float):
+    """(loss, mass) pairs with blocks of bins merged onto their highest loss (``upward``) or
+    lowest loss, which can only increase E[e^{λL}] for λ > 0 (resp. λ < 0).  Blocks span at
+    most ``max_shift`` in loss and the result has at most about ``_MGF_BLOCKS`` pairs."""
     losses, pmf = pld.losses, pld.pmf
-    width = -(-pmf.size // _MGF_BLOCKS)
+    width = max(1, min(-(-pmf.size // _MGF_BLOCKS), int(max_shift / pld.grid_step)))
     if width == 1:
         return losses, pmf
     padded = np.concatenate((pmf, np.zeros(-pmf.size % width)))
@@ -37,9 +40,9 @@ def _blocked(pld: DiscretePLD, upward: bool):
     return (starts + (width - 1) * pld.grid_step if upward else starts), masses
 
 
-def _log_mgf(pld: DiscretePLD, lambdas: np.ndarray) -> np.ndarray:
+def _log_mgf(pld: DiscretePLD, lambdas: np.ndarray, max_shift: float) -> np.ndarray:
     """Upper bound on log E[e^{λL}; L finite] for every λ (all λ of one sign)."""
-    losses, masses = _blocked(pld, upward=bool(lambdas[0] > 0))
+    losses, masses = _blocked(pld, bool(lambdas[0] > 0), max_shift)
     positive = masses > 0
     log_p, losses = np.log(masses[positive]), losses[positive]
     result = np.empty(lambdas.size)
@@ -51,10 +54,15 @@ def _log_mgf(pld: DiscretePLD, lambdas: np.ndarray) -> np.ndarray:
 
 
 def chernoff_window(segments: Sequence[Tuple[DiscretePLD, int]], tail_mass: float) -> Tuple[float, float]:
-    """Losses (a, b) with P(S < a) ≤ tail_mass and P(S > b) ≤ tail_mass for S = Σ_s Σ_{t≤T_s} L."""
+    """Losses (a, b) with P(S < a) ≤ tail_mass and P(S > b) ≤ tail_mass for S = Σ_s Σ_{t≤T_s} L.
+
+    Merging bins to speed up the MGF moves each step's loss by less than
+    ``_MGF_TOTAL_SHIFT / (T_s · #segments)``, so the window widens by less than ``_MGF_TOTAL_SHIFT``.
+    """
     log_tail = math.log(tail_mass)
-    up = sum(count * _log_mgf(pld, _LAMBDAS) for pld, count in segments)
-    down = sum(count * _log_mgf(pld, -_LAMBDAS) for pld, count in segments)
+    shift = _MGF_TOTAL_SHIFT / len(segments)
+    up = sum(count * _log_mgf(pld, _LAMBDAS, shift / count) for pld, count in segments)
+    down = sum(count * _log_mgf(pld, -_LAMBDAS, shift / count) for pld, count in segments)
     upper = float(np.min((up - log_tail) / _LAMBDAS))
     lower = float(np.max((log_tail - down) / _LAMBDAS))
     support_low = sum(count * pld.losses[0] for pld, count in segments)
@@ -67,11 +75,40 @@ def window_bins(window: Tuple[float, float], grid_step: float) -> int:
     return int(math.ceil(window[1] / grid_step) - math.floor(window[0] / grid_step)) + 1
 
 
-def _folded_spectrum(pld: DiscretePLD, size: int) -> np.ndarray:
-    """rFFT of the PMF placed circularly at its absolute grid indices modulo ``size``."""
+def _log1p_complex(w: np.ndarray) -> np.ndarray:
+    """log(1 + w) for complex w, accurate for small |w| (real part via log1p)."""
+    x, y = w.real, w.imag
+    with np.errstate(divide="ignore"):
+        real = np.where(np.abs(w) < 0.5, 0.5 * np.log1p(2 * x + x * x + y * y), np.log(np.abs(1 + w)))
+    return real + 1j * np.arctan2(y, 1 + x)
+
+
+def _phase(shift: int, size: int) -> np.ndarray:
+    """e^{−iω·shift} at the rFFT frequencies ω_m = 2πm/size (exact integer reduction)."""
+    m = np.arange(size // 2 + 1, dtype=np.int64)
+    return np.exp(-2j * np.pi * ((m * (shift % size)) % size) / size)
+
+
+def _log_power_spectrum(pld: DiscretePLD, count: int, size: int):
+    """(count·log φ(ω) without the heaviest bin's phase, count × that bin's circular index).
+
+    When one bin holds most of the mass p₀ (a step that rarely touches the record),
+    φ(ω) = e^{−iωk₀}·p₀·(1 + w(ω)) with w = (rFFT of the other bins)·e^{iωk₀}/p₀: the rounding
+    error of 1 + w is relative to the small masses, not to 1, so raising φ to a large power
+    ``count`` (as exp(count·log φ)) does not amplify the rounding of the heaviest bin.
+    """
     positions = (pld.offset + np.arange(pld.pmf.size)) % size
-    folded = np.bincount(positions, weights=pld.pmf, minlength=size)
-    return sp_fft.rfft(folded)
+    heaviest = int(np.argmax(pld.pmf))
+    p0 = float(pld.pmf[heaviest])
+    if p0 < _DOMINANT_MASS:  # no dominant bin: the plain spectrum is as accurate
+        spectrum = sp_fft.rfft(np.bincount(positions, weights=pld.pmf, minlength=size))
+        with np.errstate(divide="ignore"):
+            return count * np.log(spectrum), 0
+    rest = pld.pmf.copy()
+    rest[heaviest] = 0.0
+    k0 = int(positions[heaviest])
+    w = sp_fft.rfft(np.bincount(positions, weights=rest, minlength=size)) / _phase(k0, size) / p0
+    return count * (math.log(p0) + _log1p_complex(w)), count * k0
 
 
 def compose(
@@ -87,10 +124,12 @@ def compose(
     low, high = window
     first = math.floor(low / grid_step)
     size = sp_fft.next_fast_len(math.ceil(high / grid_step) - first + 1, real=True)
-    spectrum = np.ones(size // 2 + 1, dtype=complex)
+    log_spectrum, shift = np.zeros(size // 2 + 1, dtype=complex), 0
     for pld, count in segments:
-        spectrum *= _folded_spectrum(pld, size) ** count
-    circular = sp_fft.irfft(spectrum, n=size)
+        part, part_shift = _log_power_spectrum(pld, count, size)
+        log_spectrum += part
+        shift += part_shift
+    circular = sp_fft.irfft(np.exp(log_spectrum) * _phase(shift, size), n=size)
     pmf = np.roll(circular, -(first % size))
     roundoff = float(max(0.0, -pmf.min()))
     log_finite = sum(count * math.log1p(-pld.infinity_mass) for pld, count in segments)

@@ -22,7 +22,6 @@ from opacus_dp.accountants.analysis.prv.subsampled_gaussian import (
 MAX_STEP_BINS = 1 << 20
 MAX_WINDOW_BINS = 1 << 20
 _MAX_REFINEMENTS = 6
-_COARSE_BINS = 4096
 
 Segment = Tuple[float, float, int]  # (noise_multiplier σ, sample_rate q, steps)
 
@@ -40,26 +39,10 @@ def _step_plds(segments: Sequence[Segment], grid_step: float, direction: str, ta
     return [(subsampled_gaussian_pld(sigma, q, grid_step, direction, tail_mass), steps) for sigma, q, steps in segments]
 
 
-def _window_width(segments: Sequence[Segment], grid_step: float, window_tail: float, step_tail: float) -> float:
-    """Widest composed loss window over both directions, from PLDs on the given grid."""
-    widths = []
-    for direction in DIRECTIONS:
-        low, high = chernoff_window(_step_plds(segments, grid_step, direction, step_tail), window_tail)
-        widths.append(high - low)
-    return max(widths)
-
-
 def _plds_on_fitting_grid(segments: Sequence[Segment], grid_step: float, window_tail: float, step_tail: float):
     """Per direction: (list of (step PLD, steps), composed loss window) on the finest grid
-    (≥ ``grid_step``) whose window fits in ``MAX_WINDOW_BINS`` bins.
-
-    A first pass on a coarse grid sizes the window (a coarser connect-the-dots PLD is a
-    mean-preserving spread, so its Chernoff window is at least as wide)."""
-    widest = _widest_step_range(segments, step_tail)
-    grid_step = max(grid_step, widest / MAX_STEP_BINS)
-    coarse_step = max(grid_step, widest / _COARSE_BINS)
-    width = _window_width(segments, coarse_step, window_tail, step_tail)
-    grid_step = max(grid_step, 1.02 * width / MAX_WINDOW_BINS)
+    (≥ ``grid_step``) whose window fits in ``MAX_WINDOW_BINS`` bins."""
+    grid_step = max(grid_step, _widest_step_range(segments, step_tail) / MAX_STEP_BINS)
     for _ in range(_MAX_REFINEMENTS):
         per_direction = []
         for direction in DIRECTIONS:

@@ -1,0 +1,95 @@
+"""Privacy calculator: flags, text and JSON output, agreement with the accountants."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from opacus_dp.accountants import PRVAccountant, RDPAccountant, get_noise_multiplier
+from opacus_dp.cli import main
+
+
+def run_cli(capsys, *argv):
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_text_output_reports_the_prv_epsilon(capsys):
+    out = run_cli(capsys, "-r", "0.01", "-n", "1.0", "--steps", "500", "-d", "1e-5")
+    accountant = PRVAccountant()
+    accountant.history = [(1.0, 0.01, 500)]
+    assert f"({accountant.get_epsilon(1e-5):.4g}, 1e-05)-differential privacy" in out
+    assert "500 steps" in out and "prv accountant" in out
+
+
+def test_json_output_with_batch_and_dataset_size(capsys):
+    out = run_cli(capsys, "--batch-size", "256", "--dataset-size", "60000", "--epochs", "2", "--sigma", "1.1", "--json")
+    report = json.loads(out)
+    q = 256 / 60000
+    steps = int(2 / q)
+    accountant = PRVAccountant()
+    accountant.history = [(1.1, q, steps)]
+    assert report["sample_rate"] == q and report["steps"] == steps
+    assert report["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    assert report["best_alpha"] is None
+
+
+def test_alphas_select_rdp_like_the_opacus_script(capsys):
+    out = run_cli(capsys, "--json", "-r", "0.01", "-n", "1.0", "-e", "3", "-a", "2", "5", "10", "20", "100")
+    report = json.loads(out)
+    accountant = RDPAccountant(alphas=[2, 5, 10, 20, 100])
+    accountant.history = [(1.0, 0.01, 300)]
+    eps, alpha = accountant.get_privacy_spent(delta=1e-5)
+    assert report["accountant"] == "rdp"
+    assert report["epsilon"] == pytest.approx(eps, rel=1e-12) and report["best_alpha"] == alpha
+
+
+def test_target_epsilon_reports_the_calibrated_noise(capsys):
+    out = run_cli(capsys, "--json", "-r", "0.02", "--steps", "400", "--target-epsilon", "2", "--accountant", "rdp")
+    report = json.loads(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = get_noise_multiplier(
+            target_epsilon=2.0, target_delta=1e-5, sample_rate=0.02, steps=400, accountant="rdp"
+        )
+    assert report["required_noise_multiplier"] == expected
+    assert "epsilon" not in report
+
+
+def test_no_noise_is_reported_as_infinite(capsys):
+    report = json.loads(run_cli(capsys, "--json", "-r", "0.1", "-n", "0", "--steps", "3"))
+    assert report["epsilon"] == "inf"
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["-r", "1.5", "-n", "1", "-e", "1"], "--sample-rate"),
+        (["-r", "0.1", "-n", "-1", "-e", "1"], "--noise-multiplier"),
+        (["-r", "0.1", "-n", "1", "-e", "1", "-d", "0"], "--delta"),
+        (["-r", "0.1", "-n", "1", "-e", "1", "--steps", "3"], "not allowed with"),
+        (["-r", "0.1", "-n", "1"], "required"),
+        (["-n", "1", "-e", "1"], "--batch-size"),
+        (["-r", "0.1", "-e", "1"], "--target-epsilon"),
+        (["-r", "0.1", "-n", "1", "-e", "1", "-a", "2", "--accountant", "prv"], "--alphas only"),
+        (["-r", "0.1", "-n", "1", "-e", "1", "--accountant", "moments"], "invalid choice"),
+        (["-r", "0.1", "-e", "1", "--target-epsilon", "-2"], "target_epsilon"),
+    ],
+)
+def test_bad_flags_exit_with_a_message(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_module_entry_point_runs():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "opacus_dp.cli", "-r", "0.01", "-n", "1.0", "--steps", "100", "--json"],
+        capture_output=True, text=True, env=env, timeout=120, check=True,
+    )
+    assert json.loads(result.stdout)["steps"] == 100

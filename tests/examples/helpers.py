@@ -1,0 +1,169 @@
+"""Running the example scripts from tests, and independent checks of the ε they report.
+
+* :func:`run_example` calls a script's ``main(argv)`` in this process (argument parsing to
+  files on disk, exactly as on the command line, without paying for a new interpreter);
+* :func:`run_torchrun` starts a script under ``python -m torch.distributed.run`` with 2
+  gloo processes on a free port; :func:`run_forked` forks 2 processes with the same
+  environment (cheaper: no new interpreter);
+* :func:`recomputed_epsilon` replays the saved privacy history into a fresh opacus_dp
+  accountant; :func:`reference_epsilon` does the same with the reference library (Opacus).
+"""
+
+import contextlib
+import importlib.util
+import json
+import math
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from tests.conftest import free_port
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EPSILON_LINE = re.compile(r"ε = ([0-9.]+) at δ = ([0-9.e+-]+) \((\w+) accountant\)")
+SECURE_MODE_WARNING = "ignore:secure_mode is off"
+_LOADED = {}
+
+
+def example_module(name: str):
+    """The example script ``examples/<name>.py`` imported as a module (once)."""
+    if name not in _LOADED:
+        if str(EXAMPLES) not in sys.path:
+            sys.path.insert(0, str(EXAMPLES))
+        spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _LOADED[name] = module
+    return _LOADED[name]
+
+
+def run_example(name: str, argv, capsys) -> str:
+    """Run ``examples/<name>.py argv`` in-process; return what it printed (exit code 0 asserted)."""
+    capsys.readouterr()
+    code = example_module(name).main([str(a) for a in argv])
+    out = capsys.readouterr().out
+    assert code in (0, None), out
+    return out
+
+
+def run_torchrun(name: str, argv, *, nproc: int = 2, timeout: float = 240) -> str:
+    """Run ``examples/<name>.py`` under torchrun with ``nproc`` CPU processes; return stdout."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+               str(EXAMPLES / f"{name}.py"), *[str(a) for a in argv]]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=str(EXAMPLES.parent))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _forked_worker(name: str, argv, rank: int, world_size: int, port: int, log_path: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = 1
+    with open(log_path, "w", encoding="utf-8") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        try:
+            code = example_module(name).main(argv) or 0
+        except BaseException:  # report everything, then leave without pytest's exit handlers
+            traceback.print_exc()
+    os._exit(code)
+
+
+def run_forked(name: str, argv, tmp_path, *, nproc: int = 2, timeout: float = 240) -> str:
+    """Run ``examples/<name>.py`` in ``nproc`` forked processes with torchrun's environment
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); return rank 0's output.
+
+    Forking reuses the modules this process has imported, which saves each worker the
+    seconds a fresh interpreter spends importing torch.
+    """
+    example_module(name)
+    context = multiprocessing.get_context("fork")
+    port, argv = free_port(), [str(a) for a in argv]
+    logs = [os.path.join(str(tmp_path), f"rank{rank}.log") for rank in range(nproc)]
+    workers = [context.Process(target=_forked_worker, args=(name, argv, rank, nproc, port, logs[rank]))
+               for rank in range(nproc)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout)
+    texts = [open(path, encoding="utf-8").read() if os.path.exists(path) else "" for path in logs]
+    for worker, text in zip(workers, texts):
+        if worker.is_alive():
+            worker.kill()
+        assert worker.exitcode == 0, f"exit code {worker.exitcode}:\n" + "\n".join(texts)
+    return texts[0]
+
+
+def printed_epsilon(output: str) -> float:
+    """The ε of the (last) ``ε = … at δ = …`` line."""
+    found = EPSILON_LINE.findall(output)
+    assert found, f"no epsilon line in output:\n{output}"
+    return float(found[-1][0])
+
+
+def read_json(path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _replayed(accountant, history):
+    for sigma, q, steps in history:
+        for _ in range(int(steps)):
+            accountant.step(noise_multiplier=sigma, sample_rate=q)
+    return accountant
+
+
+def recomputed_epsilon(privacy: dict) -> float:
+    """ε of the saved history according to a fresh opacus_dp accountant of the same kind."""
+    from opacus_dp.accountants import create_accountant
+
+    accountant = _replayed(create_accountant(privacy["accountant"]), privacy["history"])
+    if privacy.get("alphas"):
+        return float(accountant.get_privacy_spent(delta=privacy["delta"], alphas=privacy["alphas"])[0])
+    return float(accountant.get_epsilon(privacy["delta"]))
+
+
+def reference_epsilon(privacy: dict) -> float:
+    """ε of the saved history according to the reference library (Opacus 1.6)."""
+    from opacus.accountants import create_accountant
+
+    accountant = create_accountant(privacy["accountant"])
+    accountant.history = [(float(s), float(q), int(n)) for s, q, n in privacy["history"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # log(0) inside Opacus' PRV at large q
+        if privacy["accountant"] == "rdp":
+            alphas = privacy.get("alphas") or accountant.DEFAULT_ALPHAS
+            return float(accountant.get_privacy_spent(delta=privacy["delta"], alphas=alphas)[0])
+        return float(accountant.get_epsilon(privacy["delta"]))
+
+
+def assert_epsilon_consistent(output: str, privacy: dict, *, reference_rtol: float = 0.02) -> float:
+    """Printed ε == our accountant's replay of the history ≈ the reference library's."""
+    shown = printed_epsilon(output)
+    ours = recomputed_epsilon(privacy)
+    assert math.isclose(shown, ours, rel_tol=0, abs_tol=5e-6), (shown, ours)
+    reference = reference_epsilon(privacy)
+    assert math.isclose(ours, reference, rel_tol=reference_rtol), (ours, reference)
+    return shown
+
+
+def assert_history(privacy: dict, *, sigma: float, sample_rate: float, steps: int) -> None:
+    """The saved history is ``steps`` steps of exactly (σ, q)."""
+    for record in privacy["history"]:
+        assert math.isclose(record[0], sigma, rel_tol=1e-12), privacy["history"]
+        assert math.isclose(record[1], sample_rate, rel_tol=1e-12), privacy["history"]
+    assert sum(int(r[2]) for r in privacy["history"]) == steps, privacy["history"]
+
+
+def load_checkpoint(path) -> dict:
+    assert os.path.isfile(path), f"missing checkpoint {path}"
+    return torch.load(path, map_location="cpu", weights_only=False)

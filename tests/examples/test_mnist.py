@@ -1,0 +1,71 @@
+"""End-to-end runs of examples/mnist.py on tiny MNIST idx files (torchvision's raw layout)."""
+
+import pytest
+
+from tests.examples.fake_data import write_mnist
+from tests.examples.helpers import (
+    SECURE_MODE_WARNING,
+    assert_epsilon_consistent,
+    assert_history,
+    example_module,
+    load_checkpoint,
+    read_json,
+    run_example,
+    run_forked,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(SECURE_MODE_WARNING)]
+
+SIGMA = 1.0
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return write_mnist(str(tmp_path_factory.mktemp("mnist")), train_size=48, test_size=16)
+
+
+def _argv(data_root, out, *extra, epochs=1):
+    return ["--data-root", data_root, "--epochs", epochs, "--width", 4, "--sigma", SIGMA,
+            "--checkpoint-file", out / "mnist.pt", "--metrics-file", out / "mnist.json",
+            "--no-progress", *extra]
+
+
+def test_one_epoch_then_resume(data_root, tmp_path, capsys):
+    # B = 12 of 48: q = 1/4, 4 steps per epoch; the resumed epoch continues the history.
+    run_example("mnist", _argv(data_root, tmp_path, "--batch-size", 12), capsys)
+    first = read_json(tmp_path / "mnist.json")
+    assert_history(first["privacy"], sigma=SIGMA, sample_rate=0.25, steps=4)
+    out = run_example("mnist", _argv(data_root, tmp_path, "--batch-size", 12, "--resume",
+                                     tmp_path / "mnist.pt", epochs=2), capsys)
+    metrics = read_json(tmp_path / "mnist.json")
+    assert [e["epoch"] for e in metrics["epochs"]] == [1, 2]
+    assert_history(metrics["privacy"], sigma=SIGMA, sample_rate=0.25, steps=8)
+    assert assert_epsilon_consistent(out, metrics["privacy"]) > first["epsilon"]
+    model = example_module("mnist").sample_convnet(width=4)
+    model.load_state_dict(load_checkpoint(tmp_path / "mnist_best.pt")["module_state_dict"])
+
+
+def test_calibrated_sigma_meets_the_target(data_root, tmp_path, capsys):
+    out = run_example("mnist", _argv(data_root, tmp_path, "--batch-size", 12, "--target-epsilon", 4,
+                                     "--api", "classic"), capsys)
+    privacy = read_json(tmp_path / "mnist.json")["privacy"]
+    assert privacy["accountant"] == "rdp" and privacy["noise_multiplier"] != SIGMA
+    epsilon = assert_epsilon_consistent(out, privacy, reference_rtol=1e-6)
+    assert 4 * 0.97 <= epsilon <= 4
+
+
+def test_missing_data_says_where_it_looked(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_example("mnist", ["--data-root", tmp_path, "--no-progress"], capsys)
+    assert exit_info.value.code == 2
+    assert str(tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte") in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_two_forked_processes_classic_api(data_root, tmp_path):
+    # Classic API across 2 processes: q = 2 × 6 / 48 = 1/4, 4 steps, RDP accounting.
+    out = run_forked("mnist", _argv(data_root, tmp_path, "--batch-size", 6, "--api", "classic"), tmp_path)
+    metrics = read_json(tmp_path / "mnist.json")
+    assert metrics["world_size"] == 2 and metrics["privacy"]["api"] == "classic"
+    assert_history(metrics["privacy"], sigma=SIGMA, sample_rate=0.25, steps=4)
+    assert_epsilon_consistent(out, metrics["privacy"], reference_rtol=1e-6)

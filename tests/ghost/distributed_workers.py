@@ -1,0 +1,55 @@
+"""Rank functions for the distributed tests of the norms-only modes (see ``test_distributed``).
+
+Each rank trains on its own Poisson batches (different data per rank, clipping on, σ = 0)
+with ``grad_sample_mode="bk"`` and reports its batches and parameters, as the workers of
+``tests/distributed`` do for the hooks mode.
+"""
+
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from opacus_dp import PrivacyEngine
+from opacus_dp.data import BatchMemoryManager
+from tests.distributed.workers import LR, _clipping_args, dataset, make_model, params_of, wrap
+
+
+def train_bk(rank, world_size, wrapper, clipping, steps=2, physical=2):
+    model = wrap(make_model(seed=100 + rank), wrapper)
+    start = params_of(model)
+    data = dataset()
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine(accountant="rdp")
+    torch.manual_seed(7 + rank)
+    gsm, optimizer, dp_loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader,
+        noise_multiplier=0.0, max_grad_norm=_clipping_args(clipping, 4), clipping=clipping,
+        grad_sample_mode="bk")
+    criterion = nn.CrossEntropyLoss()
+    logical, current = [], []
+    with BatchMemoryManager(data_loader=dp_loader, max_physical_batch_size=physical,
+                            optimizer=optimizer) as physical_loader:
+        for x, y in physical_loader:
+            current.append((x, y))
+            optimizer.zero_grad()
+            criterion(gsm(x), y).backward()
+            before = len(engine.accountant)
+            optimizer.step()
+            if len(engine.accountant) > before:
+                logical.append(current)
+                current = []
+            if len(logical) == steps:
+                break
+    return {"start": start, "batches": logical, "final": params_of(gsm),
+            "global_batch": optimizer.expected_batch_size * world_size,
+            "all_reduces": optimizer.reducer.num_all_reduces,
+            "mode": type(gsm).__name__, "skips": gsm.skips_weight_grads}
+
+
+def bk_job(rank, world_size):
+    return {(wrapper, clipping): train_bk(rank, world_size, wrapper, clipping)
+            for wrapper in ("ddp", "dpddp") for clipping in ("flat", "per_layer")}

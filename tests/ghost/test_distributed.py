@@ -1,0 +1,50 @@
+"""``grad_sample_mode="bk"`` across 2 gloo processes (DDP and DPDDP), different data per rank.
+
+σ = 0 and clipping active: the ranks' parameters must equal one process running the oracle
+(batch-size-1 autograd, clipped by hand) on the concatenation of all ranks' batches, with one
+all-reduce per logical step.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.distributed.oracle import clipped_mean_update, sgd_step
+from tests.distributed.spawn import run_on_ranks
+from tests.distributed.workers import FLAT_C, LAYER_C, LR, make_model
+from tests.ghost.distributed_workers import bk_job
+
+pytestmark = pytest.mark.distributed
+CONFIGS = [(w, c) for w in ("ddp", "dpddp") for c in ("flat", "per_layer")]
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return run_on_ranks(bk_job, 2, timeout=240)
+
+
+def replay(reports, key, clip):
+    model = make_model(seed=0)
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), reports[0][key]["start"]):
+            p.copy_(value)
+    for step in range(len(reports[0][key]["batches"])):
+        pairs = [pair for r in reports for pair in r[key]["batches"][step]]
+        x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+        if len(x):
+            update = clipped_mean_update(model, nn.CrossEntropyLoss(), x, y, clip,
+                                         reports[0][key]["global_batch"])
+            sgd_step(model, update, LR)
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("wrapper,clipping", CONFIGS)
+def test_bk_equals_one_process_on_the_concatenated_batch(reports, wrapper, clipping):
+    r0, r1 = reports[0][(wrapper, clipping)], reports[1][(wrapper, clipping)]
+    assert r0["mode"] == "BookkeepingGradSampleModule"
+    assert r0["skips"] == (wrapper == "dpddp"), "torch DDP needs autograd's weight gradients"
+    assert all(torch.equal(a, b) for a, b in zip(r0["final"], r1["final"]))
+    assert r0["all_reduces"] == len(r0["batches"]), "one all-reduce per logical step"
+    clip = FLAT_C if clipping == "flat" else [LAYER_C] * 4
+    for got, want in zip(r0["final"], replay(reports, (wrapper, clipping), clip)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)

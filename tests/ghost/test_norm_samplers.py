@@ -1,0 +1,103 @@
+"""Per-layer ghost norms and weighted gradients against a batch-size-1 autograd oracle.
+
+For every layer type with a norm sampler: ``norm_sampler(layer, a, g)[p] == ‖g_i(p)‖²`` and
+``weighted_grad(layer, a, g, f)[p] == Σ_i f_i g_i(p)``, where ``g_i`` are the oracle's
+per-sample gradients (float64, hypothesis shapes).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opacus_dp.grad_sample import NORM_SAMPLERS
+from opacus_dp.grad_sample.norm_samplers import GHOST_LAYERS
+from opacus_dp.layers import BatchFirstLinear
+from tests.ghost.helpers import layer_call, sq_norms, weighted
+
+SETTINGS = settings(max_examples=12, deadline=None)
+
+
+def check_layer(layer: nn.Module, x: torch.Tensor, seed: int = 0) -> None:
+    activations, backprops, oracle = layer_call(layer, x)
+    norms = NORM_SAMPLERS[type(layer)](layer, activations, backprops)
+    assert set(norms) == set(oracle)
+    factors_gen = torch.Generator().manual_seed(seed)
+    factors = {p: torch.rand(x.shape[0], generator=factors_gen, dtype=torch.float64) for p in oracle}
+    sums = GHOST_LAYERS[type(layer)].weighted_grad(layer, activations, backprops, factors)
+    assert set(sums) == set(oracle)
+    for p, expected in oracle.items():
+        torch.testing.assert_close(norms[p], sq_norms(expected), rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(sums[p], weighted(factors[p], expected), rtol=1e-9, atol=1e-10)
+
+
+@SETTINGS
+@given(batch=st.integers(1, 4), middle=st.lists(st.integers(1, 3), max_size=2),
+       features=st.tuples(st.integers(1, 5), st.integers(1, 5)), bias=st.booleans(),
+       batch_first_type=st.booleans())
+def test_linear_2d_and_sequences(batch, middle, features, bias, batch_first_type):
+    cls = BatchFirstLinear if batch_first_type else nn.Linear
+    layer = cls(*features, bias=bias).double()
+    check_layer(layer, torch.randn(batch, *middle, features[0], dtype=torch.float64))
+
+
+@st.composite
+def conv_cases(draw):
+    dims = draw(st.integers(1, 3))
+    groups = draw(st.sampled_from([1, 2]))
+    cin, cout = groups * draw(st.integers(1, 2)), groups * draw(st.integers(1, 2))
+    kernel = draw(st.integers(1, 3))
+    padding = draw(st.sampled_from([0, 1, "same", "valid"]))
+    stride = 1 if padding == "same" else draw(st.integers(1, 2))
+    mode = draw(st.sampled_from(["zeros", "reflect", "circular"])) if padding == 1 else "zeros"
+    size = draw(st.integers(kernel + 2, 6)) if dims < 3 else kernel + 2
+    return dims, dict(in_channels=cin, out_channels=cout, kernel_size=kernel, stride=stride,
+                      padding=padding, dilation=draw(st.integers(1, 2)), groups=groups,
+                      bias=draw(st.booleans()), padding_mode=mode), size, draw(st.integers(1, 3))
+
+
+@SETTINGS
+@given(case=conv_cases())
+def test_conv_1d_2d_3d_with_groups_stride_dilation_padding(case):
+    dims, kwargs, size, batch = case
+    layer = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](**kwargs).double()
+    dilated = kwargs["dilation"] * (kwargs["kernel_size"] - 1) + 1
+    size = max(size, dilated)
+    check_layer(layer, torch.randn(batch, kwargs["in_channels"], *[size] * dims, dtype=torch.float64))
+
+
+@SETTINGS
+@given(batch=st.integers(1, 4), shape=st.lists(st.integers(1, 5), max_size=2),
+       vocab=st.integers(2, 6), padding_idx=st.sampled_from([None, 0, 1]),
+       scale_grad_by_freq=st.booleans())
+def test_embedding_index_matching(batch, shape, vocab, padding_idx, scale_grad_by_freq):
+    layer = nn.Embedding(vocab, 3, padding_idx=padding_idx,
+                         scale_grad_by_freq=scale_grad_by_freq).double()
+    check_layer(layer, torch.randint(0, vocab, (batch, *shape)))
+
+
+def test_repeated_indices_are_summed_before_the_norm():
+    """Index matching must add the gradients of equal indices inside one sample."""
+    layer = nn.Embedding(4, 2).double()
+    check_layer(layer, torch.tensor([[1, 1, 1, 2], [3, 0, 3, 3]]))
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Linear(3, 4), lambda: nn.Conv2d(2, 3, 2),
+                                  lambda: nn.Embedding(5, 3)])
+def test_frozen_parameters_are_left_out(make):
+    layer = make().double()
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    layer.weight.requires_grad_(True)
+    x = torch.randint(0, 5, (2, 3)) if isinstance(layer, nn.Embedding) else \
+        torch.randn(2, 3, dtype=torch.float64) if isinstance(layer, nn.Linear) else \
+        torch.randn(2, 2, 4, 4, dtype=torch.float64)
+    check_layer(layer, x)
+
+
+def test_empty_batch_gives_empty_norms():
+    layer = nn.Conv2d(2, 3, 2).double()
+    x = torch.zeros(0, 2, 4, 4, dtype=torch.float64)
+    norms = NORM_SAMPLERS[nn.Conv2d](layer, [x], torch.zeros(0, 3, 3, 3, dtype=torch.float64))
+    assert all(n.shape == (0,) for n in norms.values())
