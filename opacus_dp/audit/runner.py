@@ -13,6 +13,7 @@ accounting are the engine's.
 """
 
 import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -57,18 +58,20 @@ def _world_size(network: nn.Module) -> int:
     return world_size_of(network)
 
 
-def _quiet_engine(*args, **kwargs):
-    from opacus_dp import PrivacyEngine
-
+@contextmanager
+def _secure_mode_warning_silenced():
+    """The audit seeds its generators on purpose (reproducible runs): no secure-mode advice."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="secure_mode is off")
-        return PrivacyEngine(*args, **kwargs)
+        yield
 
 
 def _modern(config: AuditConfig, network, optimizer, dataset, generators) -> _PrivateTraining:
+    from opacus_dp import PrivacyEngine
     from opacus_dp.data import DPDataLoader
 
-    engine = _quiet_engine(accountant=config.accountant)
+    with _secure_mode_warning_silenced():
+        engine = PrivacyEngine(accountant=config.accountant)
     criterion = CanaryLoss(config.loss_reduction)
     loader = DPDataLoader(dataset, sample_rate=config.sample_rate, generator=generators["sampling"])
     made = engine.make_private(
@@ -85,14 +88,16 @@ def _modern(config: AuditConfig, network, optimizer, dataset, generators) -> _Pr
 
 
 def _classic(config: AuditConfig, network, optimizer, dataset, generators) -> _PrivateTraining:
+    from opacus_dp import PrivacyEngine
     from opacus_dp.data import DPDataLoader
 
     world_size = _world_size(network)
-    engine = _quiet_engine(network, sample_rate=config.sample_rate, sample_size=len(dataset),
-                           noise_multiplier=config.noise_multiplier,
-                           max_grad_norm=config.max_grad_norm, poisson=True,
-                           loss_reduction=config.loss_reduction, target_delta=config.delta,
-                           noise_generator=generators["noise"])
+    with _secure_mode_warning_silenced():
+        engine = PrivacyEngine(network, sample_rate=config.sample_rate, sample_size=len(dataset),
+                               noise_multiplier=config.noise_multiplier,
+                               max_grad_norm=config.max_grad_norm, poisson=True,
+                               loss_reduction=config.loss_reduction, target_delta=config.delta,
+                               noise_generator=generators["noise"])
     engine.attach(optimizer)
     loader = DPDataLoader(dataset, sample_rate=config.sample_rate, generator=generators["sampling"],
                           distributed=world_size > 1)
@@ -114,8 +119,6 @@ def _divisor(config: AuditConfig, expected_batch_size, world_size: int) -> float
 
 def _physical_batches(training: _PrivateTraining, max_physical_batch_size: Optional[int]):
     """A context manager yielding the loader (split by BatchMemoryManager if asked)."""
-    from contextlib import nullcontext
-
     from opacus_dp.data import BatchMemoryManager
 
     if max_physical_batch_size is None:

@@ -16,9 +16,9 @@ ways to get all ``B`` of them at once, chosen by measurement (``scripts/benchmar
   per-sample gradients. Fastest on CPU for large spatial outputs and for grouped/depthwise
   layers (no intermediate copy of the input);
 * im2col (Chellapilla et al., "High performance convolutional neural networks for document
-  processing", 2006) + batched matrix product: ``x`` unfolded to ``(B, G, C/G*K, L)`` windows, then ``gy @ windows^T`` per sample and
-  group. Faster for small spatial outputs (``L`` positions) with many channels, e.g. the late
-  stages of a ResNet.
+  processing", 2006) + batched matrix product: ``x`` unfolded to ``(B, G, C/G*K, L)``
+  windows, then ``gy @ windows^T`` per sample and group. Faster for ungrouped layers with
+  few output positions ``L`` and many channels, e.g. the late stages of a ResNet.
 
 Zero padding that is the same on both sides is handled by the weight-gradient convolution;
 any other padding (``padding_mode`` reflect/replicate/circular, or the asymmetric split of

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.distributed.oracle import clipped_mean_update, sgd_step
+from tests.distributed.oracle import clipped_mean_update, per_sample_grads, sgd_step
 from tests.distributed.spawn import run_on_ranks
 from tests.distributed.workers import FLAT_C, LAYER_C, LR, make_model
 from tests.ghost.distributed_workers import bk_job
@@ -24,7 +24,9 @@ def reports():
 
 
 def replay(reports, key, clip):
+    """Final parameters of the one-process oracle, and whether any sample was clipped."""
     model = make_model(seed=0)
+    clipped_any = False
     with torch.no_grad():
         for p, value in zip(model.parameters(), reports[0][key]["start"]):
             p.copy_(value)
@@ -32,10 +34,13 @@ def replay(reports, key, clip):
         pairs = [pair for r in reports for pair in r[key]["batches"][step]]
         x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
         if len(x):
+            norms = [torch.cat([g.flatten() for g in s]).norm() for s in
+                     per_sample_grads(model, nn.CrossEntropyLoss(), x, y)]
+            clipped_any |= bool(max(norms) > (clip if not isinstance(clip, list) else min(clip)))
             update = clipped_mean_update(model, nn.CrossEntropyLoss(), x, y, clip,
                                          reports[0][key]["global_batch"])
             sgd_step(model, update, LR)
-    return [p.detach() for p in model.parameters()]
+    return [p.detach() for p in model.parameters()], clipped_any
 
 
 @pytest.mark.parametrize("wrapper,clipping", CONFIGS)
@@ -46,5 +51,7 @@ def test_bk_equals_one_process_on_the_concatenated_batch(reports, wrapper, clipp
     assert all(torch.equal(a, b) for a, b in zip(r0["final"], r1["final"]))
     assert r0["all_reduces"] == len(r0["batches"]), "one all-reduce per logical step"
     clip = FLAT_C if clipping == "flat" else [LAYER_C] * 4
-    for got, want in zip(r0["final"], replay(reports, (wrapper, clipping), clip)):
+    expected, clipped_any = replay(reports, (wrapper, clipping), clip)
+    assert clipped_any, "clipping must be active for this comparison to mean anything"
+    for got, want in zip(r0["final"], expected):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
