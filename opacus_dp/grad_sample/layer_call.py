@@ -40,11 +40,23 @@ def _to_batch_first(value: Any, batch_dim: int) -> Any:
     return value
 
 
+def _plain_tensors(values) -> bool:
+    return all(isinstance(v, torch.Tensor) for v in values)
+
+
 def _signature(layer: nn.Module) -> inspect.Signature:
     cls = type(layer)
     if cls not in _SIGNATURES:
         _SIGNATURES[cls] = inspect.signature(cls.forward)
     return _SIGNATURES[cls]
+
+
+def _num_inputs(layer: nn.Module) -> int:
+    """Number of parameters of ``layer.forward`` after ``self`` (-1 if it takes ``*args``)."""
+    params = list(_signature(layer).parameters.values())[1:]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return -1
+    return len(params)
 
 
 @dataclass
@@ -69,6 +81,8 @@ class LayerCall:
     @classmethod
     def capture(cls, args, kwargs, batch_dim: int, batch_size: int) -> "LayerCall":
         """Record a call; tensors are detached (they only feed the per-sample formulas)."""
+        if not kwargs and _plain_tensors(args):  # fast path: the common ``layer(x)`` call
+            return cls(tuple(a.detach() for a in args), {}, batch_dim, batch_size)
         return cls(
             tuple(tree_map(_detach, list(args))),
             dict(tree_map(_detach, dict(kwargs))),
@@ -78,6 +92,8 @@ class LayerCall:
 
     def batch_first_inputs(self) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """``(args, kwargs)`` with every tensor's batch dimension moved to 0."""
+        if self.batch_dim == 0:
+            return self.args, self.kwargs
         move = lambda v: _to_batch_first(v, self.batch_dim)  # noqa: E731
         return tuple(tree_map(move, list(self.args))), dict(tree_map(move, self.kwargs))
 
@@ -89,6 +105,8 @@ class LayerCall:
         call spelled them.
         """
         args, kwargs = self.batch_first_inputs()
+        if not kwargs and len(args) == _num_inputs(layer):  # nothing to fill in or reorder
+            return list(args)
         try:
             bound = _signature(layer).bind(layer, *args, **kwargs)
         except TypeError:
