@@ -4,10 +4,5 @@
 # Creates ./.venv (if absent) with the package and its example extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${OPACUS_DP_VENV:-.venv}"
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet --upgrade pip
-fi
-"$VENV/bin/pip" install --quiet -e ".[examples]"
+source scripts/ensure_venv.sh "examples"
 exec "$VENV/bin/python" examples/quickstart.py "$@"

@@ -111,33 +111,43 @@ def _log_power_spectrum(pld: DiscretePLD, count: int, size: int):
     return count * (math.log(p0) + _log1p_complex(w)), count * k0
 
 
-def compose(
-    segments: Sequence[Tuple[DiscretePLD, int]], tail_mass: float, window: Tuple[float, float]
-) -> DiscretePLD:
-    """PLD of the composition of ``count`` copies of each segment's PLD (same grid step).
+def circular_composition(segments: Sequence[Tuple[DiscretePLD, int]], window: Tuple[float, float]):
+    """(first grid index, raw PMF of the composition on the window's bins, not yet clipped).
 
-    ``window`` must come from :func:`chernoff_window` with the same ``tail_mass``.
+    Bin k holds the mass of all sums ≡ first + k modulo the FFT size (circular aliasing).
     """
     grid_step = segments[0][0].grid_step
     if any(pld.grid_step != grid_step for pld, _ in segments):
         raise ValueError("all PLDs composed together must share the same grid_step")
-    low, high = window
-    first = math.floor(low / grid_step)
-    size = sp_fft.next_fast_len(math.ceil(high / grid_step) - first + 1, real=True)
+    first = math.floor(window[0] / grid_step)
+    size = sp_fft.next_fast_len(math.ceil(window[1] / grid_step) - first + 1, real=True)
     log_spectrum, shift = np.zeros(size // 2 + 1, dtype=complex), 0
     for pld, count in segments:
         part, part_shift = _log_power_spectrum(pld, count, size)
         log_spectrum += part
         shift += part_shift
     circular = sp_fft.irfft(np.exp(log_spectrum) * _phase(shift, size), n=size)
-    pmf = np.roll(circular, -(first % size))
-    roundoff = float(max(0.0, -pmf.min()))
-    log_finite = sum(count * math.log1p(-pld.infinity_mass) for pld, count in segments)
-    infinity = -math.expm1(log_finite) + tail_mass
+    return first, np.roll(circular, -(first % size))
+
+
+def finite_mass_log(segments: Sequence[Tuple[DiscretePLD, int]]) -> float:
+    """log P(no step hits the loss +∞) = Σ_s T_s log(1 − p∞_s)."""
+    return sum(count * math.log1p(-pld.infinity_mass) for pld, count in segments)
+
+
+def compose(
+    segments: Sequence[Tuple[DiscretePLD, int]], tail_mass: float, window: Tuple[float, float]
+) -> DiscretePLD:
+    """PLD of the composition of ``count`` copies of each segment's PLD (same grid step).
+
+    ``window`` must come from :func:`chernoff_window` with the same ``tail_mass``.  Negative
+    round-off is clipped and its largest magnitude kept as the per-bin ``roundoff`` allowance.
+    """
+    first, pmf = circular_composition(segments, window)
     return DiscretePLD(
-        grid_step=grid_step,
+        grid_step=segments[0][0].grid_step,
         offset=first,
         pmf=np.clip(pmf, 0.0, None),
-        infinity_mass=min(1.0, infinity),
-        roundoff=roundoff,
+        infinity_mass=min(1.0, -math.expm1(finite_mass_log(segments)) + tail_mass),
+        roundoff=float(max(0.0, -pmf.min())),
     )
