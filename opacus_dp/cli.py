@@ -7,8 +7,9 @@ Usage (console script ``opacus-dp-calculator`` or ``python -m opacus_dp.cli``)::
     opacus-dp-calculator -r 0.01 -e 10 --target-epsilon 3 --accountant rdp
 
 The flags ``-r/--sample-rate``, ``-n/--noise-multiplier``, ``-e/--epochs``, ``-d/--delta`` and
-``-a/--alphas`` are those of Opacus's ``compute_dp_sgd_privacy`` script.  Epochs become
-``int(epochs / sample_rate)`` steps (the rule of the noise calibration).  The accountant is
+``-a/--alphas`` are those of Opacus's ``compute_dp_sgd_privacy`` script, and so is the step
+count of ``--epochs``: ``ceil(epochs × ceil(1/q))`` (``ceil(N/B)`` batches per epoch with
+``--batch-size``/``--dataset-size``), never fewer than a run really takes.  The accountant is
 ``prv`` unless ``--alphas`` is given, which selects ``rdp`` as in Opacus's script.
 """
 
@@ -20,7 +21,6 @@ import warnings
 from typing import List, Optional
 
 from opacus_dp.accountants import create_accountant, get_noise_multiplier
-from opacus_dp.accountants.calibration import planned_steps
 from opacus_dp.accountants.registry import available_accountants
 from opacus_dp.accountants.validation import check_delta, check_noise_multiplier, check_sample_rate
 
@@ -58,11 +58,24 @@ def _sample_rate(args, parser) -> float:
     return args.batch_size / args.dataset_size
 
 
+def _steps(args, parser, q: float) -> int:
+    if args.steps is not None:
+        if args.steps < 1:
+            parser.error("--steps must be >= 1")
+        return args.steps
+    if not (math.isfinite(args.epochs) and args.epochs > 0):
+        parser.error("--epochs must be a positive number")
+    if q == 0:
+        return 0
+    per_epoch = -(-args.dataset_size // args.batch_size) if args.sample_rate is None else math.ceil(1 / q)
+    return math.ceil(args.epochs * per_epoch)
+
+
 def compute_report(args, parser) -> dict:
     """All figures of the calculator as a dictionary (``inf`` for an unbounded ε)."""
     q = _sample_rate(args, parser)
     delta = check_delta(args.delta, "--delta")
-    steps = planned_steps(sample_rate=q, epochs=args.epochs, steps=args.steps) if q > 0 else (args.steps or 0)
+    steps = _steps(args, parser, q)
     name = args.accountant or ("rdp" if args.alphas else "prv")
     if args.alphas and name != "rdp":
         parser.error("--alphas only applies to --accountant rdp")

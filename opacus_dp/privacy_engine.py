@@ -13,6 +13,7 @@ Beyond Opacus, ``max_epsilon`` (with ``max_epsilon_delta``) installs a budget gu
 refuses, before anything changes, the step that would push ε above the maximum.
 """
 
+import math
 import warnings
 from typing import List, Optional, Union
 
@@ -21,7 +22,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from opacus_dp import checkpoint
-from opacus_dp.budget_guard import BudgetGuard
+from opacus_dp.budget_guard import BudgetGuard, recorded_sample_rate
 from opacus_dp.engine_setup import (
     check_choice,
     check_optimizer_params,
@@ -141,7 +142,7 @@ class PrivacyEngine:
                           "included in the calibration; the final epsilon will be higher", UserWarning)
         sample_rate = _sample_rate_of(data_loader)
         sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
-                                     sample_rate=sample_rate, epochs=epochs,
+                                     sample_rate=sample_rate, steps=_planned_steps(data_loader, epochs),
                                      accountant=self.accountant.mechanism(),
                                      epsilon_tolerance=epsilon_tolerance)
         return self.make_private(
@@ -168,6 +169,8 @@ class PrivacyEngine:
             loss_reduction=loss_reduction, clipping=clipping, generator=noise_generator,
             secure_mode=self.secure_mode,
         )
+        if not poisson_sampling:  # fixed-size batches: a step may not combine more than one
+            dp_optimizer.max_batch_size = getattr(loader, "batch_size", None)
         self._connect(module, dp_optimizer, sample_rate)
         return loader, dp_optimizer
 
@@ -196,7 +199,8 @@ class PrivacyEngine:
         accountant = self.accountant
 
         def record_step(optim) -> None:
-            accountant.step(noise_multiplier=optim.noise_multiplier, sample_rate=sample_rate)
+            accountant.step(noise_multiplier=optim.noise_multiplier,
+                            sample_rate=recorded_sample_rate(sample_rate, optim))
 
         dp_optimizer.attach_step_hook(record_step)
 
@@ -273,6 +277,23 @@ def _check_distributed_loader(data_loader: DataLoader, world_size: int, poisson_
     from opacus_dp.distributed import check_data_loader_world_size
 
     check_data_loader_world_size(data_loader, world_size, poisson_sampling=poisson_sampling)
+
+
+def _planned_steps(data_loader: DataLoader, epochs) -> int:
+    """Steps of ``epochs`` passes: ``⌈epochs · len(data_loader)⌉``.
+
+    The loader used for training (``DPDataLoader.from_data_loader`` of it, or itself) has
+    ``len(data_loader)`` batches per pass, each one accounted step. Opacus computes
+    ``int(epochs / q)`` instead, which can be fewer steps than the run takes (e.g. a
+    DPDataLoader with q = 0.35 takes round(1/q) = 3 steps per pass, not 2; and
+    ``1 / (1 / 75)`` is below 75 in floating point): σ would then be too small for the target.
+    """
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) \
+            or epochs <= 0:
+        raise ValueError(f"epochs must be a positive number, got {epochs!r}")
+    if len(data_loader) == 0:
+        raise ValueError("data_loader yields no batches (empty dataset?)")
+    return max(1, math.ceil(epochs * len(data_loader)))
 
 
 def _sample_rate_of(data_loader: DataLoader) -> float:

@@ -118,6 +118,7 @@ class ClassicPrivacyEngine(PrivacyEngine):
                 max_grad_norm=self._max_grad_norm, expected_batch_size=self.expected_batch_size,
                 loss_reduction=self.loss_reduction, clipping=self.clipping,
                 generator=self.noise_generator, secure_mode=self.secure_mode)
+            self._limit_logical_batches(gsm, dp_optimizer)
             self._connect(self.module, dp_optimizer, self.sample_rate)
         except Exception:
             gsm.close()
@@ -127,6 +128,18 @@ class ClassicPrivacyEngine(PrivacyEngine):
         self.optimizer = optimizer
         if not self.poisson:
             warn_fixed_size_batches(self.sample_rate)
+
+    def _limit_logical_batches(self, gsm, dp_optimizer) -> None:
+        """Opacus 0.x: everything between two steps is one logical batch of ``batch_size``.
+
+        So several backward passes never multiply q; with fixed-size batches a step on more
+        than ``batch_size`` samples is refused; Poisson batches cannot be merged at all.
+        """
+        dp_optimizer.count_iterations = False
+        if self.poisson:
+            gsm.forbid_grad_accumulation()
+        elif self.batch_size is not None:
+            dp_optimizer.max_batch_size = self.batch_size
 
     def detach(self) -> None:
         """Restore the optimizer (step, zero_grad, ...) and the model exactly."""

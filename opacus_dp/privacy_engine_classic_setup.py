@@ -61,16 +61,31 @@ def _expected_batch_size(q, batch_size, sample_size, world_size) -> Optional[flo
     return None
 
 
+def steps_per_epoch(sample_rate: float) -> int:
+    """Batches in one pass over the data: ``⌈1/q⌉`` (up to floating-point noise in ``1/q``).
+
+    That is the number of batches of a ``DataLoader(batch_size=B)`` over ``N = B/q`` examples
+    (last batch kept) and at least ``round(1/q)``, the steps of a Poisson sampler's pass;
+    Opacus 0.x used ``⌊1/q⌋``, fewer steps than the run takes when ``B`` does not divide ``N``.
+    """
+    return max(1, math.ceil((1.0 / sample_rate) * (1 - 1e-12)))
+
+
 def calibrate_noise_multiplier(*, target_epsilon, target_delta, sample_rate: float, epochs,
                                alphas: Sequence[float]) -> float:
-    """σ such that ``⌊epochs/q⌋`` steps spend at most ``target_epsilon`` (RDP over ``alphas``)."""
+    """σ such that ``⌈epochs · steps_per_epoch(q)⌉`` steps spend at most ``target_epsilon``
+    (RDP over ``alphas``)."""
     from opacus_dp.accountants import get_noise_multiplier
 
     if target_epsilon is None or epochs is None:
         raise ValueError("noise_multiplier is None: pass noise_multiplier, or target_epsilon and "
                          "epochs to calibrate it")
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) \
+            or epochs <= 0:
+        raise ValueError(f"epochs must be a positive number, got {epochs!r}")
+    steps = max(1, math.ceil(epochs * steps_per_epoch(sample_rate)))
     return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
-                                      sample_rate=sample_rate, epochs=epochs, accountant="rdp",
+                                      sample_rate=sample_rate, steps=steps, accountant="rdp",
                                       alphas=list(alphas)))
 
 

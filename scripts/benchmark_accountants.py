@@ -6,7 +6,8 @@ Prints, for standard DP-SGD settings:
   * PRV: ε next to dp-accounting's PLD (pessimistic, grid 1e-4) and its optimistic estimate,
     and Opacus's PRV; the ratio to the PLD value;
   * GDP next to Opacus's GDP;
-  * time for ε after 100 000 steps (RDP, PRV) and extreme settings (large ε, tiny δ, q = 1).
+  * time for ε after 100 000 steps (RDP, PRV) and extreme settings (large ε, tiny δ, q = 1,
+    σ = 0, q = 0) next to dp-accounting or the exact Gaussian mechanism.
 
 Needs the test extras (``pip install -e .[test]``).  Usage: ``python scripts/benchmark_accountants.py``.
 """
@@ -17,6 +18,7 @@ import time
 import warnings
 
 import numpy as np
+from scipy import optimize, special
 
 import dp_accounting
 from dp_accounting import pld as dp_pld
@@ -28,6 +30,7 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 
 from opacus_dp.accountants import GaussianAccountant, PRVAccountant, RDPAccountant
 from opacus_dp.accountants.analysis.rdp import DEFAULT_ALPHAS, compute_rdp
+from opacus_dp.accountants.rdp import _rdp_per_step
 
 SETTINGS = [  # (σ, q, steps, δ)
     (1.1, 256 / 60000, 14063, 1e-5),
@@ -108,21 +111,37 @@ def gdp_section():
         print(f"  sigma={sigma} q={q:.6f} steps={steps}: ours {eps:.6f}  opacus {ref:.6f}")
 
 
+def _gaussian_epsilon(mu, delta):
+    """Exact ε of the Gaussian mechanism with μ = √T/σ (the q = 1 case), by bisection."""
+    def delta_of(eps):
+        return special.ndtr(-eps / mu + mu / 2) - math.exp(eps + special.log_ndtr(-eps / mu - mu / 2))
+    return optimize.brentq(lambda e: delta_of(e) - delta, 0.0, 10 * mu * mu + 50, xtol=1e-12)
+
+
 def timing_and_extremes_section():
-    print("\nTime for epsilon after 100 000 steps (sigma=1.1, q=256/60000, delta=1e-5)")
+    print("\nTime for epsilon after 100 000 steps (sigma=1.1, q=256/60000, delta=1e-5), fresh caches")
     for name, cls in (("rdp", RDPAccountant), ("prv", PRVAccountant)):
+        _rdp_per_step.cache_clear()
         eps, seconds = _timed(lambda: ours(cls, (1.1, 256 / 60000, 100_000), 1e-5))
         print(f"  {name}: eps = {eps:.5f} in {seconds:.3f} s")
-    print("\nExtreme settings")
-    cases = [((0.3, 0.5, 10_000), 1e-5), ((1.1, 256 / 60000, 14063), 1e-12), ((1.0, 1.0, 100), 1e-5),
-             ((0.0, 0.1, 10), 1e-5), ((1.0, 0.0, 10), 1e-5)]
+    print("\nExtreme settings (reference: dp-accounting PLD, or the exact Gaussian mechanism when q = 1)")
+    cases = [((0.3, 0.5, 10_000), 1e-5), ((1.1, 256 / 60000, 14063), 1e-12), ((0.7, 1e-4, 1_000_000), 1e-10),
+             ((1.0, 1.0, 100), 1e-5), ((20.0, 1.0, 1000), 1e-12), ((0.0, 0.1, 10), 1e-5), ((1.0, 0.0, 10), 1e-5)]
     for segment, delta in cases:
         values = []
         for cls in (RDPAccountant, PRVAccountant):
             eps, seconds = _timed(lambda: ours(cls, segment, delta))
-            values.append(f"{eps:.5g} ({seconds:.2f} s)")
-        nan = any(math.isnan(float(v.split()[0])) for v in values)
-        print(f"  (sigma, q, steps)={segment}, delta={delta:g}: rdp {values[0]}, prv {values[1]}{'  NaN!' if nan else ''}")
+            values.append((eps, seconds))
+        sigma, q, steps = segment
+        if q == 1.0:
+            reference = f"exact {_gaussian_epsilon(math.sqrt(steps) / sigma, delta):.6g}"
+        elif sigma > 0 and q > 0:
+            reference = f"PLD {pld_pessimistic(segment, delta):.6g}"
+        else:
+            reference = "exact " + ("inf" if q > 0 else "0")
+        nan = any(math.isnan(eps) for eps, _ in values)
+        print(f"  (sigma, q, steps)={segment}, delta={delta:g}: rdp {values[0][0]:.6g} ({values[0][1]:.2f} s), "
+              f"prv {values[1][0]:.6g} ({values[1][1]:.2f} s), {reference}{'  NaN!' if nan else ''}")
 
 
 def main():

@@ -8,6 +8,7 @@ result never exceeds the budget (for the chosen accountant).
 """
 
 import math
+import warnings
 from typing import Optional
 
 from opacus_dp.accountants.registry import create_accountant
@@ -65,11 +66,15 @@ def get_noise_multiplier(
         raise ValueError(f"epsilon_tolerance must lie in (0, 1), got {epsilon_tolerance!r}")
     count = planned_steps(sample_rate=q, epochs=epochs, steps=steps)
     create_accountant(accountant)  # fail early on an unknown name
-    tolerance = epsilon_tolerance * min(1.0, target)
 
     def eps(sigma: float) -> float:
         return _epsilon_at(accountant, sigma, q, count, delta, epsilon_kwargs)
 
+    return _search_sigma(eps, target, epsilon_tolerance * min(1.0, target))
+
+
+def _search_sigma(eps, target: float, tolerance: float) -> float:
+    """Largest-known σ with target − tolerance ≤ eps(σ) ≤ target, for decreasing ``eps``."""
     sigma_low, sigma_high = 0.0, 1.0
     eps_low, eps_high = math.inf, eps(sigma_high)
     while eps_high > target:
@@ -77,11 +82,10 @@ def get_noise_multiplier(
         if sigma_high > MAX_SIGMA:
             raise ValueError(f"the privacy budget target_epsilon={target} is too small for any sigma <= {MAX_SIGMA:g}")
         eps_high = eps(sigma_high)
-    aim = target - tolerance / 2
-    use_interpolation = True
+    aim, use_interpolation = target - tolerance / 2, True
     for _ in range(_MAX_BISECTIONS):
         if target - eps_high <= tolerance:
-            break
+            return sigma_high
         width = sigma_high - sigma_low
         sigma = _next_sigma(sigma_low, sigma_high, eps_low - aim, eps_high - aim, use_interpolation)
         eps_mid = eps(sigma)
@@ -90,6 +94,11 @@ def get_noise_multiplier(
         else:
             sigma_low, eps_low = sigma, eps_mid
         use_interpolation = sigma_high - sigma_low < width / 2  # bisect after a poor step
+    warnings.warn(
+        f"noise calibration stopped at epsilon={eps_high:.6g} for target {target:.6g} (tolerance not reached)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     return sigma_high
 
 

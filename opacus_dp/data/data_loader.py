@@ -110,9 +110,9 @@ class DPDataLoader(DataLoader):
         """A Poisson loader over ``data_loader.dataset`` with ``q = 1/len(data_loader)``.
 
         So the expected batch size is ``N/len(data_loader)`` (≈ the original batch size) and one
-        pass has ``len(data_loader)`` steps. A ``DPDataLoader`` keeps its own sample rate. Dataset,
-        collate function, worker settings and (unless ``generator`` is given) the generator are
-        taken from ``data_loader``.
+        pass has ``len(data_loader)`` steps. A ``DPDataLoader`` keeps its own sample rate and number
+        of steps per pass. Dataset, collate function, worker settings and (unless ``generator`` is
+        given) the generator are taken from ``data_loader``.
         """
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
@@ -124,14 +124,15 @@ class DPDataLoader(DataLoader):
             )
         if len(data_loader) == 0:
             raise ValueError("DPDataLoader.from_data_loader: data_loader yields no batches (empty dataset?)")
-        sample_rate = data_loader.sample_rate if isinstance(data_loader, DPDataLoader) else 1.0 / len(data_loader)
+        is_dp = isinstance(data_loader, DPDataLoader)
         return cls(
             data_loader.dataset,
-            sample_rate=sample_rate,
+            sample_rate=data_loader.sample_rate if is_dp else 1.0 / len(data_loader),
             collate_fn=data_loader.collate_fn,
             generator=generator if generator is not None else data_loader.generator,
             distributed=distributed,
             batch_first=batch_first,
+            steps=len(data_loader) if is_dp else None,
             **worker_settings(data_loader),
         )
 

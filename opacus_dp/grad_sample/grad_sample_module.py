@@ -270,6 +270,10 @@ class GradSampleModule(nn.Module):
         """Free all per-sample gradients (``p.grad_sample`` becomes None)."""
         self._store.clear()
 
+    def pending_passes(self) -> int:
+        """Backward passes whose per-sample gradients are held (concatenated) right now."""
+        return self._store.passes
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad`` plus :meth:`zero_grad_sample` (always set to None)."""
         super().zero_grad(set_to_none=set_to_none)

@@ -62,6 +62,7 @@ class PerSampleGradStore:
         self._touched: Dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
         self.accumulation_allowed = True
+        self.passes = 0  # backward passes that added per-sample gradients since the last pop/clear
 
     # ----------------------------------------------------------------- adding
     def add(self, param: torch.Tensor, grad_sample: torch.Tensor, layer: str, chunk: int = 0) -> None:
@@ -114,6 +115,7 @@ class PerSampleGradStore:
                 return
             for param in finished.sums:
                 self._append(param, finished.concatenated(param, self._undo_mean))
+            self.passes += 1
 
     def _append(self, param: torch.Tensor, grad_sample: torch.Tensor) -> None:
         previous = self._synced(param)
@@ -165,12 +167,14 @@ class PerSampleGradStore:
                 if grad_sample is not None:
                     result[param] = grad_sample
                 self._publish(param, None)
+            self.passes = 0
             return result
 
     def clear(self) -> None:
         """Drop all per-sample state (``p.grad_sample`` becomes None)."""
         with self._lock:
             self._passes.clear()
+            self.passes = 0
             for param in list(self._touched.values()):
                 self._publish(param, None)
 

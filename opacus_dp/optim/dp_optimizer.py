@@ -6,8 +6,13 @@ One logical step (``step()``), for the trainable tensors ``l`` of the wrapped op
 2. ``S_l += Σ_i f_il · g_il``, accumulated over virtual steps / skipped physical batches;
 3. if the reducer adds noise: ``S_l += N(0, (σ · sensitivity)²)`` (once per logical step);
 4. ``S = reducer.reduce(S)``;
-5. ``mean`` reduction: ``p.grad = S / (expected_batch_size · world_size)``; ``sum``: ``S``;
+5. ``mean`` reduction: ``p.grad = S / (expected_batch_size · world_size · k)``; ``sum``: ``S``;
+   ``k = accumulated_iterations``, the batches merged by ``k`` backward passes before the
+   step (Opacus 1.x; the accountant then records ``k·q``);
 6. the wrapped optimizer's own step, then the step hooks (e.g. the privacy accountant).
+
+Parameters of the wrapped optimizer without ``requires_grad`` get ``p.grad = None`` before
+the inner step, so it never applies a gradient that was not clipped and noised.
 
 Abadi et al. 2016, "Deep Learning with Differential Privacy" (Algorithm 1). Dividing by the
 *expected* batch size keeps the sensitivity of the average independent of the sampled
@@ -56,6 +61,11 @@ class DPOptimizer(Optimizer):
         reducer: combines replica sums (default :class:`LocalReducer`).
         grad_source: where per-sample gradients come from (default: ``p.grad_sample``).
         param_names: ``{param: name}`` used in error messages.
+
+    Attributes set by the privacy engine: ``count_iterations`` (default True: several backward
+    passes before one step count as several batches, see ``accumulated_iterations``);
+    ``max_batch_size`` (default None): for fixed-size batches, the most samples one batch
+    holds; a step combining more (per accumulated iteration) is refused before any update.
     """
 
     def __init__(self, optimizer: Optimizer, *, noise_multiplier: float,
@@ -88,6 +98,9 @@ class DPOptimizer(Optimizer):
         self._skip_signals = deque()
         self._pre_step_hooks: "OrderedDict[int, Callable]" = OrderedDict()
         self._step_hooks: "OrderedDict[int, Callable]" = OrderedDict()
+        self.accumulated_iterations = 1
+        self.count_iterations = True
+        self.max_batch_size: Optional[int] = None
 
     # ----------------------------------------------------------------- the private step
     def step(self, closure: Optional[Callable[[], float]] = None):
@@ -98,8 +111,9 @@ class DPOptimizer(Optimizer):
                 loss = closure()
         skip = self._skip_signals.popleft() if self._skip_signals else False
         if not skip:
+            self.accumulated_iterations = self._pending_iterations()
             self._run_hooks(self._pre_step_hooks)  # e.g. budget guard: may refuse the step
-        self.clip_and_accumulate()
+        self._accumulate_or_discard(check_size=not skip)
         if skip:
             return loss
         sums = self._take_summed_grads()
@@ -112,8 +126,13 @@ class DPOptimizer(Optimizer):
         return loss if loss is not None else result
 
     def virtual_step(self) -> None:
-        """Clip and accumulate the current per-sample gradients; no parameter update."""
-        self.clip_and_accumulate()
+        """Clip and accumulate the current per-sample gradients; no parameter update.
+
+        Everything accumulated until the next ``step()`` is ONE logical batch for the
+        accountant (one record): use it to cut a logical batch into physical pieces, never
+        to merge several sampled batches (that under-reports ε; draw larger batches instead).
+        """
+        self._accumulate_or_discard(check_size=False)
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Queue whether the next ``step()`` only accumulates (``True``) or steps (``False``)."""
@@ -162,6 +181,36 @@ class DPOptimizer(Optimizer):
                 self._summed[p] = self._summed[p] + clipped if p in self._summed else clipped
         self._num_accumulated += norms[0].shape[0] if norms else 0
 
+    def _accumulate_or_discard(self, check_size: bool) -> None:
+        """:meth:`clip_and_accumulate`; if it (or the batch size check) fails, the clipped sums
+        of the unfinished logical batch are dropped, so they can never join the next one."""
+        try:
+            self.clip_and_accumulate()
+            if check_size:
+                self._check_max_batch_size()
+        except Exception:
+            self._summed, self._num_accumulated = {}, 0
+            raise
+
+    def _check_max_batch_size(self) -> None:
+        if self.max_batch_size is None:
+            return
+        limit = self.max_batch_size * self.accumulated_iterations
+        if self._num_accumulated > limit:
+            raise ValueError(
+                f"this step combines {self._num_accumulated} samples, more than one logical batch "
+                f"(batch_size={limit}): the accountant would record one batch where several were "
+                "used. Make batch_size the logical batch (physical size x accumulation steps) and "
+                "split it with virtual_step()/BatchMemoryManager; nothing was updated"
+            )
+
+    def _pending_iterations(self) -> int:
+        """Batches merged into the coming step by several backward passes (1 if not counted)."""
+        count = getattr(self.grad_source, "pending_passes", None)
+        if not self.count_iterations or count is None:
+            return 1
+        return max(1, int(count()))
+
     def add_noise(self, sums: List[torch.Tensor]) -> List[torch.Tensor]:
         """``S_l + N(0, (σ · sensitivity)²)``, one draw per coordinate."""
         std = noise_std(self.noise_multiplier, self.clipper)
@@ -170,13 +219,13 @@ class DPOptimizer(Optimizer):
         return [s + self.noise.sample(s, std) for s in sums]
 
     def scale_grad(self, sums: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Apply the ``mean`` reduction: divide by ``expected_batch_size · world_size``."""
+        """Apply the ``mean`` reduction: divide by ``expected_batch_size · world_size · k``."""
         if self.loss_reduction == "sum":
             return sums
         if self.expected_batch_size is None:
             divisor = max(self._last_num_accumulated, 1)
         else:
-            divisor = self.expected_batch_size * self.reducer.world_size
+            divisor = self.expected_batch_size * self.reducer.world_size * self.accumulated_iterations
         return [s / divisor for s in sums]
 
     # ---------------------------------------------------------------------- helpers
@@ -189,6 +238,10 @@ class DPOptimizer(Optimizer):
     def _set_grads(self, grads: List[torch.Tensor]) -> None:
         for p, g in zip(self.params, grads):
             p.grad = g.view_as(p).to(p.dtype)
+        for group in self.original_optimizer.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    p.grad = None  # e.g. frozen after backward: its gradient is not private
 
     def _check_grad_samples(self, params, grad_samples) -> int:
         sizes = {}

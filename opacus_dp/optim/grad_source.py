@@ -55,6 +55,11 @@ class ModuleGradSource:
     def clear(self, params: List[torch.Tensor]) -> None:
         self.module.zero_grad_sample()
 
+    def pending_passes(self) -> int:
+        """Backward passes (batches) held by the module, concatenated for the next step."""
+        count = getattr(self.module, "pending_passes", None)
+        return int(count()) if count is not None else 1
+
 
 def grad_source_for(module) -> object:
     """The best source for ``module``: the module itself if it is a norm provider

@@ -24,7 +24,7 @@ def epsilon_of(accountant, sigma, q, steps, delta, **options):
     return acc.get_epsilon(delta, **options)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     target=st.floats(0.3, 12.0),
     q=st.floats(0.001, 0.2),

@@ -29,12 +29,18 @@ def test_json_output_with_batch_and_dataset_size(capsys):
     out = run_cli(capsys, "--batch-size", "256", "--dataset-size", "60000", "--epochs", "2", "--sigma", "1.1", "--json")
     report = json.loads(out)
     q = 256 / 60000
-    steps = int(2 / q)
+    steps = 2 * 235  # ceil(60000 / 256) batches per epoch
     accountant = PRVAccountant()
     accountant.history = [(1.1, q, steps)]
     assert report["sample_rate"] == q and report["steps"] == steps
     assert report["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
     assert report["best_alpha"] is None
+
+
+def test_epochs_count_steps_like_the_opacus_script(capsys):
+    """epochs × ceil(1/q): 2.5 epochs at q = 0.03 are ceil(2.5 × 34) = 85 steps."""
+    report = json.loads(run_cli(capsys, "--json", "-r", "0.03", "-n", "1.0", "-e", "2.5"))
+    assert report["steps"] == 85
 
 
 def test_alphas_select_rdp_like_the_opacus_script(capsys):
@@ -77,6 +83,8 @@ def test_no_noise_is_reported_as_infinite(capsys):
         (["-r", "0.1", "-n", "1", "-e", "1", "-a", "2", "--accountant", "prv"], "--alphas only"),
         (["-r", "0.1", "-n", "1", "-e", "1", "--accountant", "moments"], "invalid choice"),
         (["-r", "0.1", "-e", "1", "--target-epsilon", "-2"], "target_epsilon"),
+        (["-r", "0.1", "-n", "1", "-e", "-1"], "--epochs"),
+        (["-r", "0.1", "-n", "1", "--steps", "0"], "--steps"),
     ],
 )
 def test_bad_flags_exit_with_a_message(capsys, argv, message):

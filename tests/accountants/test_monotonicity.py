@@ -28,15 +28,15 @@ def assert_ordered(smaller, larger):
     assert smaller <= larger * (1 + SLACK) + 1e-12
 
 
-settings_fast = settings(max_examples=12, deadline=None)
+settings_fast = settings(max_examples=8, deadline=None)
 sigmas = st.floats(0.7, 4.0)
 rates = st.floats(0.005, 0.3)
-steps = st.integers(1, 400)
+steps = st.integers(1, 300)
 
 
 @pytest.mark.parametrize("name", ["rdp", "prv", "gdp"])
 @settings_fast
-@given(sigma=sigmas, q=rates, t=steps, extra=st.integers(1, 400))
+@given(sigma=sigmas, q=rates, t=steps, extra=st.integers(1, 300))
 def test_more_steps_cost_more(name, sigma, q, t, extra):
     assert_ordered(epsilon(name, sigma, q, t), epsilon(name, sigma, q, t + extra))
 
@@ -56,7 +56,7 @@ def test_more_noise_costs_less(name, sigma, q, factor, t):
 
 
 @pytest.mark.parametrize("name", ["rdp", "prv"])
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(sigma=sigmas, q=rates, t=steps)
 def test_smaller_delta_costs_more(name, sigma, q, t):
     assert_ordered(epsilon(name, sigma, q, t, delta=1e-4), epsilon(name, sigma, q, t, delta=1e-7))

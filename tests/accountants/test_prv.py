@@ -131,3 +131,20 @@ def test_eps_error_and_delta_error_are_validated():
         prv_epsilon([(1.0, 0.1, 1)], 1e-5, eps_error=0)
     with pytest.raises(ValueError, match="delta_error"):
         prv_epsilon([(1.0, 0.1, 1)], 1e-5, delta_error=1e-4)
+
+
+def test_tiny_delta_full_batch_matches_the_gaussian_mechanism():
+    """δ = 1e-12 is beyond the plain FFT's round-off; the tilted composition must stay exact."""
+    exact = gaussian_epsilon(math.sqrt(1000) / 20.0, 1e-12)
+    ours = prv_epsilon([(20.0, 1.0, 1000)], 1e-12)
+    assert exact <= ours <= exact * (1 + 1e-3)
+
+
+def test_tiny_delta_many_steps_is_tighter_than_rdp_and_refines_from_above():
+    segment, delta = (0.7, 1e-4, 10**6), 1e-10
+    rdp = RDPAccountant()
+    rdp.history = [segment]
+    coarse = prv_epsilon([segment], delta)  # grid 1e-4
+    fine = prv_epsilon([segment], delta, eps_error=0.005)  # grid 5e-5 refines the 1e-4 grid
+    assert fine <= coarse * (1 + 1e-6) < rdp.get_epsilon(delta)
+    assert coarse <= fine * 1.01

@@ -3,22 +3,20 @@
 * :func:`run_example` calls a script's ``main(argv)`` in this process (argument parsing to
   files on disk, exactly as on the command line, without paying for a new interpreter);
 * :func:`run_torchrun` starts a script under ``python -m torch.distributed.run`` with 2
-  gloo processes on a free port; :func:`run_forked` forks 2 processes with the same
-  environment (cheaper: no new interpreter);
+  gloo processes on a free port; :func:`run_in_processes` starts 2 processes itself, with
+  the environment torchrun would give them, each running several examples in sequence
+  (one interpreter start-up for all of them);
 * :func:`recomputed_epsilon` replays the saved privacy history into a fresh opacus_dp
   accountant; :func:`reference_epsilon` does the same with the reference library (Opacus).
 """
 
-import contextlib
 import importlib.util
 import json
 import math
-import multiprocessing
 import os
 import re
 import subprocess
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -65,42 +63,33 @@ def run_torchrun(name: str, argv, *, nproc: int = 2, timeout: float = 240) -> st
     return done.stdout
 
 
-def _forked_worker(name: str, argv, rank: int, world_size: int, port: int, log_path: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    code = 1
-    with open(log_path, "w", encoding="utf-8") as log, contextlib.redirect_stdout(log), \
-            contextlib.redirect_stderr(log):
-        try:
-            code = example_module(name).main(argv) or 0
-        except BaseException:  # report everything, then leave without pytest's exit handlers
-            traceback.print_exc()
-    os._exit(code)
-
-
-def run_forked(name: str, argv, tmp_path, *, nproc: int = 2, timeout: float = 240) -> str:
-    """Run ``examples/<name>.py`` in ``nproc`` forked processes with torchrun's environment
-    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); return rank 0's output.
-
-    Forking reuses the modules this process has imported, which saves each worker the
-    seconds a fresh interpreter spends importing torch.
-    """
-    example_module(name)
-    context = multiprocessing.get_context("fork")
-    port, argv = free_port(), [str(a) for a in argv]
-    logs = [os.path.join(str(tmp_path), f"rank{rank}.log") for rank in range(nproc)]
-    workers = [context.Process(target=_forked_worker, args=(name, argv, rank, nproc, port, logs[rank]))
-               for rank in range(nproc)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout)
-    texts = [open(path, encoding="utf-8").read() if os.path.exists(path) else "" for path in logs]
-    for worker, text in zip(workers, texts):
-        if worker.is_alive():
-            worker.kill()
-        assert worker.exitcode == 0, f"exit code {worker.exitcode}:\n" + "\n".join(texts)
-    return texts[0]
+def run_in_processes(runs, log_dir, *, nproc: int = 2, timeout: float = 300) -> dict:
+    """Run the examples ``runs = [(name, argv), ...]`` one after another in each of ``nproc``
+    gloo processes started with the environment torchrun gives its workers (RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT); return ``{name: rank 0's output}``."""
+    plan = {"examples": str(EXAMPLES), "runs": []}
+    for name, argv in runs:
+        plan["runs"].append({"name": name, "argv": [str(a) for a in argv], "port": free_port(),
+                             "log": os.path.join(str(log_dir), f"{name}.rank%d.log")})
+    workers = []
+    for rank in range(nproc):
+        rank_plan = dict(plan, runs=[dict(r, log=r["log"] % rank) for r in plan["runs"]])
+        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1")
+        workers.append(subprocess.Popen([sys.executable, str(Path(__file__).with_name("process_worker.py")),
+                                         json.dumps(rank_plan)], env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outputs = []
+    try:
+        for worker in workers:
+            outputs.append(worker.communicate(timeout=timeout))
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    for rank, (worker, (out, err)) in enumerate(zip(workers, outputs)):
+        assert worker.returncode == 0, f"rank {rank} exit code {worker.returncode}:\n{out[-3000:]}{err[-3000:]}"
+    return {r["name"]: Path(r["log"] % 0).read_text(encoding="utf-8") for r in plan["runs"]}
 
 
 def printed_epsilon(output: str) -> float:

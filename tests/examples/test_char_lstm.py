@@ -12,7 +12,6 @@ from tests.examples.helpers import (
     load_checkpoint,
     read_json,
     run_example,
-    run_forked,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(SECURE_MODE_WARNING)]
@@ -65,12 +64,3 @@ def test_missing_data_says_where_it_looked(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "<Language>.txt" in capsys.readouterr().err
 
-
-@pytest.mark.distributed
-def test_two_forked_processes(data_root, tmp_path):
-    # 2 processes × B = 10: q = 20/38, round(1/q) = 2 steps.
-    out = run_forked("char_lstm", _argv(data_root, tmp_path, "--batch-size", 10), tmp_path)
-    metrics = read_json(tmp_path / "lstm.json")
-    assert metrics["world_size"] == 2
-    assert_history(metrics["privacy"], sigma=SIGMA, sample_rate=20 / TRAIN, steps=2)
-    assert_epsilon_consistent(out, metrics["privacy"])

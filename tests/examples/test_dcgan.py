@@ -13,7 +13,6 @@ from tests.examples.helpers import (
     load_checkpoint,
     read_json,
     run_example,
-    run_torchrun,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(SECURE_MODE_WARNING)]
@@ -94,14 +93,3 @@ def test_generator_step_leaves_no_discriminator_state():
     netD(torch.randn(3, 1, 8, 8)).sum().backward()  # hooks are back on afterwards
     assert all(p.grad_sample.shape[0] == 3 for p in netD.parameters())
 
-
-@pytest.mark.distributed
-def test_two_processes_under_torchrun(tmp_path):
-    # 2 processes × B=30 of 183 images: q = 60/183, round(1/q) = 3 steps.
-    out = run_torchrun("dcgan", _argv(tmp_path, "--dataset", "digits", "--target-digit", 3,
-                                      "--batch-size", 30))
-    metrics = read_json(tmp_path / "metrics.json")
-    assert metrics["world_size"] == 2 and metrics["fake_rows"] == 30
-    assert_history(metrics["privacy"], sigma=SIGMA, sample_rate=60 / 183, steps=3)
-    assert_epsilon_consistent(out, metrics["privacy"])
-    _assert_grids(tmp_path, epochs=1)

@@ -11,7 +11,6 @@ from tests.examples.helpers import (
     load_checkpoint,
     read_json,
     run_example,
-    run_forked,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(SECURE_MODE_WARNING)]
@@ -60,12 +59,3 @@ def test_missing_data_says_where_it_looked(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert str(tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte") in capsys.readouterr().err
 
-
-@pytest.mark.distributed
-def test_two_forked_processes_classic_api(data_root, tmp_path):
-    # Classic API across 2 processes: q = 2 × 6 / 48 = 1/4, 4 steps, RDP accounting.
-    out = run_forked("mnist", _argv(data_root, tmp_path, "--batch-size", 6, "--api", "classic"), tmp_path)
-    metrics = read_json(tmp_path / "mnist.json")
-    assert metrics["world_size"] == 2 and metrics["privacy"]["api"] == "classic"
-    assert_history(metrics["privacy"], sigma=SIGMA, sample_rate=0.25, steps=4)
-    assert_epsilon_consistent(out, metrics["privacy"], reference_rtol=1e-6)

@@ -20,7 +20,7 @@ from scipy import fft as sp_fft
 
 from opacus_dp.accountants.analysis.prv.discrete_pld import DiscretePLD
 
-_LAMBDAS = np.logspace(-4.0, 4.0, 33)
+LAMBDAS = np.logspace(-4.0, 4.0, 33)  # exponents tried in Chernoff bounds
 _MGF_BLOCKS = 1 << 15
 _MGF_TOTAL_SHIFT = 0.5  # loss units
 _DOMINANT_MASS = 0.5
@@ -40,8 +40,9 @@ def _blocked(pld: DiscretePLD, upward: bool, max_shift: float):
     return (starts + (width - 1) * pld.grid_step if upward else starts), masses
 
 
-def _log_mgf(pld: DiscretePLD, lambdas: np.ndarray, max_shift: float) -> np.ndarray:
-    """Upper bound on log E[e^{λL}; L finite] for every λ (all λ of one sign)."""
+def log_mgf_bound(pld: DiscretePLD, lambdas: np.ndarray, max_shift: float) -> np.ndarray:
+    """Upper bound on log E[e^{λL}; L finite] for every λ (all λ of one sign); exact when
+    ``max_shift`` is below the grid step."""
     losses, masses = _blocked(pld, bool(lambdas[0] > 0), max_shift)
     positive = masses > 0
     log_p, losses = np.log(masses[positive]), losses[positive]
@@ -61,10 +62,10 @@ def chernoff_window(segments: Sequence[Tuple[DiscretePLD, int]], tail_mass: floa
     """
     log_tail = math.log(tail_mass)
     shift = _MGF_TOTAL_SHIFT / len(segments)
-    up = sum(count * _log_mgf(pld, _LAMBDAS, shift / count) for pld, count in segments)
-    down = sum(count * _log_mgf(pld, -_LAMBDAS, shift / count) for pld, count in segments)
-    upper = float(np.min((up - log_tail) / _LAMBDAS))
-    lower = float(np.max((log_tail - down) / _LAMBDAS))
+    up = sum(count * log_mgf_bound(pld, LAMBDAS, shift / count) for pld, count in segments)
+    down = sum(count * log_mgf_bound(pld, -LAMBDAS, shift / count) for pld, count in segments)
+    upper = float(np.min((up - log_tail) / LAMBDAS))
+    lower = float(np.max((log_tail - down) / LAMBDAS))
     support_low = sum(count * pld.losses[0] for pld, count in segments)
     support_high = sum(count * pld.losses[-1] for pld, count in segments)
     return max(lower, support_low), min(upper, support_high)

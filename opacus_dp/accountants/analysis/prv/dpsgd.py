@@ -3,9 +3,10 @@ r"""ε of a DP-SGD run, i.e. of composed Poisson-subsampled Gaussian steps, from
 Under add/remove-one adjacency the same record is added (or removed) in every step, so the
 run is dominated by the T-fold products of the per-step ``remove`` pairs and of the per-step
 ``add`` pairs; ε(δ) is the larger of the two (Zhu, Dong & Wang 2022).  Every approximation is
-pessimistic (see ``subsampled_gaussian`` and ``composition``), so the result is an upper bound
-on the true ε.  When the loss grid would need more than ``MAX_WINDOW_BINS`` bins (very large ε,
-or very small σ) the grid step is coarsened, which keeps the bound valid but less tight.
+pessimistic (see ``subsampled_gaussian``, ``composition`` and ``tilted_composition``), so the
+result is an upper bound on the true ε.  When the loss grid would need more than
+``MAX_WINDOW_BINS`` bins (very large ε, or very small σ) the grid step is coarsened, which keeps
+the bound valid but less tight.
 """
 
 import math
@@ -25,6 +26,7 @@ MAX_STEP_BINS = 1 << 20
 MAX_WINDOW_BINS = 1 << 20
 _MAX_REFINEMENTS = 6
 _ROUNDOFF_TOLERANCE = 1e-4
+_PLAIN_DELTA_PER_STEP = 1e-14  # below δ = T·1e-14 the plain FFT power is not trusted
 
 Segment = Tuple[float, float, int]  # (noise_multiplier σ, sample_rate q, steps)
 
@@ -81,12 +83,14 @@ def compute_epsilon(history: Sequence[Segment], delta: float, grid_step: float, 
 
 
 def _direction_epsilon(plds, window, delta: float, tail_mass: float) -> float:
-    """ε of one direction: plain FFT composition, refined by a tilted composition when the
-    round-off allowance visibly inflates ε (both are upper bounds; the smaller is kept)."""
+    """ε of one direction.  The plain FFT composition is used unless δ is below the reach of
+    its round-off (about T·2⁻⁵² relative to the bulk, see ``tilted_composition``) or its
+    round-off allowance visibly inflates ε; then the tilted composition is used."""
     plain = compose(plds, tail_mass, window)
     epsilon = epsilon_for_delta(plain, delta)
-    without_allowance = epsilon_for_delta(replace(plain, roundoff=0.0), delta)
-    if epsilon <= without_allowance * (1 + _ROUNDOFF_TOLERANCE) + 1e-12:
+    total_steps = sum(count for _, count in plds)
+    inflated = epsilon > epsilon_for_delta(replace(plain, roundoff=0.0), delta) * (1 + _ROUNDOFF_TOLERANCE) + 1e-12
+    if delta >= total_steps * _PLAIN_DELTA_PER_STEP and not inflated:
         return epsilon
     tilted = compose_tilted(plds, tail_mass, delta, MAX_WINDOW_BINS)
-    return epsilon if tilted is None else min(epsilon, epsilon_for_delta(tilted, delta))
+    return epsilon if tilted is None else epsilon_for_delta(tilted, delta)

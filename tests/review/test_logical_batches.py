@@ -1,0 +1,180 @@
+"""One accountant record per logical batch, with the sample rate of the data it really used.
+
+* Several backward passes before one step (fixed-size batches): the step uses ``k`` batches,
+  so Opacus 1.6 records ``k·q`` and divides the mean by ``k·E|B|``; the reference library is
+  run inside the test on the same loop.
+* Merging several fixed-size batches with ``virtual_step`` (beyond the declared logical batch)
+  must be refused, as Opacus 0.x refused a step larger than ``batch_size``.
+* Poisson batches cannot be merged at all (refused).
+* A step that fails must not leave the clipped sums of its logical batch behind to be merged
+  into the next step.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader
+
+from opacus_dp import PrivacyEngine
+from opacus_dp.errors import PrivacyBudgetExceededError
+from opacus_dp.grad_sample import GradSampleModule
+from opacus_dp.optim import DPOptimizer
+
+from tests.review.helpers import loss_of, make_private, quiet, tiny_dataset, tiny_model
+
+
+def _two_passes_then_step(engine_cls, sigma=1.0):
+    import opacus  # noqa: F401  (reference only)
+
+    model = tiny_model(seed=3)
+    engine = quiet(engine_cls, accountant="rdp")
+    gsm, optimizer, loader = quiet(
+        engine.make_private, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(tiny_dataset(40), batch_size=10), noise_multiplier=sigma,
+        max_grad_norm=1e6, poisson_sampling=False)
+    batches = iter(loader)
+    for _ in range(2):
+        x, y = next(batches)
+        loss_of(gsm, x, y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return engine.accountant.history, [p.detach().clone() for p in model.parameters()]
+
+
+def test_two_backward_passes_before_a_step_are_accounted_like_opacus():
+    import opacus
+
+    ours, _ = _two_passes_then_step(PrivacyEngine)
+    reference, _ = _two_passes_then_step(opacus.PrivacyEngine)
+    assert [tuple(map(float, h[:2])) + (h[2],) for h in reference] == [(1.0, 0.5, 1)]
+    assert [tuple(h) for h in ours] == [(1.0, 0.5, 1)]
+
+
+def test_two_backward_passes_before_a_step_average_like_opacus():
+    import opacus
+
+    _, ours = _two_passes_then_step(PrivacyEngine, sigma=0.0)
+    _, reference = _two_passes_then_step(opacus.PrivacyEngine, sigma=0.0)
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_budget_guard_sees_the_sample_rate_that_is_recorded():
+    """ε(one step at q=0.5) > max ≥ ε(one step at q=0.25): the merged step must be refused."""
+    max_epsilon = 3.5
+    engine, gsm, optimizer, loader = make_private(
+        tiny_model(), poisson_sampling=False,
+        engine_kwargs=dict(accountant="rdp", max_epsilon=max_epsilon, max_epsilon_delta=1e-5))
+    before = [p.detach().clone() for p in gsm.parameters()]
+    batches = iter(loader)
+    for _ in range(2):
+        x, y = next(batches)
+        loss_of(gsm, x, y).backward()
+    try:
+        optimizer.step()
+    except PrivacyBudgetExceededError:
+        for a, b in zip(gsm.parameters(), before):
+            assert torch.equal(a.detach(), b)
+    assert engine.get_epsilon(1e-5) <= max_epsilon
+
+
+def test_poisson_batches_cannot_be_merged_by_two_backward_passes():
+    engine, gsm, optimizer, loader = make_private(tiny_model(), poisson_sampling=True)
+    x, y = tiny_dataset(40).tensors
+    loss_of(gsm, x[:5], y[:5]).backward()
+    with pytest.raises(ValueError, match="second backward"):
+        loss_of(gsm, x[5:9], y[5:9]).backward()
+
+
+def test_virtual_step_merging_fixed_size_batches_of_the_loader_is_refused():
+    engine, gsm, optimizer, loader = make_private(tiny_model(), poisson_sampling=False)
+    before = [p.detach().clone() for p in gsm.parameters()]
+    batches = iter(loader)
+    for part in range(2):
+        x, y = next(batches)
+        loss_of(gsm, x, y).backward()
+        if part == 0:
+            optimizer.virtual_step()
+            optimizer.zero_grad()
+    with pytest.raises(ValueError, match="batch"):
+        optimizer.step()
+    assert len(engine.accountant) == 0
+    for a, b in zip(gsm.parameters(), before):
+        assert torch.equal(a.detach(), b)
+
+
+def test_classic_virtual_steps_beyond_declared_batch_size_are_refused():
+    """Opacus 0.x: batch_size is the logical batch; a step on more samples is an error."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = quiet(PrivacyEngine, model, batch_size=4, sample_size=40, noise_multiplier=1.0,
+                   max_grad_norm=1.0)
+    engine.attach(optimizer)
+    x, y = tiny_dataset(40).tensors
+    with pytest.raises(ValueError, match="batch_size"):
+        for i in range(3):
+            loss_of(model, x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]).backward()
+            optimizer.step() if i == 2 else optimizer.virtual_step()
+    assert engine.steps == 0
+
+
+def test_classic_two_backward_passes_beyond_declared_batch_size_are_refused():
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = quiet(PrivacyEngine, model, batch_size=4, sample_size=40, noise_multiplier=1.0,
+                   max_grad_norm=1.0)
+    engine.attach(optimizer)
+    x, y = tiny_dataset(40).tensors
+    loss_of(model, x[:4], y[:4]).backward()
+    loss_of(model, x[4:8], y[4:8]).backward()
+    with pytest.raises(ValueError, match="batch_size"):
+        optimizer.step()
+    assert engine.steps == 0
+
+
+def test_classic_virtual_steps_within_the_declared_logical_batch_are_one_step():
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = quiet(PrivacyEngine, model, batch_size=12, sample_size=48, noise_multiplier=1.0,
+                   max_grad_norm=1.0)
+    engine.attach(optimizer)
+    x, y = tiny_dataset(48).tensors
+    for i in range(3):
+        loss_of(model, x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]).backward()
+        optimizer.step() if i == 2 else optimizer.virtual_step()
+        optimizer.zero_grad()
+    assert engine.accountant.history == [(1.0, 0.25, 1)]
+
+
+def test_failed_last_chunk_does_not_leak_into_the_next_logical_batch():
+    """Chunk A (skipped step), chunk B (non-finite, its step raises), then batch C: the update of
+    C's step is C's gradient alone (σ = 0, no clipping, sum reduction)."""
+    model = tiny_model(seed=4)
+    gsm = GradSampleModule(model, loss_reduction="sum")
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                            max_grad_norm=1e6, expected_batch_size=1, loss_reduction="sum")
+    x, y = tiny_dataset(12).tensors
+    optimizer.signal_skip_step(do_skip=True)
+    loss_of(gsm, x[:4], y[:4], "sum").backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    bad = x[4:8].clone()
+    bad[0, 0] = float("nan")
+    optimizer.signal_skip_step(do_skip=False)
+    loss_of(gsm, bad, y[4:8], "sum").backward()
+    with pytest.raises(ValueError, match="non-finite"):
+        optimizer.step()
+    optimizer.zero_grad()
+    start = [p.detach().clone() for p in model.parameters()]
+    gsm.disable_hooks()
+    expected_grads = torch.autograd.grad(loss_of(model, x[8:], y[8:], "sum"), list(model.parameters()))
+    gsm.enable_hooks()
+    optimizer.signal_skip_step(do_skip=False)
+    loss_of(gsm, x[8:], y[8:], "sum").backward()
+    optimizer.step()
+    for p, p0, g in zip(model.parameters(), start, expected_grads):
+        torch.testing.assert_close(p.detach(), p0 - g, rtol=1e-9, atol=1e-12)
+    gsm.close()
