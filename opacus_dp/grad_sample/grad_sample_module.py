@@ -164,8 +164,10 @@ class GradSampleModule(nn.Module):
         chunk = data_parallel.chunk_of(layer, master, describe_layer=describe(path, master),
                                        uses_registered_sampler=self._sampler_for(layer) is not None)
 
+        n_outputs = len(outputs)  # not the outputs themselves: the hook must not keep them alive
+
         def on_output_grads(grads: Sequence[Optional[torch.Tensor]]) -> None:
-            self._on_backward(path, master, layer, call, hooked, len(outputs), grads, chunk)
+            self._on_backward(path, master, layer, call, hooked, n_outputs, grads, chunk)
 
         torch.autograd.graph.register_multi_grad_hook(
             [outputs[i] for i in hooked], on_output_grads
