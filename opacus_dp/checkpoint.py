@@ -70,10 +70,17 @@ def load(path, *, module: nn.Module, optimizer=None, accountant=None, data_loade
     if map_location is not None:
         load_kwargs["map_location"] = map_location
     state = torch.load(path, **load_kwargs)
+    if accountant is not None and "privacy_accountant_state_dict" not in state:
+        raise ValueError(
+            f"checkpoint {path} has no privacy accountant state: resuming from it would count "
+            "epsilon from zero for a model that may already have used the data (nothing was "
+            "loaded). Use a checkpoint written by save_checkpoint, or, for weights that never "
+            "saw private data, call module.load_state_dict(...) yourself"
+        )
     target = unwrap_model(module)
     target.load_state_dict(_strip_wrapper_prefixes(state.pop("module_state_dict"), target.state_dict()),
                            **(module_load_dict_kwargs or {}))
-    if accountant is not None and "privacy_accountant_state_dict" in state:
+    if accountant is not None:
         accountant.load_state_dict(state.pop("privacy_accountant_state_dict"))
     _load_optimizer(state, optimizer)
     generator_state = state.pop("sampler_generator_state", None)

@@ -82,7 +82,7 @@ def compute_report(args, parser) -> dict:
     if args.sigma is None and args.target_epsilon is None:
         parser.error("give --noise-multiplier (to get epsilon) and/or --target-epsilon (to get the noise)")
     options = {"alphas": args.alphas} if args.alphas else {}
-    report = {"sample_rate": q, "steps": steps, "delta": delta, "accountant": name}
+    report = {"sample_rate": q, "steps": steps, "delta": delta, "accountant": name, "upper_bound": name != "gdp"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if args.sigma is not None:
@@ -111,6 +111,8 @@ def format_report(report: dict) -> str:
         alpha = report.get("best_alpha")
         if alpha is not None and not math.isnan(alpha):
             lines.append(f"The optimal RDP order is {alpha:g}.")
+    if not report["upper_bound"]:
+        lines.append("Warning: the gdp accountant is a central-limit approximation; epsilon may be under-reported.")
     if "required_noise_multiplier" in report:
         lines.append(
             f"Epsilon {report['target_epsilon']:g} at delta {report['delta']:g} needs a noise "

@@ -19,7 +19,7 @@ from typing import List, Optional, Union
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader
 
 from opacus_dp import checkpoint
 from opacus_dp.budget_guard import BudgetGuard, recorded_sample_rate
@@ -170,7 +170,7 @@ class PrivacyEngine:
             secure_mode=self.secure_mode,
         )
         if not poisson_sampling:  # fixed-size batches: a step may not combine more than one
-            dp_optimizer.max_batch_size = getattr(loader, "batch_size", None)
+            dp_optimizer.max_batch_size = _fixed_batch_size(loader)
         self._connect(module, dp_optimizer, sample_rate)
         return loader, dp_optimizer
 
@@ -294,6 +294,12 @@ def _planned_steps(data_loader: DataLoader, epochs) -> int:
     if len(data_loader) == 0:
         raise ValueError("data_loader yields no batches (empty dataset?)")
     return max(1, math.ceil(epochs * len(data_loader)))
+
+
+def _fixed_batch_size(data_loader: DataLoader) -> Optional[int]:
+    """Size of the loader's batches if it draws them with a ``BatchSampler``, else None."""
+    batch_sampler = getattr(data_loader, "batch_sampler", None)
+    return batch_sampler.batch_size if isinstance(batch_sampler, BatchSampler) else None
 
 
 def _sample_rate_of(data_loader: DataLoader) -> float:

@@ -90,7 +90,7 @@ def rdp_section():
 
 def prv_section():
     print("\nPRV vs dp-accounting PLD (grid 1e-4) and Opacus 1.6 PRV")
-    header = f"{'sigma':>6} {'q':>9} {'steps':>6} {'delta':>7} {'ours':>9} {'PLD':>9} {'ratio':>8} {'PLD low':>9} {'opacus':>9}"
+    header = f"{'sigma':>6} {'q':>9} {'steps':>6} {'delta':>7} {'ours':>9} {'PLD':>9} {'ratio':>10} {'PLD low':>9} {'opacus':>9}"
     print(header + f" {'t ours':>7} {'t PLD':>7}")
     for sigma, q, steps, delta in SETTINGS:
         segment = (sigma, q, steps)
@@ -99,7 +99,7 @@ def prv_section():
         low = pld_optimistic(segment, delta)
         opacus = theirs(OpacusPRV, segment, delta)
         print(
-            f"{sigma:6.2f} {q:9.6f} {steps:6d} {delta:7.0e} {eps:9.5f} {ref:9.5f} {eps / ref:8.5f} "
+            f"{sigma:6.2f} {q:9.6f} {steps:6d} {delta:7.0e} {eps:9.5f} {ref:9.5f} {eps / ref:10.7f} "
             f"{low:9.5f} {opacus:9.5f} {t_ours:7.2f} {t_ref:7.2f}"
         )
 

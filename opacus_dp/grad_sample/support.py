@@ -63,10 +63,19 @@ def unsupported_reason(module: nn.Module) -> Optional[str]:
     return None
 
 
+def rewrites_parameters_from_data(module: nn.Module) -> bool:
+    """True for layers whose forward changes their own parameters from the batch, in place and
+    without noise (``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm`` renormalise the rows a
+    batch looks up): this leaks which rows were used, even when the parameters are frozen."""
+    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None
+
+
 def unsupported_modules(root: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]:
-    """``(path, module, reason)`` for every submodule with trainable parameters that is refused."""
+    """``(path, module, reason)`` for every submodule that is refused: those with trainable
+    parameters and no correct per-sample gradients, and (frozen or not) those that rewrite
+    their parameters from the data (:func:`rewrites_parameters_from_data`)."""
     for path, module in root.named_modules():
-        if not has_trainable_parameters(module):
+        if not (has_trainable_parameters(module) or rewrites_parameters_from_data(module)):
             continue
         reason = unsupported_reason(module)
         if reason is not None:

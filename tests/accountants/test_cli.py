@@ -34,7 +34,7 @@ def test_json_output_with_batch_and_dataset_size(capsys):
     accountant.history = [(1.1, q, steps)]
     assert report["sample_rate"] == q and report["steps"] == steps
     assert report["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
-    assert report["best_alpha"] is None
+    assert report["best_alpha"] is None and report["upper_bound"] is True
 
 
 def test_epochs_count_steps_like_the_opacus_script(capsys):
@@ -63,6 +63,13 @@ def test_target_epsilon_reports_the_calibrated_noise(capsys):
         )
     assert report["required_noise_multiplier"] == expected
     assert "epsilon" not in report
+
+
+def test_gdp_is_flagged_as_an_approximation(capsys):
+    out = run_cli(capsys, "-r", "0.01", "-n", "1.0", "--steps", "100", "--accountant", "gdp")
+    assert "approximation" in out
+    report = json.loads(run_cli(capsys, "--json", "-r", "0.01", "-n", "1.0", "--steps", "100", "--accountant", "gdp"))
+    assert report["upper_bound"] is False
 
 
 def test_no_noise_is_reported_as_infinite(capsys):

@@ -29,6 +29,7 @@ from opacus_dp.accountants.analysis.prv.composition import (
 from opacus_dp.accountants.analysis.prv.discrete_pld import DiscretePLD
 
 _MAX_EXPONENT = 700.0
+_TILTS = np.logspace(-4.0, 4.0, 49)
 
 
 def _exactlog_mgf_bound(pld: DiscretePLD, theta: float) -> float:
@@ -53,10 +54,10 @@ def tilt_candidates(segments: Sequence[Tuple[DiscretePLD, int]], delta: float) -
     the θ minimising the implied ε = (ΣT_sK_s(θ) + log c_θ − log δ)/θ is the saddle point near
     which the composed loss decides δ.  Smaller θ give narrower tilted windows.
     """
-    up = sum(count * log_mgf_bound(pld, LAMBDAS, 0.0) for pld, count in segments)
-    log_c = LAMBDAS * (np.log(LAMBDAS) - np.log1p(LAMBDAS)) - np.log1p(LAMBDAS)
-    best = int(np.argmin((up + log_c - math.log(delta)) / LAMBDAS))
-    return LAMBDAS[best::-1]
+    up = sum(count * log_mgf_bound(pld, _TILTS, 0.0) for pld, count in segments)
+    log_c = _TILTS * (np.log(_TILTS) - np.log1p(_TILTS)) - np.log1p(_TILTS)
+    best = int(np.argmin((up + log_c - math.log(delta)) / _TILTS))
+    return _TILTS[best::-1]
 
 
 def _untilted_tail_above(segments: Sequence[Tuple[DiscretePLD, int]], high: float) -> float:

@@ -1,0 +1,115 @@
+"""Checkpoints carry the exact privacy history; classic detach leaves nothing private behind.
+
+Reference for ε: Opacus 1.6's RDP accountant fed the same history (computed in the test).
+"""
+
+import pytest
+import torch
+
+from opacus_dp import PrivacyEngine
+from opacus_dp.errors import PrivacyBudgetExceededError
+
+from tests.review.helpers import loss_of, make_private, quiet, tiny_dataset, tiny_model
+
+
+def train(gsm, optimizer, loader, steps):
+    done = 0
+    while done < steps:
+        for x, y in loader:
+            loss_of(gsm, x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            done += 1
+            if done == steps:
+                return
+
+
+def test_resume_with_other_sigma_and_sample_rate_keeps_every_segment(tmp_path):
+    from opacus.accountants import RDPAccountant as ReferenceRDP
+
+    engine, gsm, optimizer, loader = make_private(tiny_model(), batch_size=10, noise_multiplier=1.1,
+                                                  engine_kwargs=dict(accountant="rdp"))
+    train(gsm, optimizer, loader, 3)
+    path = tmp_path / "run.pt"
+    engine.save_checkpoint(path=path, module=gsm, optimizer=optimizer)
+    engine2, gsm2, optimizer2, loader2 = make_private(tiny_model(seed=9), batch_size=5, noise_multiplier=0.8,
+                                                      engine_kwargs=dict(accountant="rdp"))
+    engine2.load_checkpoint(path=path, module=gsm2, optimizer=optimizer2)
+    train(gsm2, optimizer2, loader2, 2)
+    assert engine2.accountant.history == [(1.1, 0.25, 3), (0.8, 0.125, 2)]
+    reference = ReferenceRDP()
+    for sigma, q, steps in engine2.accountant.history:
+        for _ in range(steps):
+            reference.step(noise_multiplier=sigma, sample_rate=q)
+    assert engine2.get_epsilon(1e-5) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-6)
+
+
+def test_checkpoint_without_privacy_history_is_refused(tmp_path):
+    model = tiny_model()
+    path = tmp_path / "weights_only.pt"
+    torch.save({"module_state_dict": tiny_model(seed=4).state_dict()}, path)
+    engine, gsm, optimizer, loader = make_private(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="privacy accountant"):
+        engine.load_checkpoint(path=path, module=gsm, optimizer=optimizer)
+    for a, b in zip(model.parameters(), before):
+        assert torch.equal(a.detach(), b)
+
+
+def test_checkpoint_of_another_accountant_is_refused(tmp_path):
+    engine, gsm, optimizer, loader = make_private(tiny_model(), engine_kwargs=dict(accountant="rdp"))
+    train(gsm, optimizer, loader, 1)
+    path = tmp_path / "rdp.pt"
+    engine.save_checkpoint(path=path, module=gsm, optimizer=optimizer)
+    engine2, gsm2, optimizer2, _ = make_private(tiny_model(), engine_kwargs=dict(accountant="prv"))
+    with pytest.raises(ValueError, match="rdp"):
+        engine2.load_checkpoint(path=path, module=gsm2, optimizer=optimizer2)
+
+
+def test_budget_guard_after_resume_stops_at_the_same_total(tmp_path):
+    kwargs = dict(accountant="rdp", max_epsilon=5.0, max_epsilon_delta=1e-5)
+
+    def steps_until_refused(engine, gsm, optimizer, loader):
+        with pytest.raises(PrivacyBudgetExceededError):
+            train(gsm, optimizer, loader, 100)
+        return len(engine.accountant)
+
+    uninterrupted = steps_until_refused(*make_private(tiny_model(), engine_kwargs=kwargs))
+    engine, gsm, optimizer, loader = make_private(tiny_model(), engine_kwargs=kwargs)
+    train(gsm, optimizer, loader, 2)
+    path = tmp_path / "part.pt"
+    engine.save_checkpoint(path=path, module=gsm, optimizer=optimizer)
+    resumed = make_private(tiny_model(seed=2), engine_kwargs=kwargs)
+    resumed[0].load_checkpoint(path=path, module=resumed[1], optimizer=resumed[2])
+    assert steps_until_refused(*resumed) == uninterrupted > 2
+    assert resumed[0].get_epsilon(1e-5) <= 5.0
+
+
+def test_classic_detach_leaves_no_hooks_or_state_and_reattach_continues_accounting():
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = quiet(PrivacyEngine, model, batch_size=10, sample_size=40, noise_multiplier=1.0,
+                   max_grad_norm=1.0)
+    x, y = tiny_dataset(40).tensors
+    engine.attach(optimizer)
+    loss_of(model, x[:10], y[:10]).backward()
+    optimizer.step()
+    engine.detach()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+               for m in model.modules())
+    assert not any("grad_sample" in vars(p) for p in model.parameters())
+    assert "step" not in vars(optimizer) and not hasattr(optimizer, "privacy_engine")
+    optimizer.zero_grad()
+    loss_of(model, x[:10], y[:10]).backward()
+    plain = [p.detach() - 0.1 * p.grad for p in model.parameters()]
+    optimizer.step()  # plain SGD now: the raw gradient, no clipping, no accounting
+    for a, b in zip(model.parameters(), plain):
+        torch.testing.assert_close(a.detach(), b)
+    assert engine.steps == 1
+    engine.attach(optimizer)
+    optimizer.zero_grad()
+    loss_of(model, x[10:20], y[10:20]).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert engine.accountant.history == [(1.0, 0.25, 2)]
+    assert all(not torch.equal(a.detach(), b) for a, b in zip(model.parameters(), before))
