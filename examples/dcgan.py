@@ -50,7 +50,8 @@ from common.loop import progress, set_epoch, to_device
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="DCGAN with a differentially private discriminator")
-    parser.add_argument("--dataset", default="digits", choices=["cifar10", "mnist", "folder", "fake", "digits"])
+    parser.add_argument("--dataset", default="digits",
+                        choices=["cifar10", "mnist", "folder", "fake", "digits"])
     parser.add_argument("--data-root", default="data", help="dataset location (folder for 'folder')")
     parser.add_argument("--download", action="store_true", help="download cifar10/mnist if missing")
     parser.add_argument("--target-digit", type=int, default=None, help="mnist/digits: train on one digit")
@@ -180,7 +181,8 @@ def train(args, setup, dataset, channels: int) -> str:
         if setup.is_main:
             save_grids(args.outf, dataset, checkpoints.unwrap(netG), fixed_noise.to(setup.device), epoch)
             eps = f", ε = {record['epsilon']:.3f}" if run.private else ""
-            print(f"epoch {epoch}: loss D {record['loss_d']:.4f}, loss G {record['loss_g']:.4f}{eps}", flush=True)
+            print(f"epoch {epoch}: loss D {record['loss_d']:.4f}, loss G {record['loss_g']:.4f}{eps}",
+                  flush=True)
         _save(run, args, setup, netG, optimizer_g, dict(epoch=epoch, metrics=log.epochs))
     epsilon = run.epsilon()
     log.finish(epsilon=epsilon, privacy=run.privacy_summary(), world_size=setup.world_size,

@@ -97,6 +97,16 @@ class PrivacyEngine:
         :mod:`opacus_dp.grad_sample.mode_selection`). As in Opacus 1.6, "ghost" returns
         ``(module, optimizer, criterion, data_loader)``, ``criterion`` (default
         ``nn.CrossEntropyLoss()``) wrapped in a :class:`GhostCriterion`; other modes ignore it.
+
+        Semantics the privacy guarantee relies on (as in Opacus 1.x):
+
+        * step only the returned optimizer: ``optimizer`` itself still takes plain steps on
+          the raw (unclipped, un-noised) gradients if called directly;
+        * one ``step()`` per batch of the returned loader. Without Poisson sampling, ``k``
+          backward passes before one step count as ``k`` batches (the accountant records
+          ``k·q``); a step on more samples than that is refused, and with Poisson sampling a
+          second backward pass before the step is refused. Cut large batches with
+          :class:`~opacus_dp.data.BatchMemoryManager`.
         """
         check_privacy_arguments(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                                 loss_reduction=loss_reduction, clipping=clipping)

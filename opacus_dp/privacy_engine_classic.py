@@ -133,7 +133,8 @@ class ClassicPrivacyEngine(PrivacyEngine):
         """Opacus 0.x: everything between two steps is one logical batch of ``batch_size``.
 
         So several backward passes never multiply q; with fixed-size batches a step on more
-        than ``batch_size`` samples is refused; Poisson batches cannot be merged at all.
+        than ``batch_size`` samples is refused; with Poisson batches a second backward pass
+        before the step is refused (cut a Poisson batch with ``virtual_step`` instead).
         """
         dp_optimizer.count_iterations = False
         if self.poisson:

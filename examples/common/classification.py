@@ -106,7 +106,7 @@ def run_classification(args: argparse.Namespace, *, build_model: Callable[[], nn
     log.finish(test_accuracy=final, best_accuracy=max((e["test_accuracy"] for e in log.epochs), default=None),
                epsilon=epsilon, privacy=run.privacy_summary(), world_size=setup.world_size,
                stopped=stopped)
-    _say(setup, f"test accuracy = {100 * final:.2f} %")
+    _say(setup, f"test accuracy = {100 * final:.2f} %" if log.epochs else "no epoch was completed")
     if run.private:
         _say(setup, privacy_line(epsilon, args.delta, run.engine.accountant.mechanism()))
     return 0

@@ -15,7 +15,7 @@ import argparse
 import math
 import secrets
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -38,7 +38,6 @@ class TrainingRun:
     engine: Optional[object] = None
     physical_limit: Optional[int] = None
     sample_rate: Optional[float] = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def private(self) -> bool:
@@ -81,8 +80,9 @@ def _sampling_generator(args: argparse.Namespace) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _noise_generator(args: argparse.Namespace) -> Optional[torch.Generator]:
-    return None if args.secure_rng else torch.Generator().manual_seed(args.seed + 1)
+def _noise_generator(args: argparse.Namespace, device: torch.device) -> Optional[torch.Generator]:
+    """Seeded generator of the Gaussian noise, on the parameters' device (None: secure mode)."""
+    return None if args.secure_rng else torch.Generator(device=device).manual_seed(args.seed + 1)
 
 
 def _plain_loader(args, train_set: Dataset, setup: Distributed, collate_fn) -> DataLoader:
@@ -93,13 +93,13 @@ def _plain_loader(args, train_set: Dataset, setup: Distributed, collate_fn) -> D
                       num_workers=args.workers, collate_fn=collate_fn)
 
 
-def _modern(args, model, optimizer, loader, sigma: Optional[float], budget_delta):
+def _modern(args, model, optimizer, loader, sigma: Optional[float], budget_delta, device):
     from opacus_dp import PrivacyEngine
 
     engine = PrivacyEngine(accountant=args.accountant, secure_mode=args.secure_rng,
                            max_epsilon=args.max_epsilon, max_epsilon_delta=budget_delta)
     common = dict(module=model, optimizer=optimizer, data_loader=loader,
-                  max_grad_norm=args.max_grad_norm, noise_generator=_noise_generator(args),
+                  max_grad_norm=args.max_grad_norm, noise_generator=_noise_generator(args, device),
                   grad_sample_mode=args.grad_sample_mode)
     if sigma is None and args.target_epsilon is not None:
         model, optimizer, loader = engine.make_private_with_epsilon(
@@ -110,7 +110,7 @@ def _modern(args, model, optimizer, loader, sigma: Optional[float], budget_delta
     return model, optimizer, loader, engine
 
 
-def _classic(args, model, optimizer, loader, sigma: Optional[float]):
+def _classic(args, model, optimizer, loader, sigma: Optional[float], device):
     from opacus_dp import PrivacyEngine
 
     calibrate = sigma is None and args.target_epsilon is not None
@@ -120,7 +120,7 @@ def _classic(args, model, optimizer, loader, sigma: Optional[float]):
         target_epsilon=args.target_epsilon if calibrate else None,
         epochs=args.epochs if calibrate else None, max_grad_norm=args.max_grad_norm,
         secure_rng=args.secure_rng, target_delta=args.delta, poisson=True,
-        max_epsilon=args.max_epsilon, noise_generator=_noise_generator(args))
+        max_epsilon=args.max_epsilon, noise_generator=_noise_generator(args, device))
     engine.attach(optimizer)
     return model, optimizer, loader, engine
 
@@ -141,9 +141,10 @@ def prepare_training(args: argparse.Namespace, model: nn.Module, optimizer: torc
     if args.api == "modern":
         budget_delta = args.delta if args.max_epsilon is not None else None
         model, optimizer, loader, engine = _modern(args, model, optimizer, loader,
-                                                   noise_multiplier, budget_delta)
+                                                   noise_multiplier, budget_delta, setup.device)
     else:
-        model, optimizer, loader, engine = _classic(args, model, optimizer, loader, noise_multiplier)
+        model, optimizer, loader, engine = _classic(args, model, optimizer, loader, noise_multiplier,
+                                                    setup.device)
     return TrainingRun(model, optimizer, loader, api=args.api, delta=args.delta, engine=engine,
                        physical_limit=physical_batch_limit(args), sample_rate=q)
 

@@ -77,8 +77,11 @@ class GradSampleModule(nn.Module):
     RNN time steps, tied weights, several forwards added into one loss) are summed;
     each further forward/backward pair on a new batch is concatenated along dim 0
     (virtual steps) until :meth:`pop_grad_samples`, :meth:`zero_grad_sample` or
-    :meth:`zero_grad` clears them. Read them as ``p.grad_sample``, or consume them with
-    :meth:`pop_grad_samples`. :meth:`close` removes every hook and attribute.
+    :meth:`zero_grad` clears them (:meth:`pending_passes` counts them). Two backward passes
+    over the SAME samples therefore give each sample two rows, each clipped on its own (twice
+    the sensitivity): add the losses and call backward once instead. Read them as
+    ``p.grad_sample``, or consume them with :meth:`pop_grad_samples`. :meth:`close` removes
+    every hook and attribute.
     """
 
     def __init__(
@@ -169,9 +172,15 @@ class GradSampleModule(nn.Module):
         def on_output_grads(grads: Sequence[Optional[torch.Tensor]]) -> None:
             self._on_backward(path, master, layer, call, hooked, n_outputs, grads, chunk)
 
-        torch.autograd.graph.register_multi_grad_hook(
-            [outputs[i] for i in hooked], on_output_grads
-        )
+        if len(hooked) == 1:
+            # A plain tensor hook: register_multi_grad_hook's closure refers to the output's
+            # autograd node, a cycle the garbage collector frees only one graph node per pass,
+            # which kept whole graphs (and the recorded inputs) alive after backward.
+            outputs[hooked[0]].register_hook(lambda grad: on_output_grads([grad]))
+        else:
+            torch.autograd.graph.register_multi_grad_hook(
+                [outputs[i] for i in hooked], on_output_grads
+            )
         return replaced
 
     def _batch_size(self, path, master, output: torch.Tensor, batch_dim: int) -> int:

@@ -43,9 +43,18 @@ def example_module(name: str):
 
 
 def run_example(name: str, argv, capsys) -> str:
-    """Run ``examples/<name>.py argv`` in-process; return what it printed (exit code 0 asserted)."""
+    """Run ``examples/<name>.py argv`` in-process; return what it printed (exit code 0 asserted).
+
+    The tiny models run on one intra-op thread (more threads only spin on a shared machine).
+    """
+    module = example_module(name)
     capsys.readouterr()
-    code = example_module(name).main([str(a) for a in argv])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = module.main([str(a) for a in argv])
+    finally:
+        torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert code in (0, None), out
     return out
@@ -88,7 +97,8 @@ def run_in_processes(runs, log_dir, *, nproc: int = 2, timeout: float = 300) -> 
             if worker.poll() is None:
                 worker.kill()
     for rank, (worker, (out, err)) in enumerate(zip(workers, outputs)):
-        assert worker.returncode == 0, f"rank {rank} exit code {worker.returncode}:\n{out[-3000:]}{err[-3000:]}"
+        assert worker.returncode == 0, \
+            f"rank {rank} exit code {worker.returncode}:\n{out[-3000:]}{err[-3000:]}"
     return {r["name"]: Path(r["log"] % 0).read_text(encoding="utf-8") for r in plan["runs"]}
 
 

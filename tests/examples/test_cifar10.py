@@ -68,16 +68,16 @@ def test_checkpoints_load_into_a_plain_model(data_root, tmp_path, capsys):
     run_example("cifar10", _argv(data_root, tmp_path, "--batch-size", 8, epochs=2), capsys)
     metrics = read_json(tmp_path / "run.json")
     cifar10 = example_module("cifar10")
+    from common import vision_data  # importable once the example module is loaded
+    from common.loop import evaluate
+
+    test = torch.utils.data.DataLoader(vision_data.cifar10(data_root, download=False, train=False),
+                                       batch_size=64)
     for path, accuracy in ((tmp_path / "run.pt", metrics["epochs"][-1]["test_accuracy"]),
                            (tmp_path / "run_best.pt", metrics["best_accuracy"])):
         model = cifar10.tanh_convnet(width=4)
         model.load_state_dict(load_checkpoint(path)["module_state_dict"])  # no wrapper prefixes
-        from common import vision_data
-        from common.loop import evaluate
-
-        test = vision_data.cifar10(data_root, download=False, train=False)
-        loader = torch.utils.data.DataLoader(test, batch_size=64)
-        assert evaluate(model, loader, torch.device("cpu"))["accuracy"] == pytest.approx(accuracy)
+        assert evaluate(model, test, torch.device("cpu"))["accuracy"] == pytest.approx(accuracy)
 
 
 @pytest.mark.parametrize("api", ["modern", "classic"])

@@ -53,7 +53,8 @@ def test_digits_resume_is_exact_and_outputs_load(tmp_path, capsys):
     assert_history(metrics["privacy"], sigma=SIGMA, sample_rate=61 / 183, steps=6)
     assert_epsilon_consistent(out, metrics["privacy"])
     _assert_grids(tmp_path / "part", epochs=2)
-    part, whole = load_checkpoint(tmp_path / "part" / "dcgan.pt"), load_checkpoint(tmp_path / "whole" / "dcgan.pt")
+    part = load_checkpoint(tmp_path / "part" / "dcgan.pt")
+    whole = load_checkpoint(tmp_path / "whole" / "dcgan.pt")
     for key in ("module_state_dict", "generator_state_dict"):
         for name, value in part[key].items():
             assert torch.equal(value, whole[key][name]), (key, name)
@@ -70,7 +71,8 @@ def test_other_datasets_one_epoch(tmp_path, capsys, dataset):
              "folder": lambda: ["--data-root", write_image_folder(str(root), classes=2, per_class=8)],
              "mnist": lambda: ["--data-root", write_mnist(str(root), train_size=48), "--target-digit", 3],
              "cifar10": lambda: ["--data-root", write_cifar10(str(root), per_batch=4)]}[dataset]()
-    out = run_example("dcgan", _argv(tmp_path / "out", "--dataset", dataset, "--batch-size", 4, *extra), capsys)
+    argv = _argv(tmp_path / "out", "--dataset", dataset, "--batch-size", 4, *extra)
+    out = run_example("dcgan", argv, capsys)
     metrics = read_json(tmp_path / "out" / "metrics.json")
     assert_epsilon_consistent(out, metrics["privacy"])
     _assert_grids(tmp_path / "out", epochs=1, real_images=min(64, metrics["dataset_size"]))

@@ -1,6 +1,7 @@
 """End-to-end runs of examples/mnist.py on tiny MNIST idx files (torchvision's raw layout)."""
 
 import pytest
+import torch
 
 from tests.examples.fake_data import write_mnist
 from tests.examples.helpers import (
@@ -51,6 +52,42 @@ def test_calibrated_sigma_meets_the_target(data_root, tmp_path, capsys):
     assert privacy["accountant"] == "rdp" and privacy["noise_multiplier"] != SIGMA
     epsilon = assert_epsilon_consistent(out, privacy, reference_rtol=1e-6)
     assert 4 * 0.97 <= epsilon <= 4
+
+
+def _weights(path):
+    return load_checkpoint(path)["module_state_dict"]
+
+
+def test_per_sample_gradient_routes_agree(data_root, tmp_path, capsys):
+    """Hooks, the torch.func fallback and nn.DataParallel give the same private training."""
+    runs = {"hooks": [], "functorch": ["--grad-sample-mode", "functorch"],
+            "data_parallel": ["--data-parallel"]}
+    for name, extra in runs.items():
+        run_example("mnist", _argv(data_root, tmp_path / name, "--batch-size", 12, *extra), capsys)
+    reference = _weights(tmp_path / "hooks" / "mnist.pt")
+    for name in ("functorch", "data_parallel"):
+        weights = _weights(tmp_path / name / "mnist.pt")
+        for key, value in reference.items():
+            assert torch.allclose(weights[key], value, rtol=0, atol=1e-5), (name, key)
+
+
+def test_evaluate_reports_the_checkpoint_accuracy(data_root, tmp_path, capsys):
+    run_example("mnist", _argv(data_root, tmp_path, "--batch-size", 12), capsys)
+    accuracy = read_json(tmp_path / "mnist.json")["test_accuracy"]
+    argv = _argv(data_root, tmp_path, "--resume", tmp_path / "mnist.pt", "--evaluate")
+    out = run_example("mnist", argv, capsys)
+    assert f"test accuracy = {100 * accuracy:.2f} %" in out
+
+
+def test_without_privacy_and_with_secure_randomness(data_root, tmp_path, capsys):
+    out = run_example("mnist", _argv(data_root, tmp_path / "plain", "--disable-dp"), capsys)
+    assert "ε =" not in out
+    assert read_json(tmp_path / "plain" / "mnist.json")["privacy"] == {"private": False}
+    argv = _argv(data_root, tmp_path / "secure", "--batch-size", 12, "--secure-rng")
+    out = run_example("mnist", argv, capsys)
+    privacy = read_json(tmp_path / "secure" / "mnist.json")["privacy"]
+    assert_history(privacy, sigma=SIGMA, sample_rate=0.25, steps=4)
+    assert_epsilon_consistent(out, privacy)
 
 
 def test_missing_data_says_where_it_looked(tmp_path, capsys):

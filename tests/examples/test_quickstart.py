@@ -2,7 +2,13 @@
 
 import pytest
 
-from tests.examples.helpers import SECURE_MODE_WARNING, assert_epsilon_consistent, assert_history, read_json, run_example
+from tests.examples.helpers import (
+    SECURE_MODE_WARNING,
+    assert_epsilon_consistent,
+    assert_history,
+    read_json,
+    run_example,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(SECURE_MODE_WARNING)]
 

@@ -91,7 +91,7 @@ def test_classic_detach_leaves_no_hooks_or_state_and_reattach_continues_accounti
     engine = quiet(PrivacyEngine, model, batch_size=10, sample_size=40, noise_multiplier=1.0,
                    max_grad_norm=1.0)
     x, y = tiny_dataset(40).tensors
-    engine.attach(optimizer)
+    quiet(engine.attach, optimizer)
     loss_of(model, x[:10], y[:10]).backward()
     optimizer.step()
     engine.detach()
@@ -106,7 +106,7 @@ def test_classic_detach_leaves_no_hooks_or_state_and_reattach_continues_accounti
     for a, b in zip(model.parameters(), plain):
         torch.testing.assert_close(a.detach(), b)
     assert engine.steps == 1
-    engine.attach(optimizer)
+    quiet(engine.attach, optimizer)
     optimizer.zero_grad()
     loss_of(model, x[10:20], y[10:20]).backward()
     before = [p.detach().clone() for p in model.parameters()]

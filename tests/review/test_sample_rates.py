@@ -60,11 +60,14 @@ def test_classic_api_records_its_declared_sample_rate(kwargs, q):
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = quiet(PrivacyEngine, model, noise_multiplier=1.0, max_grad_norm=1.0, **kwargs)
-    engine.attach(optimizer)
+    quiet(engine.attach, optimizer)
     data = tiny_dataset(N)
-    sampler = UniformWithReplacementSampler(num_samples=N, sample_rate=q)
-    for x, y in DataLoader(data, batch_sampler=sampler):
+    if "batch_size" in kwargs and not kwargs.get("poisson", False):
+        loader = DataLoader(data, batch_size=kwargs["batch_size"], shuffle=True)
+    else:
+        loader = DataLoader(data, batch_sampler=UniformWithReplacementSampler(num_samples=N, sample_rate=q))
+    for x, y in loader:
         loss_of(model, x, y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    assert engine.accountant.history == [(1.0, q, len(sampler))]
+    assert engine.accountant.history == [(1.0, q, len(loader))]
