@@ -19,7 +19,7 @@ _MAX_BISECTIONS = 200
 
 
 def planned_steps(*, sample_rate: float, epochs: Optional[float] = None, steps: Optional[int] = None) -> int:
-    """Number of steps of the run: ``steps``, or ``int(epochs / sample_rate)`` (as Opacus)."""
+    """Number of steps of the run: ``steps``, or ``⌈epochs / sample_rate⌉`` (never fewer than the run takes)."""
     if (epochs is None) == (steps is None):
         raise ValueError("give exactly one of epochs or steps")
     if steps is not None:
@@ -27,7 +27,8 @@ def planned_steps(*, sample_rate: float, epochs: Optional[float] = None, steps: 
     else:
         if not (isinstance(epochs, (int, float)) and not isinstance(epochs, bool) and math.isfinite(epochs) and epochs > 0):
             raise ValueError(f"epochs must be a positive finite number, got {epochs!r}")
-        count = int(epochs / sample_rate)
+        # ceil, with a tolerance for round-off (3 / (1/75) = 224.99999...): never fewer steps
+        count = int(math.ceil(epochs / sample_rate - 1e-9))
     if count < 1:
         raise ValueError(f"the run must have at least one step, got {count} (epochs={epochs}, steps={steps})")
     return count

@@ -104,12 +104,33 @@ def check_uninitialized(module: nn.Module) -> Optional[Problem]:
     )
 
 
+def check_embedding_options(module: nn.Module) -> Optional[Problem]:
+    """``max_norm`` rewrites the looked-up rows in place (no noise, even when frozen);
+    ``sparse=True`` gradients have no per-sample form."""
+    if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return None
+    if module.max_norm is not None:
+        return Problem(
+            "max_norm renormalises the embedding rows used by the batch in place, without noise",
+            "construct it with max_norm=None",
+            IllegalModuleConfigurationError,
+        )
+    if module.sparse and has_trainable_parameters(module):
+        return Problem(
+            "sparse=True gradients have no per-sample form",
+            "construct it with sparse=False",
+            IllegalModuleConfigurationError,
+        )
+    return None
+
+
 MODULE_RULES: List[Callable[[nn.Module], Optional[Problem]]] = [
     check_batch_norm,
     check_instance_norm,
     check_recurrent,
     check_multihead_attention,
     check_uninitialized,
+    check_embedding_options,
 ]
 
 

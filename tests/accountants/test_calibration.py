@@ -55,10 +55,11 @@ def test_gdp_calibration_and_rdp_orders_are_forwarded():
     assert 2.97 <= epsilon_of("rdp", sigma, 0.01, 1000, 1e-5, alphas=orders) <= 3.0
 
 
-def test_epochs_become_int_epochs_over_sample_rate():
+def test_epochs_become_ceil_epochs_over_sample_rate():
+    # 7 / 0.03 = 233.33...: the run takes 234 steps, never fewer
     by_epochs = get_noise_multiplier(target_epsilon=1.0, target_delta=1e-5, sample_rate=0.03, epochs=7, accountant="rdp")
     by_steps = get_noise_multiplier(
-        target_epsilon=1.0, target_delta=1e-5, sample_rate=0.03, steps=int(7 / 0.03), accountant="rdp"
+        target_epsilon=1.0, target_delta=1e-5, sample_rate=0.03, steps=234, accountant="rdp"
     )
     assert by_epochs == by_steps
 

@@ -180,3 +180,24 @@ def test_registered_validator_and_fixer():
     finally:
         ModuleValidator.VALIDATORS.pop(Mixer)
         ModuleValidator.FIXERS.pop(Mixer)
+
+
+@pytest.mark.parametrize("kwargs, words", [({"max_norm": 1.0}, "max_norm"), ({"sparse": True}, "sparse")])
+def test_embedding_options_without_per_sample_form_are_flagged(kwargs, words):
+    import torch.nn as nn
+
+    from opacus_dp.grad_sample import GradSampleModule
+    from opacus_dp.validators import ModuleValidator
+
+    model = nn.Sequential(nn.Embedding(5, 2, **kwargs))
+    errors = ModuleValidator.validate(model)
+    assert len(errors) == 1 and words in str(errors[0]) and "0 (Embedding)" in str(errors[0])
+    assert not ModuleValidator.is_valid(model)
+    assert not GradSampleModule.is_supported(model)
+
+
+def test_calibration_counts_every_step_despite_round_off():
+    from opacus_dp.accountants.calibration import planned_steps
+
+    assert planned_steps(sample_rate=1 / 75, epochs=3) == 225
+    assert planned_steps(sample_rate=0.35, epochs=1) == 3
