@@ -11,9 +11,9 @@ Recipe (DP-SGD, Abadi et al. 2016, with the accountant's ε at δ):
   unless they were themselves released privately);
 * a linear softmax classifier (64 → 10) — few parameters, so the added noise
   ``N(0, σ²C²)`` per coordinate hurts little;
-* large Poisson batches (q = 512/1437 ≈ 0.36), a few dozen steps, σ calibrated by
-  ``make_private_with_epsilon`` so that the whole run spends at most ``--target-epsilon``
-  (PRV accountant, Gopi et al. 2021);
+* large Poisson batches (``--batch-size 512`` makes 3 batches per pass, so q = 1/3), 60
+  steps, σ calibrated by ``make_private_with_epsilon`` so that the whole run spends at most
+  ``--target-epsilon`` (PRV accountant, Gopi et al. 2021);
 * SGD with momentum and per-sample clipping bound C = 1.
 
 Run ``python examples/quickstart.py`` (add ``--json out.json`` for a machine-readable summary).

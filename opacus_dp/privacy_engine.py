@@ -96,7 +96,8 @@ class PrivacyEngine:
         ``grad_sample_mode``: "hooks", "functorch", "ghost", "bk" or "auto" (see
         :mod:`opacus_dp.grad_sample.mode_selection`). As in Opacus 1.6, "ghost" returns
         ``(module, optimizer, criterion, data_loader)``, ``criterion`` (default
-        ``nn.CrossEntropyLoss()``) wrapped in a :class:`GhostCriterion`; other modes ignore it.
+        ``nn.CrossEntropyLoss()``) wrapped in a ``GhostCriterion`` whose losses' ``backward()``
+        runs the memory-lean two-pass backward; other modes ignore it.
 
         Semantics the privacy guarantee relies on (as in Opacus 1.x):
 
@@ -133,7 +134,7 @@ class PrivacyEngine:
             raise
         self._data_loader = loader
         if grad_sample_mode == "ghost":
-            return gsm, dp_optimizer, _ghost_criterion(criterion, loss_reduction), loader
+            return gsm, dp_optimizer, _ghost_criterion(criterion, loss_reduction, gsm, dp_optimizer), loader
         return gsm, dp_optimizer, loader
 
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -266,12 +267,14 @@ class PrivacyEngine:
         )
 
 
-def _ghost_criterion(criterion, loss_reduction: str):
-    """The criterion returned in ghost mode (Opacus 1.6 returns one, default cross-entropy)."""
+def _ghost_criterion(criterion, loss_reduction: str, module, optimizer):
+    """The criterion returned in ghost mode (Opacus 1.6 returns one, default cross-entropy):
+    its losses run the two-pass backward (see opacus_dp.grad_sample.ghost_criterion)."""
     from opacus_dp.grad_sample.ghost_criterion import GhostCriterion
 
-    return GhostCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(
-        reduction=loss_reduction), loss_reduction)
+    if criterion is None:
+        criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
+    return GhostCriterion(criterion, loss_reduction, module=module, optimizer=optimizer)
 
 
 def _check_distributed(module: nn.Module) -> int:

@@ -1,4 +1,4 @@
-"""Helpers shared by the example scripts (command line, distributed setup, privacy engine
+"""Code shared by the example scripts (command line, distributed setup, privacy engine
 wiring, training loop, checkpoints, metrics). Each example stays readable on its own; what
 every private training script needs in the same way lives here once.
 

@@ -1,4 +1,4 @@
-"""Dataset helpers: a clear message (exit code 2) when the data is not where it was looked for."""
+"""Missing datasets: a clear message (exit code 2) when the data is not where it was looked for."""
 
 import sys
 from typing import Sequence

@@ -8,16 +8,24 @@ sum ``Σ_i f_i g_i`` — without a second backward pass and, for most layers, wi
 forming the ``B`` per-sample gradients.
 
 During a backward pass (one autograd graph task) the hooks :meth:`Bookkeeper.record` every
-call of every hooked layer. When the pass ends (an autograd engine callback) each layer is
-resolved once:
+call of every hooked layer. A call is resolved as soon as it is known to be the layer's only
+call in the pass (no other call of it is still awaiting its backward, see
+:meth:`Bookkeeper.expect_call`, and it shares no parameter with another layer); otherwise
+all calls of the layer are resolved together when the pass ends (an autograd engine
+callback). Resolving a layer:
 
-* **ghost**: its type has a norm sampler and a :class:`GhostLayer` entry, no parameter is
-  shared with another layer called in the pass, its calls merge into one (or there is one)
-  and the rule holds (``"mixed"``: ``prefers_ghost``, i.e. the cheaper of the two ways, Bu et
-  al. 2022; ``"ghost"``: always). Its squared norms come from the norm sampler; the merged
-  ``(a, g)`` are kept for ``weighted_grad``.
+* **ghost**: its type has a norm sampler and a :class:`GhostLayer` entry, its calls merge
+  into one (or there is one) and the rule holds (``"mixed"``: ``prefers_ghost``, the cheaper
+  of the two ways, Bu et al. 2022; ``"ghost"``: always). Squared norms from the norm sampler;
+  the call's ``(a, g)`` are kept for ``weighted_grad`` (unless ``keep_ghost_calls`` is off,
+  in a norms-only pass);
 * **materialised**: per-sample gradients from the layer's grad sampler or the ``torch.func``
-  fallback, summed over the calls and over the layers sharing a parameter; only those are kept.
+  fallback, summed over calls and over layers sharing a parameter; only those are kept.
+
+A *sums pass* (:meth:`Bookkeeper.begin_sums`) is a second backward pass over the same graph
+after a norms-only pass: the clip factors are known, so each ghost layer's weighted gradient
+is computed from the fresh ``g`` at once and nothing is stored (the ``ghost`` mode's
+two-pass backward, :mod:`~opacus_dp.grad_sample.ghost_criterion`).
 
 Output gradients are stored as autograd delivered them; the loss-reduction ``scale`` (``B``
 for a mean) is applied to the results (norms scale by ``s²``, sums by ``s``). Passes made
@@ -26,60 +34,22 @@ along the batch and their clipped sums added.
 """
 
 import threading
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.nn as nn
 
-from opacus_dp.grad_sample.layer_call import LayerCall
+from opacus_dp.grad_sample.bookkeeping_pass import LAYER_RULES, Call, Pass, resolve_calls
 from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
-from opacus_dp.grad_sample.registry import NORM_SAMPLERS
-from opacus_dp.grad_sample.support import own_parameters
-
-LAYER_RULES = ("mixed", "ghost")
 
 
 @dataclass
-class _Call:
-    """One call of a hooked layer as the backward hook saw it (tensors batch-first)."""
+class _SumsPass:
+    """The pass whose clipped sums a second backward pass is computing."""
 
-    layer: nn.Module
-    name: str
-    call: LayerCall
-    backprops: List[Optional[torch.Tensor]]
-    scale: float
-
-
-@dataclass
-class _OpenPass:
-    calls: Dict[nn.Module, List[_Call]] = field(default_factory=dict)
-    batch_size: Optional[int] = None
-    first_layer: str = ""
-
-
-@dataclass
-class ResolvedPass:
-    """What one finished backward pass leaves for the optimizer step."""
-
-    batch_size: int
-    sq_norms: Dict[torch.Tensor, torch.Tensor]
-    ghost_calls: List[Tuple[nn.Module, list, torch.Tensor, float]]
-    grads: Dict[torch.Tensor, torch.Tensor]
-    modes: Dict[str, str]
-
-
-def _trainable_params(layer: nn.Module) -> List[torch.Tensor]:
-    return [p for _, p in own_parameters(layer) if p.requires_grad]
-
-
-def _shared_layers(calls: Dict[nn.Module, List[_Call]]) -> set:
-    """Layers owning a parameter that another layer of the pass also owns (tied weights)."""
-    owners: Dict[torch.Tensor, List[nn.Module]] = {}
-    for layer in calls:
-        for p in _trainable_params(layer):
-            owners.setdefault(p, []).append(layer)
-    return {layer for layers in owners.values() if len(layers) > 1 for layer in layers}
+    target: Pass
+    factors: Dict[torch.Tensor, torch.Tensor]
 
 
 class Bookkeeper:
@@ -89,44 +59,71 @@ class Bookkeeper:
         per_sample_grads: ``(layer, LayerCall, backprops) -> {param: (B, *shape)}``, the
             materialising path (the grad sampler or the ``torch.func`` fallback).
         layer_rule: ``"mixed"`` or ``"ghost"`` (see the module doc).
+        shared_layers: layers owning a parameter that another hooked layer also owns; they
+            are always materialised (their per-sample gradients add up across layers).
     """
 
-    def __init__(self, per_sample_grads: Callable, layer_rule: str = "mixed"):
+    def __init__(self, per_sample_grads: Callable, layer_rule: str = "mixed",
+                 shared_layers: Optional[Set[nn.Module]] = None):
         if layer_rule not in LAYER_RULES:
             raise ValueError(f"layer_rule must be one of {LAYER_RULES}, got {layer_rule!r}")
         self._per_sample_grads = per_sample_grads
         self.layer_rule = layer_rule
+        self.shared_layers = set(shared_layers or ())
         self.accumulation_allowed = True
-        self._open: Dict[int, _OpenPass] = {}
-        self._resolved: List[ResolvedPass] = []
-        self._lock = threading.Lock()
+        self.keep_ghost_calls = True
+        self._pending: Dict[nn.Module, int] = {}
+        self._open: Dict[int, Pass] = {}
+        self._resolved: List[Pass] = []
+        self._summing: Optional[_SumsPass] = None
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ recording
-    def record(self, layer: nn.Module, name: str, call: LayerCall,
-               backprops: List[Optional[torch.Tensor]], scale: float) -> None:
-        """Keep one call of ``layer`` (``name`` for messages) seen by the current backward pass."""
+    def expect_call(self, layer: nn.Module) -> None:
+        """A forward call of ``layer`` now awaits its output gradients (counted, so that a
+        call known to be the last pending one can be resolved at once)."""
+        with self._lock:
+            self._pending[layer] = self._pending.get(layer, 0) + 1
+
+    def record(self, layer: nn.Module, name: str, call, backprops: List[Optional[torch.Tensor]],
+               scale: float) -> None:
+        """Keep (or resolve) one call of ``layer`` (``name`` for messages) seen by the current
+        backward pass."""
         task = torch._C._current_graph_task_id()
         if task == -1:
             raise RuntimeError("layer calls can only be recorded during a backward pass")
         with self._lock:
-            current = self._open.get(task)
-            if current is None:
-                current = self._open[task] = _OpenPass()
-                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._close(task))
-            self._check_batch_size(current, call.batch_size, name, task)
-            current.calls.setdefault(layer, []).append(_Call(layer, name, call, backprops, scale))
+            pending = max(self._pending.get(layer, 0) - 1, 0)
+            self._pending[layer] = pending
+            entry = Call(layer, name, call, backprops, scale)
+            if self._summing is not None:
+                self._add_sums(task, entry)
+                return
+            current = self._open_pass(task, call.batch_size, name)
+            if pending == 0 and layer not in current.deferred and layer not in self.shared_layers:
+                self._resolve(current, layer, [entry])
+            else:
+                current.deferred.setdefault(layer, []).append(entry)
 
-    def _check_batch_size(self, current: _OpenPass, size: int, name: str, task: int) -> None:
-        if current.batch_size is None:
-            current.batch_size, current.first_layer = size, name
-        elif current.batch_size != size:
+    def _open_pass(self, task: int, batch_size: int, name: str) -> Pass:
+        current = self._open.get(task)
+        if current is None:
+            current = self._open[task] = Pass(batch_size, name)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._close(task))
+        elif current.batch_size != batch_size:
             del self._open[task]
             raise ValueError(
                 f"Inconsistent batch sizes in one forward/backward pass: layer {name} has batch "
-                f"size {size} but layer {current.first_layer} has {current.batch_size}. Check that "
-                f"every layer with parameters gets its inputs with the batch on the wrapper's "
-                f"batch dimension (sequence-first models need batch_first=False)."
+                f"size {batch_size} but layer {current.first_layer} has {current.batch_size}. "
+                f"Check that every layer with parameters gets its inputs with the batch on the "
+                f"wrapper's batch dimension (sequence-first models need batch_first=False)."
             )
+        return current
+
+    def _resolve(self, current: Pass, layer: nn.Module, calls: List[Call]) -> None:
+        resolve_calls(current, layer, calls, per_sample_grads=self._per_sample_grads,
+                      layer_rule=self.layer_rule, shared=layer in self.shared_layers,
+                      keep_ghost_calls=self.keep_ghost_calls)
 
     def _close(self, task: int) -> None:
         with self._lock:
@@ -140,53 +137,36 @@ class Bookkeeper:
                     "optimizer.step() and optimizer.zero_grad() after every backward pass, or use "
                     "BatchMemoryManager for large logical batches."
                 )
-            self._resolved.append(self._resolve(finished))
+            for layer, calls in list(finished.deferred.items()):
+                self._resolve(finished, layer, calls)
+            finished.deferred.clear()
+            self._resolved.append(finished)
 
-    # ------------------------------------------------------------------ resolving
-    def _resolve(self, finished: _OpenPass) -> ResolvedPass:
-        resolved = ResolvedPass(finished.batch_size, {}, [], {}, {})
-        shared = _shared_layers(finished.calls)
-        for layer, calls in finished.calls.items():
-            merged = None if layer in shared else self._ghost_call(layer, calls)
-            if merged is None:
-                self._materialise(resolved, calls)
-                resolved.modes[calls[0].name] = "materialised"
-            else:
-                activations, backprops, scale = merged
-                for p, sq in NORM_SAMPLERS[type(layer)](layer, activations, backprops).items():
-                    resolved.sq_norms[p] = sq * (scale * scale)
-                resolved.ghost_calls.append((layer, activations, backprops, scale))
-                resolved.modes[calls[0].name] = "ghost"
-        for p, g in resolved.grads.items():
-            resolved.sq_norms[p] = g.reshape(g.shape[0], -1).pow(2).sum(dim=1)
-        return resolved
+    # ------------------------------------------------------------------ sums pass
+    def begin_sums(self, params: Sequence[torch.Tensor], factors: Sequence[torch.Tensor]) -> None:
+        """The next backward pass recomputes the output gradients of the last pass; its ghost
+        layers' clipped sums are computed at once with ``factors`` (one ``(B,)`` per param)."""
+        with self._lock:
+            if not self._resolved:
+                raise RuntimeError("begin_sums needs a finished norms pass")
+            self._summing = _SumsPass(self._resolved[-1], dict(zip(params, factors)))
+            self._summing.target.factors = self._summing.factors
 
-    def _ghost_call(self, layer: nn.Module, calls: List[_Call]):
-        """``(activations, backprops, scale)`` of the layer's calls as one, if it goes ghost."""
-        spec = ghost_layer_of(layer)
-        if spec is None or type(layer) not in NORM_SAMPLERS:
-            return None
-        if any(c.backprops[0] is None or c.scale != calls[0].scale for c in calls):
-            return None
-        pairs = [(c.call.activations(layer), c.backprops[0]) for c in calls]
-        if len(pairs) > 1:
-            merged = spec.merge_calls(layer, pairs) if spec.merge_calls is not None else None
-            if merged is None:
-                return None
-            pairs = [merged]
-        activations, backprops = pairs[0]
-        if self.layer_rule == "mixed" and spec.prefers_ghost is not None \
-                and not spec.prefers_ghost(layer, activations):
-            return None
-        return activations, backprops, calls[0].scale
+    def end_sums(self) -> None:
+        with self._lock:
+            self._summing = None
 
-    def _materialise(self, resolved: ResolvedPass, calls: List[_Call]) -> None:
-        for c in calls:
-            for p, g in self._per_sample_grads(c.layer, c.call, c.backprops).items():
-                if c.scale != 1:
-                    g = g * c.scale
-                previous = resolved.grads.get(p)
-                resolved.grads[p] = g if previous is None else previous + g
+    def _add_sums(self, task: int, entry: Call) -> None:
+        target = self._summing.target
+        if entry.call.batch_size != target.batch_size:
+            raise ValueError("the second backward pass saw a different batch than the first one")
+        if entry.layer not in target.ghost_layers:
+            return  # materialised in the norms pass: its per-sample gradients are kept
+        wanted = {p: f * entry.scale for p, f in self._summing.factors.items()}
+        spec = ghost_layer_of(entry.layer)
+        for p, s in spec.weighted_grad(entry.layer, entry.call.activations(entry.layer),
+                                       entry.backprops[0], _owned(entry.layer, wanted)).items():
+            _add(target.sums, p, s)
 
     # ------------------------------------------------------------------ consuming
     @property
@@ -205,13 +185,15 @@ class Bookkeeper:
         """Parameters with per-sample information in the unconsumed passes."""
         return {p for r in self._resolved for p in r.sq_norms}
 
-    def sq_norms(self, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """Per-sample squared norms ``(B_1 + ... + B_k,)`` of every param (zeros if unused)."""
+    def sq_norms(self, params: Sequence[torch.Tensor], last_only: bool = False) -> List[torch.Tensor]:
+        """Per-sample squared norms ``(B_1 + ... + B_k,)`` of every param (zeros if unused);
+        with ``last_only`` those of the last finished pass."""
+        passes = self._resolved[-1:] if last_only else self._resolved
         result = []
         for p in params:
-            parts = [r.sq_norms.get(p) for r in self._resolved]
+            parts = [r.sq_norms.get(p) for r in passes]
             parts = [x if x is not None else torch.zeros(r.batch_size, device=p.device, dtype=p.dtype)
-                     for x, r in zip(parts, self._resolved)]
+                     for x, r in zip(parts, passes)]
             result.append(torch.cat(parts) if parts else torch.zeros(0, device=p.device, dtype=p.dtype))
         return result
 
@@ -224,10 +206,13 @@ class Bookkeeper:
         for resolved in self._take():
             window = slice(offset, offset + resolved.batch_size)
             offset += resolved.batch_size
+            _check_same_factors(resolved, by_param, window)
+            for p, s in resolved.sums.items():
+                _add(sums, p, s)
             for layer, activations, backprops, scale in resolved.ghost_calls:
-                wanted = {p: by_param[p][window] * scale for p in _trainable_params(layer) if p in by_param}
-                spec = ghost_layer_of(layer)
-                for p, s in spec.weighted_grad(layer, activations, backprops, wanted).items():
+                wanted = {p: by_param[p][window] * scale for p in by_param}
+                for p, s in ghost_layer_of(layer).weighted_grad(
+                        layer, activations, backprops, _owned(layer, wanted)).items():
                     _add(sums, p, s)
             for p, g in resolved.grads.items():
                 if p in by_param:
@@ -235,16 +220,35 @@ class Bookkeeper:
                     _add(sums, p, torch.einsum("i,i...->...", f, g))
         return [sums.get(p) for p in params]
 
-    def _take(self) -> List[ResolvedPass]:
+    def _take(self) -> List[Pass]:
         with self._lock:
             taken, self._resolved = self._resolved, []
             return taken
 
     def clear(self) -> None:
-        """Drop every recorded call and unconsumed pass."""
+        """Drop every recorded call and unconsumed pass (pending-call counts are kept)."""
         with self._lock:
             self._open.clear()
             self._resolved = []
+            self._summing = None
+
+
+def _owned(layer: nn.Module, by_param: Dict[torch.Tensor, torch.Tensor]) -> Dict:
+    own = {id(p) for p in layer.parameters(recurse=False)}
+    return {p: f for p, f in by_param.items() if id(p) in own}
+
+
+def _check_same_factors(resolved: Pass, by_param, window) -> None:
+    if resolved.factors is None:
+        return
+    for p, used in resolved.factors.items():
+        if p in by_param and not torch.allclose(by_param[p][window].to(used.dtype), used,
+                                                rtol=1e-6, atol=0.0):
+            raise RuntimeError(
+                "the clip factors changed between loss.backward() and optimizer.step() (was "
+                "max_grad_norm changed in between?): the clipped sums of the two-pass backward "
+                "were computed with other factors"
+            )
 
 
 def _add(sums: Dict[torch.Tensor, torch.Tensor], p: torch.Tensor, value: torch.Tensor) -> None:

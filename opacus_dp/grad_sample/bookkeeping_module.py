@@ -21,6 +21,7 @@ By default autograd's own weight gradients are not computed (see
 receive a gradient. ``nn.DataParallel`` is not supported (use ``grad_sample_mode="hooks"``).
 """
 
+from contextlib import contextmanager
 from typing import List, Optional, Sequence
 
 import torch
@@ -29,9 +30,10 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from opacus_dp.grad_sample import grad_sample_module as gsm_module
 from opacus_dp.grad_sample.bookkeeping import Bookkeeper
+from opacus_dp.grad_sample.bookkeeping_pass import shared_layers
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
-from opacus_dp.grad_sample.support import describe
-from opacus_dp.grad_sample.weight_grad_skipping import skip_weight_grads
+from opacus_dp.grad_sample.support import describe, has_trainable_parameters
+from opacus_dp.grad_sample.weight_grad_skipping import skip_weight_grads as install_skipping
 
 
 def _refuse_data_parallel(module: nn.Module) -> None:
@@ -63,25 +65,33 @@ class BookkeepingGradSampleModule(GradSampleModule):
         self._bookkeeper = Bookkeeper(self._per_sample_grads, layer_rule)
         super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction,
                          strict=strict)
+        self._bookkeeper.shared_layers = shared_layers(self._hooked_layers())
         if skip_weight_grads is None:
             skip_weight_grads = not any(isinstance(m, DistributedDataParallel) for m in module.modules())
         self.skips_weight_grads = bool(skip_weight_grads)
         if self.skips_weight_grads:
-            self._install_weight_grad_skipping()
+            for layer in self._hooked_layers():
+                self._handles.extend(install_skipping(layer, self._recording))
 
-    def _install_weight_grad_skipping(self) -> None:
-        def active() -> bool:
-            return self.hooks_enabled and not getattr(gsm_module._RECOMPUTING, "active", False)
+    def _hooked_layers(self) -> List[nn.Module]:
+        return [m for m in self._module.modules() if gsm_module._HOOKED_BY.get(m) is self]
 
-        for sub in self._module.modules():
-            if gsm_module._HOOKED_BY.get(sub) is self:
-                self._handles.extend(skip_weight_grads(sub, active))
+    def _recording(self) -> bool:
+        return self.hooks_enabled and not getattr(gsm_module._RECOMPUTING, "active", False)
 
     @property
     def layer_rule(self) -> str:
         return self._bookkeeper.layer_rule
 
-    # ------------------------------------------------------------------ backward hook
+    # ------------------------------------------------------------------ hooks
+    def _capture(self, path, master, layer, args, kwargs, output):
+        """The forward hook of GradSampleModule, plus: count the call as awaiting its backward
+        (counted whenever it may have been hooked; an excess count only delays resolution)."""
+        replaced = super()._capture(path, master, layer, args, kwargs, output)
+        if self._recording() and torch.is_grad_enabled() and has_trainable_parameters(master):
+            self._bookkeeper.expect_call(master)
+        return replaced
+
     def _on_backward(self, path, master, layer, call, hooked, n_outputs, grads, chunk=0) -> None:
         """Record the call (batch-first output gradients, loss-reduction scale) for later."""
         if not self.hooks_enabled:
@@ -139,6 +149,35 @@ class BookkeepingGradSampleModule(GradSampleModule):
                      factors: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         """``Σ_i f_i g_i`` per param for the factors of :meth:`per_sample_norms`; consumes."""
         return self._bookkeeper.clipped_sums(params, factors)
+
+    def last_per_sample_norms(self, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """``‖g_i‖₂`` of the last finished backward pass only (for the two-pass backward)."""
+        return [sq.clamp(min=0).sqrt() for sq in self._bookkeeper.sq_norms(params, last_only=True)]
+
+    @property
+    def supports_two_passes(self) -> bool:
+        """The two-pass backward of the ``ghost`` mode needs no autograd weight gradients (a
+        second backward through ``DistributedDataParallel`` would reduce twice)."""
+        return self.skips_weight_grads
+
+    @contextmanager
+    def norms_pass(self):
+        """Backward passes inside keep norms and materialised gradients, not ghost calls."""
+        self._bookkeeper.keep_ghost_calls = False
+        try:
+            yield
+        finally:
+            self._bookkeeper.keep_ghost_calls = True
+
+    @contextmanager
+    def sums_pass(self, params: Sequence[torch.Tensor], factors: Sequence[torch.Tensor]):
+        """A backward pass inside recomputes the last pass's output gradients and adds the
+        ghost layers' clipped sums with ``factors`` at once."""
+        self._bookkeeper.begin_sums(params, factors)
+        try:
+            yield
+        finally:
+            self._bookkeeper.end_sums()
 
     def clear(self, params=None) -> None:
         """Drop all recorded per-sample information (the provider's ``zero_grad``)."""

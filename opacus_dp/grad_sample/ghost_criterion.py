@@ -1,10 +1,23 @@
 """The criterion ``make_private(..., grad_sample_mode="ghost")`` returns (Opacus 1.6 API).
 
-Opacus 1.6 returns ``(model, optimizer, criterion, data_loader)`` in ghost mode; its criterion
-runs two backward passes. Here the ghost mode needs one (the clipped sum is book-kept), so
-:class:`GhostCriterion` returns the ordinary loss of the wrapped criterion, with one
-Opacus feature kept: ``criterion(logits, target, shape=(B, T, V))`` for token-level losses of
-sequence models makes the loss of sample ``i`` the mean over its valid tokens (``target !=
+As in Opacus 1.6, ghost mode returns ``(model, optimizer, criterion, data_loader)`` and the
+criterion's loss has a ``backward()`` that runs two backward passes over the same graph:
+
+1. a *norms pass*: every layer's per-sample gradient norm is computed as soon as its output
+   gradient arrives (ghost identity or materialised, per layer) and the output gradients of
+   ghost layers are dropped;
+2. the clip factors ``f_i`` follow from the norms (the optimizer's clipper, flat or per layer);
+3. a *sums pass* recomputes the output gradients and turns each ghost layer's into its
+   clipped sum ``Σ_i f_i g_i`` at once.
+
+Nothing of the size of the layer outputs is kept between the passes (the forward graph is,
+as in any backward), which makes this the mode with the lowest peak memory; the price is the
+second backward. ``optimizer.step()`` then uses the norms and sums as in the ``bk`` mode.
+Calling ``backward()`` on a plain tensor instead (or under ``DistributedDataParallel``) runs
+one book-keeping pass, which is equally correct.
+
+``criterion(logits, target, shape=(B, T, V))`` keeps one Opacus feature for token-level losses
+of sequence models: the loss of sample ``i`` is the mean over its valid tokens (``target !=
 ignore_index``), and the batch loss the mean (or sum, per ``loss_reduction``) of those.
 """
 
@@ -13,10 +26,74 @@ from typing import Optional, Sequence
 import torch
 
 
-class GhostCriterion:
-    """Callable wrapper of ``criterion`` (any loss module with a ``reduction`` attribute)."""
+class GhostLoss:
+    """A scalar loss whose :meth:`backward` is the two-pass backward (module doc)."""
 
-    def __init__(self, criterion, loss_reduction: str = "mean"):
+    def __init__(self, value: torch.Tensor, module, optimizer):
+        self.value, self.module, self.optimizer = value, module, optimizer
+
+    def backward(self) -> None:
+        module = self.module
+        if module is None or not getattr(module, "supports_two_passes", False):
+            self.value.backward()
+            return
+        params = self.optimizer.params
+        with module.norms_pass():
+            self.value.backward(retain_graph=True)
+        factors = self.optimizer.clipper.clip_factors(module.last_per_sample_norms(params))
+        with module.sums_pass(params, factors):
+            self.value.backward()
+
+    def _new(self, value) -> "GhostLoss":
+        return GhostLoss(value, self.module, self.optimizer)
+
+    @staticmethod
+    def _raw(other):
+        return other.value if isinstance(other, GhostLoss) else other
+
+    def __add__(self, other):
+        return self._new(self.value + self._raw(other))
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self._new(self.value - self._raw(other))
+
+    def __rsub__(self, other):
+        return self._new(self._raw(other) - self.value)
+
+    def __mul__(self, other):
+        return self._new(self.value * self._raw(other))
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        return self._new(self.value / self._raw(other))
+
+    def __neg__(self):
+        return self._new(-self.value)
+
+    def detach(self) -> torch.Tensor:
+        return self.value.detach()
+
+    def item(self) -> float:
+        return self.value.item()
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __repr__(self):
+        return f"GhostLoss({self.value.item():.4f})"
+
+
+class GhostCriterion:
+    """Callable wrapper of ``criterion`` (any loss module with a ``reduction`` attribute).
+
+    ``module`` and ``optimizer`` (set by ``make_private``) enable the two-pass backward;
+    without them the plain loss tensor is returned.
+    """
+
+    def __init__(self, criterion, loss_reduction: str = "mean", module=None, optimizer=None):
         if not callable(criterion):
             raise TypeError(f"criterion must be callable (a loss module), got {type(criterion).__name__}")
         if loss_reduction not in ("mean", "sum"):
@@ -27,12 +104,16 @@ class GhostCriterion:
                 f"criterion.reduction is {reduction!r} but loss_reduction is {loss_reduction!r}: "
                 "they must agree (the per-sample gradients undo the loss's reduction)"
             )
-        self.criterion = criterion
-        self.loss_reduction = loss_reduction
+        self.criterion, self.loss_reduction = criterion, loss_reduction
+        self.module, self.optimizer = module, optimizer
 
-    def __call__(self, *args, shape: Optional[Sequence[int]] = None, **kwargs) -> torch.Tensor:
-        if shape is None:
-            return self.criterion(*args, **kwargs)
+    def __call__(self, *args, shape: Optional[Sequence[int]] = None, **kwargs):
+        value = self.criterion(*args, **kwargs) if shape is None else self._per_sequence(shape, args, kwargs)
+        if self.module is None or self.optimizer is None:
+            return value
+        return GhostLoss(value, self.module, self.optimizer)
+
+    def _per_sequence(self, shape, args, kwargs) -> torch.Tensor:
         per_token = self._unreduced(*args, **kwargs).view(shape[0], shape[1])
         target = kwargs.get("target", args[1] if len(args) > 1 else None)
         ignore_index = getattr(self.criterion, "ignore_index", None)

@@ -4,20 +4,22 @@
   the cheaper of the ghost norm and materialised per-sample gradients (Bu et al. 2022), the
   clipped sum assembled from the recorded inputs and output gradients in the same backward
   pass (Bu et al. 2023), autograd's weight gradients skipped;
-* ``"ghost"``: the same single-pass machinery with the ``"ghost"`` rule — the ghost norm for
-  every layer type that has one (Li et al. 2022, Opacus's ghost clipping), materialised only
-  for the others. The clipped sum comes from book-keeping, not from a second backward pass;
+* ``"ghost"``: the same wrapper and per-layer rule, and, as in Opacus 1.6, ``make_private``
+  also returns a criterion whose losses' ``backward()`` runs two passes (norms, then clipped
+  sums; :mod:`~opacus_dp.grad_sample.ghost_criterion`): no output gradient is stored between
+  them, the lowest peak memory, for the price of a second backward pass;
 * ``"auto"``: a rule from the model's structure, no measurement: ``"hooks"`` if the model
   contains ``nn.DataParallel`` (the norms-only modes do not support it), else ``"bk"``. The
   reason: per layer ``bk`` does the cheaper of the two computations ``hooks`` can only do one
-  way (materialising), and it skips autograd's weight gradient, so it never does more
-  arithmetic than ``hooks`` (``scripts/benchmark.py`` measures this on five models).
+  way (materialising), and it skips autograd's weight gradient and the second backward of
+  ``ghost``, so it does the least arithmetic (``scripts/benchmark.py`` measures this on five
+  models). Choose ``"ghost"`` when memory, not time, is the limit.
 """
 
 import torch.nn as nn
 from torch.nn.parallel import DataParallel
 
-NORMS_ONLY_RULES = {"bk": "mixed", "ghost": "ghost"}
+NORMS_ONLY_RULES = {"bk": "mixed", "ghost": "mixed"}
 
 
 def choose_mode(module: nn.Module) -> str:

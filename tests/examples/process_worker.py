@@ -1,6 +1,6 @@
 """One process of a multi-process example test: runs several example scripts in sequence.
 
-Started by :func:`tests.examples.helpers.run_in_processes` with torchrun's environment
+Started by :func:`tests.examples.example_runs.run_in_processes` with torchrun's environment
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR) and one JSON argument
 ``{"examples": dir, "runs": [{"name", "argv", "port", "log"}, ...]}``. Each run gets its own
 MASTER_PORT, so each example sets up and tears down its own gloo process group. Running

@@ -5,7 +5,7 @@ import torch
 from PIL import Image
 
 from tests.examples.fake_data import write_cifar10, write_image_folder, write_mnist
-from tests.examples.helpers import (
+from tests.examples.example_runs import (
     SECURE_MODE_WARNING,
     assert_epsilon_consistent,
     assert_history,

@@ -8,7 +8,7 @@ torchrun launcher itself is exercised by the CIFAR-10 test.
 import pytest
 
 from tests.examples.fake_data import NAMES, write_mnist, write_names
-from tests.examples.helpers import (
+from tests.examples.example_runs import (
     SECURE_MODE_WARNING,
     assert_epsilon_consistent,
     assert_history,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.examples.fake_data import write_mnist
-from tests.examples.helpers import (
+from tests.examples.example_runs import (
     SECURE_MODE_WARNING,
     assert_epsilon_consistent,
     assert_history,

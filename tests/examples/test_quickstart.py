@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.examples.helpers import (
+from tests.examples.example_runs import (
     SECURE_MODE_WARNING,
     assert_epsilon_consistent,
     assert_history,

@@ -70,14 +70,14 @@ def conv_weighted_grad(layer: ConvNd, activations: List[torch.Tensor], backprops
                        factors: Dict[torch.Tensor, torch.Tensor]) -> Dict[torch.Tensor, torch.Tensor]:
     """``Σ_i f_i ∇W_i`` as one weight-gradient convolution; ``Σ_i f_i Σ_t g_it`` for the bias."""
     sums = {}
-    if trainable(layer.weight):
+    if trainable(layer.weight) and layer.weight in factors:
         x, padding = _prepare_input(layer, activations[0].to(backprops.dtype))
         f = factors[layer.weight].to(backprops.dtype).view(-1, *[1] * (backprops.dim() - 1))
         x, gy = (x * f, backprops) if x.numel() <= backprops.numel() else (x, backprops * f)
         sums[layer.weight] = _WEIGHT_GRAD[x.dim() - 2](
             x, layer.weight.shape, gy, stride=layer.stride, padding=padding,
             dilation=layer.dilation, groups=layer.groups)
-    if trainable(layer.bias):
+    if trainable(layer.bias) and layer.bias in factors:
         per_sample = backprops.flatten(start_dim=2).sum(dim=2)
         sums[layer.bias] = factors[layer.bias].to(per_sample.dtype) @ per_sample
     return sums

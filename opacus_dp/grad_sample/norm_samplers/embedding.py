@@ -60,7 +60,7 @@ def embedding_weighted_grad(layer: nn.Embedding, activations: List[torch.Tensor]
                             backprops: torch.Tensor,
                             factors: Dict[torch.Tensor, torch.Tensor]) -> Dict[torch.Tensor, torch.Tensor]:
     """``Σ_i f_i ∇W_i``: ``f_i s_t g_t`` added to row ``x_t``."""
-    if not trainable(layer.weight):
+    if not trainable(layer.weight) or layer.weight not in factors:
         return {}
     indices = activations[0]
     batch = indices.shape[0]

@@ -65,14 +65,14 @@ def linear_weighted_grad(layer: nn.Linear, activations: List[torch.Tensor], back
     """``{weight: (f ⊙ G)ᵀ A, bias: Σ_i f_i Σ_t g_it}`` for the trainable parameters."""
     a, g = _sequences(activations, backprops)
     sums = {}
-    if trainable(layer.weight):
+    if trainable(layer.weight) and layer.weight in factors:
         f = factors[layer.weight]
         if a.shape[-1] <= g.shape[-1]:
             a_f, g_f = _scaled(a, f), g
         else:
             a_f, g_f = a, _scaled(g, f)
         sums[layer.weight] = g_f.reshape(-1, g.shape[-1]).t().mm(a_f.reshape(-1, a.shape[-1]))
-    if trainable(layer.bias):
+    if trainable(layer.bias) and layer.bias in factors:
         sums[layer.bias] = factors[layer.bias].to(g.dtype) @ g.sum(dim=1)
     return sums
 

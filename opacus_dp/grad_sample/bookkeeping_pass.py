@@ -1,0 +1,108 @@
+"""One backward pass of the book-keeping modes, and how a layer's calls in it are resolved.
+
+See :mod:`opacus_dp.grad_sample.bookkeeping` for the method. A layer's calls are resolved
+either **ghost** (squared norms from the norm sampler, the merged call kept for the weighted
+sum) or **materialised** (per-sample gradients, summed over the calls and layers).
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.nn as nn
+
+from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
+from opacus_dp.grad_sample.registry import NORM_SAMPLERS
+
+LAYER_RULES = ("mixed", "ghost")
+
+
+@dataclass
+class Call:
+    """One call of a hooked layer as the backward hook saw it (tensors batch-first)."""
+
+    layer: nn.Module
+    name: str
+    call: object  # LayerCall
+    backprops: List[Optional[torch.Tensor]]
+    scale: float
+
+
+@dataclass
+class Pass:
+    """What one backward pass leaves for the optimizer step."""
+
+    batch_size: int
+    first_layer: str
+    deferred: Dict[nn.Module, List[Call]] = field(default_factory=dict)
+    sq_norms: Dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    grads: Dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    ghost_calls: List[Tuple[nn.Module, list, torch.Tensor, float]] = field(default_factory=list)
+    ghost_layers: Set[nn.Module] = field(default_factory=set)
+    modes: Dict[str, str] = field(default_factory=dict)
+    factors: Optional[Dict[torch.Tensor, torch.Tensor]] = None
+    sums: Dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+
+
+def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sample_grads: Callable,
+                  layer_rule: str, shared: bool, keep_ghost_calls: bool) -> None:
+    """Resolve all ``calls`` of ``layer`` in ``current``: ghost or materialised (module doc)."""
+    merged = None if shared else _ghost_call(layer, calls, layer_rule)
+    if merged is None:
+        _materialise(current, calls, per_sample_grads)
+        current.modes[calls[0].name] = "materialised"
+        return
+    activations, backprops, scale = merged
+    for p, sq in NORM_SAMPLERS[type(layer)](layer, activations, backprops).items():
+        _add_norms(current, p, sq * (scale * scale))
+    current.ghost_layers.add(layer)
+    if keep_ghost_calls:
+        current.ghost_calls.append((layer, activations, backprops, scale))
+    current.modes[calls[0].name] = "ghost"
+
+
+def _ghost_call(layer: nn.Module, calls: List[Call], layer_rule: str):
+    """``(activations, backprops, scale)`` of the layer's calls as one, if it goes ghost."""
+    spec = ghost_layer_of(layer)
+    if spec is None or type(layer) not in NORM_SAMPLERS:
+        return None
+    if any(c.backprops[0] is None or c.scale != calls[0].scale for c in calls):
+        return None
+    pairs = [(c.call.activations(layer), c.backprops[0]) for c in calls]
+    if len(pairs) > 1:
+        merged = spec.merge_calls(layer, pairs) if spec.merge_calls is not None else None
+        if merged is None:
+            return None
+        pairs = [merged]
+    activations, backprops = pairs[0]
+    if layer_rule == "mixed" and spec.prefers_ghost is not None \
+            and not spec.prefers_ghost(layer, activations):
+        return None
+    return activations, backprops, calls[0].scale
+
+
+def _materialise(current: Pass, calls: List[Call], per_sample_grads: Callable) -> None:
+    """Per-sample gradients of the calls, added to the pass (norms recomputed from the sum)."""
+    for c in calls:
+        for p, g in per_sample_grads(c.layer, c.call, c.backprops).items():
+            if c.scale != 1:
+                g = g * c.scale
+            previous = current.grads.get(p)
+            current.grads[p] = g if previous is None else previous + g
+            current.sq_norms[p] = current.grads[p].reshape(g.shape[0], -1).pow(2).sum(dim=1)
+
+
+def _add_norms(current: Pass, p: torch.Tensor, sq: torch.Tensor) -> None:
+    if p in current.sq_norms or p in current.grads:
+        raise RuntimeError(f"parameter of shape {tuple(p.shape)} resolved twice in one pass")
+    current.sq_norms[p] = sq
+
+
+def shared_layers(layers: List[nn.Module]) -> Set[nn.Module]:
+    """Layers owning a trainable parameter that another of ``layers`` also owns (tied weights)."""
+    owners: Dict[int, List[nn.Module]] = {}
+    for layer in layers:
+        for p in layer.parameters(recurse=False):
+            if p.requires_grad:
+                owners.setdefault(id(p), []).append(layer)
+    return {layer for group in owners.values() if len(group) > 1 for layer in group}
