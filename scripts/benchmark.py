@@ -137,8 +137,8 @@ def time_variants(workload, variants: List[str], args) -> Dict[str, dict]:
             steps[variant]()
             if round_index >= args.warmup:
                 samples[variant].append(clock() - start)
-    result = {v: {"ms": 1000 * statistics.median(s), "samples_ms": [1000 * t for t in s]}
-              for v, s in samples.items()}
+    result = {v: {"ms": 1000 * statistics.median(s), "min_ms": 1000 * min(s),
+                  "samples_ms": [1000 * t for t in s]} for v, s in samples.items()}
     result.update({v: {"error": e} for v, e in errors.items()})
     return result
 
@@ -201,12 +201,13 @@ def summarise(model_name: str, timing: Dict[str, dict], memory: Dict[str, dict])
 
 
 def _fmt(value, spec):
-    return "-" if value is None else format(value, spec)
+    width = int(spec.split(".")[0]) if spec[0].isdigit() else 0
+    return "-".rjust(width) if value is None else format(value, spec)
 
 
 def print_table(report: dict) -> None:
     head = (f"{'model':12s} {'variant':14s} {'step ms':>9s} {'x non-priv':>10s} "
-            f"{'vs Opacus hooks':>15s} {'vs Opacus best':>14s} {'peak MiB':>9s} "
+            f"{'speedup/Op.hk':>15s} {'speedup/Op.best':>14s} {'peak MiB':>9s} "
             f"{'mem x np':>8s} {'mem x Op.best':>13s}")
     print(head)
     print("-" * len(head))
@@ -216,7 +217,7 @@ def print_table(report: dict) -> None:
                 print(f"{model_name:12s} {v:14s} n/a: {r['error']}")
                 continue
             print(f"{model_name:12s} {v:14s} {_fmt(r['ms'], '9.1f')} {_fmt(r['x_non_private'], '10.2f')} "
-                  f"{_fmt(r['speedup_vs_opacus_hooks'], '14.2f')}x {_fmt(r['speedup_vs_opacus_best'], '13.2f')}x "
+                  f"{_fmt(r['speedup_vs_opacus_hooks'], '15.2f')} {_fmt(r['speedup_vs_opacus_best'], '14.2f')} "
                   f"{_fmt(r['peak_mib'], '9.1f')} {_fmt(r['mem_x_non_private'], '8.2f')} "
                   f"{_fmt(r['mem_x_opacus_best'], '13.2f')}")
         print(f"{'':12s} auto -> {entry['auto']}")

@@ -162,10 +162,10 @@ class Bookkeeper:
             raise ValueError("the second backward pass saw a different batch than the first one")
         if entry.layer not in target.ghost_layers:
             return  # materialised in the norms pass: its per-sample gradients are kept
-        wanted = {p: f * entry.scale for p, f in self._summing.factors.items()}
+        wanted = _owned(entry.layer, self._summing.factors, entry.scale)
         spec = ghost_layer_of(entry.layer)
         for p, s in spec.weighted_grad(entry.layer, entry.call.activations(entry.layer),
-                                       entry.backprops[0], _owned(entry.layer, wanted)).items():
+                                       entry.backprops[0], wanted).items():
             _add(target.sums, p, s)
 
     # ------------------------------------------------------------------ consuming
@@ -210,9 +210,9 @@ class Bookkeeper:
             for p, s in resolved.sums.items():
                 _add(sums, p, s)
             for layer, activations, backprops, scale in resolved.ghost_calls:
-                wanted = {p: by_param[p][window] * scale for p in by_param}
+                wanted = _owned(layer, by_param, scale, window)
                 for p, s in ghost_layer_of(layer).weighted_grad(
-                        layer, activations, backprops, _owned(layer, wanted)).items():
+                        layer, activations, backprops, wanted).items():
                     _add(sums, p, s)
             for p, g in resolved.grads.items():
                 if p in by_param:
@@ -233,9 +233,10 @@ class Bookkeeper:
             self._summing = None
 
 
-def _owned(layer: nn.Module, by_param: Dict[torch.Tensor, torch.Tensor]) -> Dict:
-    own = {id(p) for p in layer.parameters(recurse=False)}
-    return {p: f for p, f in by_param.items() if id(p) in own}
+def _owned(layer: nn.Module, by_param: Dict[torch.Tensor, torch.Tensor], scale: float,
+           window: slice = slice(None)) -> Dict:
+    """``{p: scale · factors[p][window]}`` for the parameters ``layer`` owns."""
+    return {p: by_param[p][window] * scale for p in layer.parameters(recurse=False) if p in by_param}
 
 
 def _check_same_factors(resolved: Pass, by_param, window) -> None:

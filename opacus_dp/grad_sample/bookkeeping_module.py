@@ -18,7 +18,10 @@ transparently.
 By default autograd's own weight gradients are not computed (see
 :mod:`~opacus_dp.grad_sample.weight_grad_skipping`), except under
 ``torch.nn.parallel.DistributedDataParallel``, whose reducer expects every parameter to
-receive a gradient. ``nn.DataParallel`` is not supported (use ``grad_sample_mode="hooks"``).
+receive a gradient. So, while the wrapper's hooks are enabled, ``p.grad`` stays ``None``
+after ``loss.backward()`` (the optimizer sets it in ``step()``); call
+:meth:`disable_hooks` for an ordinary (non-private) gradient. ``nn.DataParallel`` is not
+supported (use ``grad_sample_mode="hooks"``).
 """
 
 from contextlib import contextmanager
@@ -51,8 +54,9 @@ class BookkeepingGradSampleModule(GradSampleModule):
     Args:
         module, batch_first, loss_reduction, strict: as for ``GradSampleModule``.
         layer_rule: ``"mixed"`` (per layer the cheaper of ghost norm and materialised
-            per-sample gradients; mode ``bk``) or ``"ghost"`` (ghost norm wherever the layer
-            type has one; mode ``ghost``).
+            per-sample gradients; the ``bk`` and ``ghost`` modes) or ``"ghost"`` (ghost norm
+            wherever the layer type has one, as Opacus's ghost clipping; slower for layers
+            with many positions, e.g. early convolutions).
         skip_weight_grads: do not let autograd compute weight gradients (default: True
             unless the model contains ``DistributedDataParallel``).
     """

@@ -1,7 +1,7 @@
 """Rank functions for the distributed tests of the norms-only modes (see ``test_distributed``).
 
 Each rank trains on its own Poisson batches (different data per rank, clipping on, σ = 0)
-with ``grad_sample_mode="bk"`` and reports its batches and parameters, as the workers of
+with ``grad_sample_mode="bk"`` (or ``"ghost"``) and reports its batches and parameters, as the workers of
 ``tests/distributed`` do for the hooks mode.
 """
 
@@ -16,7 +16,7 @@ from opacus_dp.data import BatchMemoryManager
 from tests.distributed.workers import LR, _clipping_args, dataset, make_model, params_of, wrap
 
 
-def train_bk(rank, world_size, wrapper, clipping, steps=2, physical=2):
+def train_bk(rank, world_size, wrapper, clipping, mode="bk", steps=2, physical=2):
     model = wrap(make_model(seed=100 + rank), wrapper)
     start = params_of(model)
     data = dataset()
@@ -25,11 +25,12 @@ def train_bk(rank, world_size, wrapper, clipping, steps=2, physical=2):
         warnings.simplefilter("ignore")
         engine = PrivacyEngine(accountant="rdp")
     torch.manual_seed(7 + rank)
-    gsm, optimizer, dp_loader = engine.make_private(
+    result = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader,
         noise_multiplier=0.0, max_grad_norm=_clipping_args(clipping, 4), clipping=clipping,
-        grad_sample_mode="bk")
-    criterion = nn.CrossEntropyLoss()
+        grad_sample_mode=mode, criterion=nn.CrossEntropyLoss())
+    gsm, optimizer, dp_loader = result[0], result[1], result[-1]
+    criterion = result[2] if mode == "ghost" else nn.CrossEntropyLoss()
     logical, current = [], []
     with BatchMemoryManager(data_loader=dp_loader, max_physical_batch_size=physical,
                             optimizer=optimizer) as physical_loader:
@@ -51,5 +52,9 @@ def train_bk(rank, world_size, wrapper, clipping, steps=2, physical=2):
 
 
 def bk_job(rank, world_size):
-    return {(wrapper, clipping): train_bk(rank, world_size, wrapper, clipping)
-            for wrapper in ("ddp", "dpddp") for clipping in ("flat", "per_layer")}
+    """bk with both wrappers and clippings; ghost (two-pass backward, one pass under DDP)."""
+    results = {(wrapper, clipping, "bk"): train_bk(rank, world_size, wrapper, clipping)
+               for wrapper in ("ddp", "dpddp") for clipping in ("flat", "per_layer")}
+    for wrapper in ("ddp", "dpddp"):
+        results[(wrapper, "flat", "ghost")] = train_bk(rank, world_size, wrapper, "flat", "ghost")
+    return results

@@ -1,4 +1,4 @@
-"""``grad_sample_mode="bk"`` across 2 gloo processes (DDP and DPDDP), different data per rank.
+"""``grad_sample_mode="bk"`` / ``"ghost"`` across 2 gloo processes (DDP and DPDDP), different data per rank.
 
 σ = 0 and clipping active: the ranks' parameters must equal one process running the oracle
 (batch-size-1 autograd, clipped by hand) on the concatenation of all ranks' batches, with one
@@ -15,7 +15,8 @@ from tests.distributed.workers import FLAT_C, LAYER_C, LR, make_model
 from tests.ghost.distributed_workers import bk_job
 
 pytestmark = pytest.mark.distributed
-CONFIGS = [(w, c) for w in ("ddp", "dpddp") for c in ("flat", "per_layer")]
+CONFIGS = [(w, c, "bk") for w in ("ddp", "dpddp") for c in ("flat", "per_layer")] + [
+    ("ddp", "flat", "ghost"), ("dpddp", "flat", "ghost")]
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +44,16 @@ def replay(reports, key, clip):
     return [p.detach() for p in model.parameters()], clipped_any
 
 
-@pytest.mark.parametrize("wrapper,clipping", CONFIGS)
-def test_bk_equals_one_process_on_the_concatenated_batch(reports, wrapper, clipping):
-    r0, r1 = reports[0][(wrapper, clipping)], reports[1][(wrapper, clipping)]
+@pytest.mark.parametrize("wrapper,clipping,mode", CONFIGS)
+def test_norms_only_modes_equal_one_process_on_the_concatenated_batch(reports, wrapper, clipping, mode):
+    key = (wrapper, clipping, mode)
+    r0, r1 = reports[0][key], reports[1][key]
     assert r0["mode"] == "BookkeepingGradSampleModule"
     assert r0["skips"] == (wrapper == "dpddp"), "torch DDP needs autograd's weight gradients"
     assert all(torch.equal(a, b) for a, b in zip(r0["final"], r1["final"]))
     assert r0["all_reduces"] == len(r0["batches"]), "one all-reduce per logical step"
     clip = FLAT_C if clipping == "flat" else [LAYER_C] * 4
-    expected, clipped_any = replay(reports, (wrapper, clipping), clip)
+    expected, clipped_any = replay(reports, key, clip)
     assert clipped_any, "clipping must be active for this comparison to mean anything"
     for got, want in zip(r0["final"], expected):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
