@@ -12,7 +12,9 @@ call of every hooked layer. A call is resolved as soon as it is known to be the 
 call in the pass (no other call of it is still awaiting its backward, see
 :meth:`Bookkeeper.expect_call`, and it shares no parameter with another layer); otherwise
 all calls of the layer are resolved together when the pass ends (an autograd engine
-callback). Resolving a layer:
+callback). A call whose output never receives a gradient leaves its layer's count raised, so
+that layer's later calls wait for the end of their pass (correct, only less memory-lean); a
+layer resolved twice in one pass raises instead of computing a wrong norm. Resolving a layer:
 
 * **ghost**: its type has a norm sampler and a :class:`GhostLayer` entry, its calls merge
   into one (or there is one) and the rule holds (``"mixed"``: ``prefers_ghost``, the cheaper

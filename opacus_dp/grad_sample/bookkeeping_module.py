@@ -159,6 +159,11 @@ class BookkeepingGradSampleModule(GradSampleModule):
         return [sq.clamp(min=0).sqrt() for sq in self._bookkeeper.sq_norms(params, last_only=True)]
 
     @property
+    def num_passes(self) -> int:
+        """Finished backward passes whose norms and sums were not consumed yet."""
+        return self._bookkeeper.num_passes
+
+    @property
     def supports_two_passes(self) -> bool:
         """The two-pass backward of the ``ghost`` mode needs no autograd weight gradients (a
         second backward through ``DistributedDataParallel`` would reduce twice)."""

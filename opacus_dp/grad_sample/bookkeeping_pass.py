@@ -85,6 +85,8 @@ def _materialise(current: Pass, calls: List[Call], per_sample_grads: Callable) -
     """Per-sample gradients of the calls, added to the pass (norms recomputed from the sum)."""
     for c in calls:
         for p, g in per_sample_grads(c.layer, c.call, c.backprops).items():
+            if p in current.sq_norms and p not in current.grads:
+                raise RuntimeError(f"parameter of shape {tuple(p.shape)} resolved twice in one pass")
             if c.scale != 1:
                 g = g * c.scale
             previous = current.grads.get(p)

@@ -38,8 +38,11 @@ class GhostLoss:
             self.value.backward()
             return
         params = self.optimizer.params
+        passes = module.num_passes
         with module.norms_pass():
             self.value.backward(retain_graph=True)
+        if module.num_passes == passes:
+            return  # no layer call reached the loss (an empty batch): nothing to sum
         factors = self.optimizer.clipper.clip_factors(module.last_per_sample_norms(params))
         with module.sums_pass(params, factors):
             self.value.backward()

@@ -91,3 +91,22 @@ def test_plain_tensor_backward_in_ghost_mode_is_one_bookkeeping_pass():
     sums = gsm.clipped_sums(params, optimizer.clipper.clip_factors(gsm.per_sample_norms(params)))
     for got, want in zip(sums, expected):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_empty_batch_step_in_ghost_mode_adds_only_noise():
+    torch.manual_seed(0)
+    model = Recurrent().double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine(accountant="rdp")
+    data = TensorDataset(torch.randint(0, 7, (6, 4)), torch.randint(0, 3, (6,)))
+    gsm, optimizer, criterion, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(data, batch_size=6), noise_multiplier=0.0, max_grad_norm=1.0,
+        poisson_sampling=False, grad_sample_mode="ghost", loss_reduction="sum",
+        criterion=nn.CrossEntropyLoss(reduction="sum"))
+    before = [p.detach().clone() for p in model.parameters()]
+    criterion(gsm(torch.zeros(0, 4, dtype=torch.long)), torch.zeros(0, dtype=torch.long)).backward()
+    optimizer.step()
+    assert len(engine.accountant) == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -14,6 +14,7 @@ The patches are the im2col windows of :func:`opacus_dp.grad_sample.conv.conv_win
 (padding applied as the layer's forward applies it).
 """
 
+import math
 from typing import Dict, List, Union
 
 import torch
@@ -27,13 +28,6 @@ from opacus_dp.grad_sample.registry import register_norm_sampler
 ConvNd = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
 CONV_TYPES = [nn.Conv1d, nn.Conv2d, nn.Conv3d]
 _WEIGHT_GRAD = {1: conv_grad.conv1d_weight, 2: conv_grad.conv2d_weight, 3: conv_grad.conv3d_weight}
-
-
-def _prod(values) -> int:
-    result = 1
-    for v in values:
-        result *= int(v)
-    return result
 
 
 def _check_batched(layer: ConvNd, x: torch.Tensor) -> None:
@@ -90,7 +84,7 @@ def conv_prefers_ghost(layer: ConvNd, activations: List[torch.Tensor]) -> bool:
     for size, k, s, d, (before, after) in zip(x.shape[2:], layer.kernel_size, layer.stride,
                                                layer.dilation, side_padding(layer)):
         positions *= max(0, (size + before + after - d * (k - 1) - 1) // s + 1)
-    d_in = layer.in_channels // layer.groups * _prod(layer.kernel_size)
+    d_in = layer.in_channels // layer.groups * math.prod(layer.kernel_size)
     p_out = layer.out_channels // layer.groups
     return 2 * positions * positions < d_in * p_out
 
