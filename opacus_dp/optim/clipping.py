@@ -10,6 +10,8 @@ Both strategies follow Abadi et al. 2016, "Deep Learning with Differential Priva
 ``f = min(1, C / (‖g‖ + 1e-6))``; the ``1e-6`` guards against division by zero.
 """
 
+import abc
+
 import math
 from typing import List, Sequence
 
@@ -36,14 +38,14 @@ def _factor(norms: torch.Tensor, bound: float) -> torch.Tensor:
     return (bound / (norms + CLIP_EPSILON)).clamp(max=1.0)
 
 
-class Clipper:
+class Clipper(abc.ABC):
     """Strategy interface: ``clip_factors(norms)`` and ``sensitivity``."""
 
     sensitivity: float
 
+    @abc.abstractmethod
     def clip_factors(self, per_param_norms: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """One ``(B,)`` factor tensor per trainable tensor, from its ``(B,)`` norms."""
-        raise NotImplementedError
 
     def check_num_params(self, num_params: int) -> None:
         """Raise ValueError if this clipper cannot handle ``num_params`` tensors."""
