@@ -11,7 +11,6 @@ Both strategies follow Abadi et al. 2016, "Deep Learning with Differential Priva
 """
 
 import abc
-
 import math
 from typing import List, Sequence
 
