@@ -1,14 +1,23 @@
 """Cost of per-sample gradients, layer by layer: opacus_dp against Opacus 1.6.
 
 For every case the script times one forward + backward pass (loss = half the squared norm of
-the output) in four ways, interleaved repetition by repetition, and reports the median of
+the output) in five ways, interleaved repetition by repetition, and reports the median of
 each divided by the median of the plain pass:
 
 * ``plain``    the bare module (reference time, in ms);
-* ``ours``     wrapped in ``opacus_dp.grad_sample.GradSampleModule``;
+* ``ours``     wrapped in ``opacus_dp.grad_sample.GradSampleModule``: materialised
+               ``p.grad_sample`` of shape ``(B, *p.shape)`` (the ``hooks`` mode);
 * ``samplers`` the registered per-layer samplers called from a minimal hook harness, i.e. the
                cost of the formulas alone (``ours - samplers`` is the wrapper's overhead);
+* ``bk``       what a DP-SGD step needs from the layer, as the ``bk`` mode computes it:
+               forward + backward, per-sample norms, flat clip factors ``min(1, C/‖g_i‖)``
+               and the clipped sum ``Σ_i f_i g_i`` (the private counterpart of ``p.grad``;
+               per-sample gradients materialised only where the mixed rule finds it cheaper);
 * ``opacus``   wrapped in Opacus 1.6's ``GradSampleModule`` (needs ``pip install opacus``).
+
+Materialising per-sample gradients writes ``B`` times the parameter's size, so for layers
+with few positions per sample (a 2-D ``Linear``) ``ours`` is bound by memory traffic, not by
+arithmetic; ``bk`` is the cost of private training with such a layer.
 
 Usage::
 
@@ -36,6 +45,9 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample import GRAD_SAMPLERS, GradSampleModule
+from opacus_dp.grad_sample.bookkeeping_module import BookkeepingGradSampleModule
+
+CLIP = 1.0
 
 
 @dataclass
@@ -177,15 +189,28 @@ def _make_step(kind: str, case: Case, device: torch.device, input_grad: bool):
         model = OpacusGradSampleModule(model, batch_first=True, loss_reduction="sum")
     elif kind == "samplers":
         harness = SamplerHarness(model)
+    elif kind == "bk":
+        model = BookkeepingGradSampleModule(model, batch_first=True, loss_reduction="sum")
 
     def step():
         model.zero_grad(set_to_none=True)
         if kind == "samplers":
             harness.results.clear()
         _loss(model(*inputs)).backward()
+        if kind == "bk":
+            clipped_sums(model)
 
     step()  # fail here (-> n/a) rather than inside the timing loop
     return step
+
+
+def clipped_sums(model: BookkeepingGradSampleModule) -> List[Optional[torch.Tensor]]:
+    """Per-sample norms, flat clip factors ``min(1, C / ‖g_i‖)``, clipped sums (one step's work)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    norms = model.per_sample_norms(params)
+    total = torch.stack(norms).pow(2).sum(dim=0).sqrt()
+    factors = (CLIP / (total + 1e-6)).clamp(max=1.0)
+    return model.clipped_sums(params, [factors] * len(params))
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -201,7 +226,7 @@ def _timed(step: Callable[[], None], device: torch.device, clock: Callable[[], f
     return clock() - start
 
 
-KINDS = ("plain", "ours", "samplers", "opacus")
+KINDS = ("plain", "ours", "samplers", "bk", "opacus")
 
 
 def run_case(case: Case, repeats: int, warmup: int, device: torch.device,
@@ -238,14 +263,14 @@ def _fmt(x: Optional[float], spec: str) -> str:
 
 def print_table(rows: List[Dict[str, Any]]) -> None:
     header = (f"{'layer':22} {'shape':26} {'plain ms':>9} {'ours x':>7} {'samplers x':>10} "
-              f"{'opacus x':>8} {'ours/opacus':>11}")
+              f"{'bk x':>6} {'opacus x':>8} {'ours/opacus':>11}")
     print(header)
     print("-" * len(header))
     for row in rows:
         plain = row["median_s"]["plain"]
         print(f"{row['layer']:22} {row['shape']:26} {_fmt(plain and plain * 1e3, '9.2f')} "
               f"{_fmt(_ratio(row, 'ours'), '7.2f')} {_fmt(_ratio(row, 'samplers'), '10.2f')} "
-              f"{_fmt(_ratio(row, 'opacus'), '8.2f')} "
+              f"{_fmt(_ratio(row, 'bk'), '6.2f')} {_fmt(_ratio(row, 'opacus'), '8.2f')} "
               f"{_fmt(_ratio(row, 'ours', 'opacus'), '11.2f')}")
     for row in rows:
         for kind, why in row["errors"].items():

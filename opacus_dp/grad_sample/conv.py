@@ -18,7 +18,8 @@ ways to get all ``B`` of them at once, chosen by measurement (``scripts/benchmar
 * im2col (Chellapilla et al., "High performance convolutional neural networks for document
   processing", 2006) + batched matrix product: ``x`` unfolded to ``(B, G, C/G*K, L)``
   windows, then ``gy @ windows^T`` per sample and group. Faster for ungrouped layers with
-  few output positions ``L`` and many channels, e.g. the late stages of a ResNet.
+  few output positions ``L`` and many channels, e.g. the late stages of a ResNet, and for
+  layers with very few input channels (an image network's first layer).
 
 Zero padding that is the same on both sides is handled by the weight-gradient convolution;
 any other padding (``padding_mode`` reflect/replicate/circular, or the asymmetric split of
@@ -67,6 +68,11 @@ def _pad_explicitly(x: torch.Tensor, layer: ConvNd, pads: Sequence[Tuple[int, in
     return F.pad(x, flat, mode=mode)
 
 
+def padded_input(layer: ConvNd, x: torch.Tensor) -> torch.Tensor:
+    """``x`` padded exactly as the layer's forward pass pads it (any padding mode)."""
+    return _pad_explicitly(x, layer, side_padding(layer))
+
+
 def _prepare_input(layer: ConvNd, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, ...]]:
     """Input and symmetric zero padding to hand to the weight-gradient convolution."""
     pads = side_padding(layer)
@@ -96,7 +102,7 @@ def folded_conv_weight_grad(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) ->
 def conv_windows(layer: ConvNd, x: torch.Tensor) -> torch.Tensor:
     """im2col: ``(B, G, C/G * K, L)``, entry ``[i, g, (c, k), l]`` = padded
     ``x_i[g*C/G + c, l*stride + k*dilation]`` (``K`` kernel taps, ``L`` output positions)."""
-    x = _pad_explicitly(x, layer, side_padding(layer))
+    x = padded_input(layer, x)
     spatial = len(layer.kernel_size)
     for dim, (k, s, d) in enumerate(zip(layer.kernel_size, layer.stride, layer.dilation)):
         x = x.unfold(2 + dim, d * (k - 1) + 1, s)  # (..., windows, span)
@@ -120,11 +126,15 @@ def im2col_weight_grad(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) -> torc
 # for ungrouped layers (measured up to 2-3x faster with >= 128 channels at 4x4..12x12; the
 # folded convolution was up to 2.6x faster from 24x24 on, and far faster for grouped layers).
 IM2COL_MAX_POSITIONS = 144
+# Input channels up to which im2col was as fast or faster at any resolution (1-4 channels:
+# up to 2x faster, e.g. 3->16 k3 at 32x32, B=128; from 8 channels on the folded convolution won).
+IM2COL_MAX_IN_CHANNELS = 4
 
 
 def prefers_im2col(layer: ConvNd, gy: torch.Tensor) -> bool:
-    """True for ungrouped layers with few output positions (see the module doc)."""
-    return layer.groups == 1 and gy.shape[2:].numel() <= IM2COL_MAX_POSITIONS
+    """True for ungrouped layers with few output positions or few input channels (module doc)."""
+    return layer.groups == 1 and (gy.shape[2:].numel() <= IM2COL_MAX_POSITIONS
+                                  or layer.in_channels <= IM2COL_MAX_IN_CHANNELS)
 
 
 def per_sample_conv_weight_grad(

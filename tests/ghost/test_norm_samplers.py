@@ -8,11 +8,15 @@ per-sample gradients (float64, hypothesis shapes).
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opacus_dp.grad_sample import NORM_SAMPLERS
+from opacus_dp.grad_sample.conv import padded_input
 from opacus_dp.grad_sample.norm_samplers import GHOST_LAYERS
+from opacus_dp.grad_sample.norm_samplers.conv import _prefers_autocorrelation, patch_gram
+from opacus_dp.grad_sample.norm_samplers.linear import SPLIT_GRAM_POSITIONS, gram_sq_norms
 from opacus_dp.layers import BatchFirstLinear
 from tests.ghost.helpers import layer_call, sq_norms, weighted
 
@@ -68,6 +72,38 @@ def test_conv_1d_2d_3d_with_groups_stride_dilation_padding(case):
 
 
 @SETTINGS
+@given(case=conv_cases())
+def test_conv_patch_gram_methods_agree_with_unfolded_patches(case):
+    """Both forms of ``A_i A_iᵀ`` against the Gram of explicitly unfolded patches (F.unfold
+    is an independent im2col, 2-D only; 1-D/3-D compare with the windows form)."""
+    dims, kwargs, size, batch = case
+    layer = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](**kwargs).double()
+    size = max(size, kwargs["dilation"] * (kwargs["kernel_size"] - 1) + 1)
+    x = torch.randn(batch, kwargs["in_channels"], *[size] * dims, dtype=torch.float64)
+    windows = patch_gram(layer, x, method="windows")
+    auto = patch_gram(layer, x, method="auto")
+    correlated = patch_gram(layer, x, method="autocorrelation")
+    torch.testing.assert_close(correlated, windows, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(auto, windows, rtol=1e-10, atol=1e-10)
+    if dims == 2:
+        padded = padded_input(layer, x)
+        patches = F.unfold(padded, layer.kernel_size, dilation=layer.dilation, stride=layer.stride)
+        groups = layer.groups
+        patches = patches.view(batch, groups, -1, patches.shape[-1]).flatten(0, 1)
+        torch.testing.assert_close(windows, patches.transpose(1, 2) @ patches, rtol=1e-10, atol=1e-10)
+
+
+def test_autocorrelation_is_chosen_for_stride_one_layers_with_several_taps():
+    x = torch.zeros(2, 64, 8, 8)
+    assert _prefers_autocorrelation(nn.Conv2d(64, 64, 3, padding=1), x)
+    assert not _prefers_autocorrelation(nn.Conv2d(64, 64, 3, padding=1, stride=2), x)
+    assert not _prefers_autocorrelation(nn.Conv2d(64, 64, 1), x)  # 1x1: the patches are the input
+    assert not _prefers_autocorrelation(nn.Conv2d(3, 8, 3, padding=1), torch.zeros(2, 3, 32, 32))
+    with pytest.raises(ValueError, match="method"):
+        patch_gram(nn.Conv2d(2, 2, 3), torch.zeros(1, 2, 4, 4), method="fft")
+
+
+@SETTINGS
 @given(batch=st.integers(1, 4), shape=st.lists(st.integers(1, 5), max_size=2),
        vocab=st.integers(2, 6), padding_idx=st.sampled_from([None, 0, 1]),
        scale_grad_by_freq=st.booleans())
@@ -101,3 +137,12 @@ def test_empty_batch_gives_empty_norms():
     x = torch.zeros(0, 2, 4, 4, dtype=torch.float64)
     norms = NORM_SAMPLERS[nn.Conv2d](layer, [x], torch.zeros(0, 3, 3, 3, dtype=torch.float64))
     assert all(n.shape == (0,) for n in norms.values())
+
+
+@pytest.mark.parametrize("positions", [1, 5, SPLIT_GRAM_POSITIONS, SPLIT_GRAM_POSITIONS + 3])
+def test_linear_gram_norms_with_and_without_the_split(positions):
+    """The ghost identity (split into halves for long sequences) against ‖G_iᵀ A_i‖²."""
+    a = torch.randn(3, positions, 4, dtype=torch.float64)
+    g = torch.randn(3, positions, 5, dtype=torch.float64)
+    expected = torch.einsum("btp,btd->bpd", g, a).pow(2).sum(dim=(1, 2))
+    torch.testing.assert_close(gram_sq_norms(a, g), expected, rtol=1e-10, atol=1e-10)

@@ -12,16 +12,31 @@ and the bias gradient is ``Σ_t g_t``. The weighted sum ``Σ_i f_i ∇W_i`` is t
 weight gradient of the convolution with each sample's output gradient scaled by ``f_i``.
 The patches are the im2col windows of :func:`opacus_dp.grad_sample.conv.conv_windows`
 (padding applied as the layer's forward applies it).
+
+The patch Gram ``A_i A_iᵀ`` has two forms (:func:`patch_gram`, the cheaper one is used):
+
+* **windows**: unfold the patches (a copy of ``K`` times the input) and multiply,
+  ``T² · d`` per sample and group;
+* **autocorrelation**: patch ``t`` holds the input at positions ``t·s + k·δ`` (stride ``s``,
+  dilation ``δ``, tap ``k`` of ``K``), so with ``R = X_iᵀ X_i`` the Gram of the padded input's
+  ``P`` positions (``P² · C/G``),
+
+      (A_i A_iᵀ)[t, t'] = Σ_k R[t·s + k·δ, t'·s + k·δ],
+
+  a sum of ``K`` strided views of ``R`` and no unfolded copy; cheaper for stride-1 layers
+  with many channels per group (``P ≈ T``, so ``P² · C/G ≪ T² · d``; the strided sum of
+  ``K · T²`` elements is the price).
 """
 
+import itertools
 import math
-from typing import Dict, List, Union
+from typing import Dict, List, Sequence, Union
 
 import torch
 import torch.nn as nn
 from torch.nn import grad as conv_grad
 
-from opacus_dp.grad_sample.conv import _prepare_input, conv_windows, side_padding
+from opacus_dp.grad_sample.conv import _prepare_input, conv_windows, padded_input, side_padding
 from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer, trainable
 from opacus_dp.grad_sample.registry import register_norm_sampler
 
@@ -50,14 +65,66 @@ def conv_norm_sample(layer: ConvNd, activations: List[torch.Tensor],
         if batch == 0:
             norms[layer.weight] = backprops.new_zeros(0)
         else:
-            a = conv_windows(layer, x).flatten(0, 1)                  # (B*G, d, T)
-            g = backprops.reshape(batch * layer.groups, -1, a.shape[-1])  # (B*G, p, T)
-            gram_a = torch.bmm(a.transpose(1, 2), a)
+            gram_a = patch_gram(layer, x)                                 # (B*G, T, T)
+            g = backprops.reshape(batch * layer.groups, -1, gram_a.shape[-1])  # (B*G, p, T)
             gram_g = torch.bmm(g.transpose(1, 2), g)
             norms[layer.weight] = (gram_a * gram_g).sum(dim=(1, 2)).view(batch, -1).sum(dim=1)
     if trainable(layer.bias):
         norms[layer.bias] = backprops.flatten(start_dim=2).sum(dim=2).pow(2).sum(dim=1)
     return norms
+
+
+def _output_sizes(layer: ConvNd, padded: Sequence[int]) -> List[int]:
+    return [max(0, (size - d * (k - 1) - 1) // s + 1)
+            for size, k, s, d in zip(padded, layer.kernel_size, layer.stride, layer.dilation)]
+
+
+# Cost of one element of the strided tap sum relative to one multiply-add of a batched matrix
+# product (measured ~30x on CPU): the tap sum reads K strided views of the input Gram.
+TAP_SUM_COST = 30
+
+
+def _prefers_autocorrelation(layer: ConvNd, x: torch.Tensor) -> bool:
+    """Autocorrelation iff its cost ``P²·c + TAP_SUM_COST·K·T²`` is below the windows' matrix
+    product ``T²·c·K`` (``c = C/G`` channels per group, ``K`` taps, ``P`` padded input and ``T``
+    output positions): stride-1 layers with more than ~30 channels per group."""
+    padded = [n + a + b for n, (a, b) in zip(x.shape[2:], side_padding(layer))]
+    positions_in = math.prod(padded)
+    positions_out = math.prod(_output_sizes(layer, padded))
+    channels, taps = layer.in_channels // layer.groups, math.prod(layer.kernel_size)
+    windows = positions_out ** 2 * channels * taps
+    return positions_in ** 2 * channels + TAP_SUM_COST * taps * positions_out ** 2 < windows
+
+
+def _autocorrelation_gram(layer: ConvNd, x: torch.Tensor) -> torch.Tensor:
+    """``A_i A_iᵀ`` per sample and group as a sum of strided views of the input Gram (module doc)."""
+    x = padded_input(layer, x)
+    batch, spatial = x.shape[0], x.shape[2:]
+    flat = x.reshape(batch * layer.groups, layer.in_channels // layer.groups, -1)
+    gram = torch.bmm(flat.transpose(1, 2), flat).view(flat.shape[0], *spatial, *spatial)
+    outputs = _output_sizes(layer, spatial)
+    total = None
+    for tap in itertools.product(*[range(k) for k in layer.kernel_size]):
+        window = tuple(slice(k * d, k * d + s * (o - 1) + 1, s) for k, d, s, o in
+                       zip(tap, layer.dilation, layer.stride, outputs))
+        view = gram[(slice(None),) + window + window]
+        total = view.clone() if total is None else total.add_(view)
+    return total.reshape(flat.shape[0], math.prod(outputs), math.prod(outputs))
+
+
+def _windows_gram(layer: ConvNd, x: torch.Tensor) -> torch.Tensor:
+    a = conv_windows(layer, x).flatten(0, 1)  # (B*G, d, T)
+    return torch.bmm(a.transpose(1, 2), a)
+
+
+def patch_gram(layer: ConvNd, x: torch.Tensor, method: str = "auto") -> torch.Tensor:
+    """``A_i A_iᵀ`` of every sample and group, shape ``(B*G, T, T)``; ``method``:
+    ``"windows"``, ``"autocorrelation"`` or ``"auto"`` (the cheaper, module doc)."""
+    if method not in ("auto", "windows", "autocorrelation"):
+        raise ValueError(f"method must be 'auto', 'windows' or 'autocorrelation', got {method!r}")
+    if method == "auto":
+        method = "autocorrelation" if _prefers_autocorrelation(layer, x) else "windows"
+    return _autocorrelation_gram(layer, x) if method == "autocorrelation" else _windows_gram(layer, x)
 
 
 def conv_weighted_grad(layer: ConvNd, activations: List[torch.Tensor], backprops: torch.Tensor,
