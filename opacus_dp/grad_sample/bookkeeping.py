@@ -218,7 +218,7 @@ class Bookkeeper:
                     _add(sums, p, s)
             for p, g in resolved.grads.items():
                 if p in by_param:
-                    f = by_param[p][window].to(device=g.device, dtype=g.dtype)
+                    f = by_param[p][window].to(device=g.device, dtype=g.dtype) * resolved.grad_scales[p]
                     _add(sums, p, torch.einsum("i,i...->...", f, g))
         return [sums.get(p) for p in params]
 

@@ -37,6 +37,7 @@ class Pass:
     deferred: Dict[nn.Module, List[Call]] = field(default_factory=dict)
     sq_norms: Dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
     grads: Dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    grad_scales: Dict[torch.Tensor, float] = field(default_factory=dict)
     ghost_calls: List[Tuple[nn.Module, list, torch.Tensor, float]] = field(default_factory=list)
     ghost_layers: Set[nn.Module] = field(default_factory=set)
     modes: Dict[str, str] = field(default_factory=dict)
@@ -82,16 +83,22 @@ def _ghost_call(layer: nn.Module, calls: List[Call], layer_rule: str):
 
 
 def _materialise(current: Pass, calls: List[Call], per_sample_grads: Callable) -> None:
-    """Per-sample gradients of the calls, added to the pass (norms recomputed from the sum)."""
+    """Per-sample gradients of the calls, added to the pass (norms recomputed from the sum).
+
+    A single call's gradients are kept as the sampler returned them, with the loss-reduction
+    scale in ``grad_scales`` (applied to the norms and the clip factors: no scaled copy)."""
     for c in calls:
         for p, g in per_sample_grads(c.layer, c.call, c.backprops).items():
             if p in current.sq_norms and p not in current.grads:
                 raise RuntimeError(f"parameter of shape {tuple(p.shape)} resolved twice in one pass")
-            if c.scale != 1:
-                g = g * c.scale
             previous = current.grads.get(p)
-            current.grads[p] = g if previous is None else previous + g
-            current.sq_norms[p] = current.grads[p].reshape(g.shape[0], -1).pow(2).sum(dim=1)
+            if previous is None:
+                current.grads[p], current.grad_scales[p] = g, c.scale
+            else:
+                current.grads[p] = previous * current.grad_scales[p] + g * c.scale
+                current.grad_scales[p] = 1.0
+            flat = current.grads[p].reshape(g.shape[0], -1)
+            current.sq_norms[p] = torch.linalg.vector_norm(flat, dim=1).square() * current.grad_scales[p] ** 2
 
 
 def _add_norms(current: Pass, p: torch.Tensor, sq: torch.Tensor) -> None:

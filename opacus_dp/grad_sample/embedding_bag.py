@@ -40,7 +40,7 @@ def bag_elements(
     return indices[start : start + bags.shape[0]], bags, num_bags
 
 
-def _element_weights(layer, elements, bags, num_bags, per_sample_weights, dtype):
+def element_weights(layer, elements, bags, num_bags, per_sample_weights, dtype):
     """Weight of each element in its bag's output (0 for padding)."""
     if per_sample_weights is None:
         weights = torch.ones(elements.shape, dtype=dtype, device=elements.device)
@@ -55,7 +55,7 @@ def _element_weights(layer, elements, bags, num_bags, per_sample_weights, dtype)
     return weights
 
 
-def _max_winners(layer, elements, bags, num_bags) -> Tuple[torch.Tensor, torch.Tensor]:
+def max_winners(layer, elements, bags, num_bags) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per (bag, dim): the index attaining the bag's max, and whether the bag is non-empty."""
     values = layer.weight.detach()[elements]
     if layer.padding_idx is not None:
@@ -85,11 +85,11 @@ def embedding_bag_grad_sample(
     num_rows, dim = layer.weight.shape
     grad_sample = backprops.new_zeros(num_bags * num_rows, dim)
     if layer.mode == "max":
-        winners, found = _max_winners(layer, elements, bags, num_bags)
+        winners, found = max_winners(layer, elements, bags, num_bags)
         rows = winners + torch.arange(num_bags, device=winners.device).unsqueeze(1) * num_rows
         grad_sample.scatter_add_(0, rows, backprops * found.to(backprops.dtype))
     else:
-        weights = _element_weights(
+        weights = element_weights(
             layer, elements, bags, num_bags, per_sample_weights, backprops.dtype
         )
         rows = bags * num_rows + elements

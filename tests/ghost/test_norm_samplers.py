@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opacus_dp.grad_sample import NORM_SAMPLERS
+from opacus_dp.grad_sample import GRAD_SAMPLERS, NORM_SAMPLERS
 from opacus_dp.grad_sample.conv import padded_input
 from opacus_dp.grad_sample.norm_samplers import GHOST_LAYERS
 from opacus_dp.grad_sample.norm_samplers.conv import _prefers_autocorrelation, patch_gram
@@ -146,3 +146,37 @@ def test_linear_gram_norms_with_and_without_the_split(positions):
     g = torch.randn(3, positions, 5, dtype=torch.float64)
     expected = torch.einsum("btp,btd->bpd", g, a).pow(2).sum(dim=(1, 2))
     torch.testing.assert_close(gram_sq_norms(a, g), expected, rtol=1e-10, atol=1e-10)
+
+
+@SETTINGS
+@given(batch=st.integers(1, 4), per_bag=st.integers(1, 4), mode=st.sampled_from(["sum", "mean", "max"]),
+       padding_idx=st.sampled_from([None, 0]))
+def test_embedding_bag_2d_input(batch, per_bag, mode, padding_idx):
+    layer = nn.EmbeddingBag(5, 3, mode=mode, padding_idx=padding_idx).double()
+    check_layer(layer, torch.randint(0, 5, (batch, per_bag)))
+
+
+@SETTINGS
+@given(lengths=st.lists(st.integers(0, 4), min_size=1, max_size=4),
+       mode=st.sampled_from(["sum", "mean", "max"]), padding=st.booleans(), use_weights=st.booleans(),
+       include_last_offset=st.booleans(), seed=st.integers(0, 1000))
+def test_embedding_bag_offsets_against_materialised_gradients(lengths, mode, padding, use_weights,
+                                                              include_last_offset, seed):
+    """Bags from offsets (empty bags, padding, per-sample weights) against the grad sampler,
+    itself checked against autograd in tests/grad_sample/test_embedding_bag.py."""
+    torch.manual_seed(seed)
+    layer = nn.EmbeddingBag(6, 3, mode=mode, padding_idx=2 if padding else None,
+                            include_last_offset=include_last_offset).double()
+    indices = torch.randint(0, 6, (sum(lengths),))
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    offsets = starts if include_last_offset else starts[:-1]
+    weights = torch.randn(sum(lengths), dtype=torch.float64) if use_weights and mode == "sum" else None
+    activations = [indices, offsets, weights]
+    backprops = torch.randn(len(lengths), 3, dtype=torch.float64)
+    materialised = GRAD_SAMPLERS[nn.EmbeddingBag](layer, activations, backprops)[layer.weight]
+    norms = NORM_SAMPLERS[nn.EmbeddingBag](layer, activations, backprops)
+    torch.testing.assert_close(norms[layer.weight], sq_norms(materialised), rtol=1e-10, atol=1e-12)
+    factors = {layer.weight: torch.rand(len(lengths), dtype=torch.float64)}
+    sums = GHOST_LAYERS[nn.EmbeddingBag].weighted_grad(layer, activations, backprops, factors)
+    torch.testing.assert_close(sums[layer.weight], weighted(factors[layer.weight], materialised),
+                               rtol=1e-10, atol=1e-12)
