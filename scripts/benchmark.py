@@ -7,6 +7,8 @@ weights, same fixed batch):
 * ``non-private``: plain ``torch.optim.SGD``;
 * ``hooks``, ``ghost``, ``bk`` (and ``functorch`` with ``--modes``): ``opacus_dp``'s
   ``PrivacyEngine.make_private(grad_sample_mode=...)``; ``auto`` is reported as the mode it picks;
+  a mode with the suffix ``-per-layer`` (e.g. ``bk-per-layer``) clips per layer, each of the
+  ``n`` tensors to ``C/√n`` (the same sensitivity ``C``);
 * ``opacus:hooks``, ``opacus:ghost``: Opacus 1.6's ``PrivacyEngine.make_private`` (ghost with
   its wrapped criterion), when ``opacus`` is installed.
 
@@ -47,6 +49,7 @@ from benchmark_models import WORKLOADS  # noqa: E402
 
 SIGMA, CLIP, LR = 1.0, 1.0, 0.01
 OURS = ("hooks", "ghost", "bk")
+PER_LAYER = "-per-layer"  # suffix of a mode run with per-layer clipping, e.g. "bk-per-layer"
 THEIRS = ("opacus:hooks", "opacus:ghost")
 
 
@@ -64,8 +67,13 @@ def _ours(model, optimizer, loader, mode):
     import opacus_dp
 
     engine = opacus_dp.PrivacyEngine(accountant="rdp")
+    clipping, bound = "flat", CLIP
+    if mode.endswith(PER_LAYER):  # same total sensitivity C: C / sqrt(n) per tensor
+        mode, clipping = mode[: -len(PER_LAYER)], "per_layer"
+        count = sum(1 for p in model.parameters() if p.requires_grad)
+        bound = [CLIP / count ** 0.5] * count
     result = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
-                                 noise_multiplier=SIGMA, max_grad_norm=CLIP,
+                                 noise_multiplier=SIGMA, max_grad_norm=bound, clipping=clipping,
                                  poisson_sampling=False, grad_sample_mode=mode)
     return result[0], result[1], result[2] if len(result) == 4 else nn.CrossEntropyLoss()
 
@@ -235,7 +243,9 @@ def machine() -> dict:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(WORKLOADS))
-    parser.add_argument("--modes", default=",".join(OURS), help="opacus_dp modes (hooks,functorch,ghost,bk)")
+    parser.add_argument("--modes", default=",".join(OURS),
+                        help="opacus_dp modes (hooks,functorch,ghost,bk; suffix -per-layer for "
+                             "per-layer clipping, e.g. bk-per-layer)")
     parser.add_argument("--no-opacus", action="store_true", help="skip the Opacus 1.6 variants")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
     parser.add_argument("--repeats", type=int, default=10)

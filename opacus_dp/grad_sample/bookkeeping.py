@@ -74,6 +74,7 @@ class Bookkeeper:
         self.shared_layers = set(shared_layers or ())
         self.accumulation_allowed = True
         self.keep_ghost_calls = True
+        self.factor_function: Optional[Callable] = None
         self._pending: Dict[nn.Module, int] = {}
         self._open: Dict[int, Pass] = {}
         self._resolved: List[Pass] = []
@@ -104,6 +105,7 @@ class Bookkeeper:
             current = self._open_pass(task, call.batch_size, name)
             if pending == 0 and layer not in current.deferred and layer not in self.shared_layers:
                 self._resolve(current, layer, [entry])
+                self._release([entry])
             else:
                 current.deferred.setdefault(layer, []).append(entry)
 
@@ -122,10 +124,19 @@ class Bookkeeper:
             )
         return current
 
+    def _release(self, calls: List[Call]) -> None:
+        """Drop the recorded inputs of resolved calls (what is still needed was kept by the
+        resolution), so that they do not live until the end of the backward pass; not in a
+        norms-only pass, whose second backward pass reads them again."""
+        if self.keep_ghost_calls:
+            for entry in calls:
+                entry.call.release()
+
     def _resolve(self, current: Pass, layer: nn.Module, calls: List[Call]) -> None:
         resolve_calls(current, layer, calls, per_sample_grads=self._per_sample_grads,
                       layer_rule=self.layer_rule, shared=layer in self.shared_layers,
-                      keep_ghost_calls=self.keep_ghost_calls)
+                      keep_ghost_calls=self.keep_ghost_calls,
+                      factor_function=self.factor_function if self.keep_ghost_calls else None)
 
     def _close(self, task: int) -> None:
         with self._lock:
@@ -141,6 +152,7 @@ class Bookkeeper:
                 )
             for layer, calls in list(finished.deferred.items()):
                 self._resolve(finished, layer, calls)
+                self._release(calls)
             finished.deferred.clear()
             self._resolved.append(finished)
 

@@ -107,6 +107,12 @@ class BookkeepingGradSampleModule(GradSampleModule):
                 backprops[index] = grad.movedim(call.batch_dim, 0) if call.batch_dim != 0 else grad
         if all(b is None for b in backprops):
             return
+        if call.released:
+            raise RuntimeError(
+                f"{describe(path, master)}: a second backward pass through the same graph "
+                "(retain_graph=True) is not supported with per-sample gradients (except the "
+                "'ghost' mode's own two passes); run a new forward pass for each backward pass"
+            )
         scale = float(call.batch_size) if self.loss_reduction == "mean" else 1.0
         self._bookkeeper.record(master, describe(path, master), call, backprops, scale)
 
@@ -153,6 +159,13 @@ class BookkeepingGradSampleModule(GradSampleModule):
                      factors: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         """``Σ_i f_i g_i`` per param for the factors of :meth:`per_sample_norms`; consumes."""
         return self._bookkeeper.clipped_sums(params, factors)
+
+    def set_factor_function(self, factor_function) -> None:
+        """``factor_function(param, norms) -> (B,) factors or None`` (the optimizer's clipper):
+        where it gives a parameter's factors from its own norms (per-layer clipping), the
+        ``bk`` backward pass computes that layer's clipped sum at once and keeps none of its
+        inputs or output gradients (memory close to non-private); None restores keeping them."""
+        self._bookkeeper.factor_function = factor_function
 
     def last_per_sample_norms(self, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """``‖g_i‖₂`` of the last finished backward pass only (for the two-pass backward)."""

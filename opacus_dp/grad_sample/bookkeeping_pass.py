@@ -46,20 +46,68 @@ class Pass:
 
 
 def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sample_grads: Callable,
-                  layer_rule: str, shared: bool, keep_ghost_calls: bool) -> None:
-    """Resolve all ``calls`` of ``layer`` in ``current``: ghost or materialised (module doc)."""
+                  layer_rule: str, shared: bool, keep_ghost_calls: bool,
+                  factor_function: Optional[Callable] = None) -> None:
+    """Resolve all ``calls`` of ``layer`` in ``current``: ghost or materialised (module doc).
+
+    ``factor_function(param, norms) -> factors or None``: when it gives the clip factors of
+    each of the layer's parameters from that parameter's own norms (per-layer clipping), the
+    layer's clipped sums are computed now and nothing else of the call is kept (the factors
+    used are recorded in ``current.factors`` and checked at the step).
+    """
     merged = None if shared else _ghost_call(layer, calls, layer_rule)
     if merged is None:
         _materialise(current, calls, per_sample_grads)
         current.modes[calls[0].name] = "materialised"
+        if factor_function is not None and not shared:
+            _sum_materialised_now(current, layer, factor_function)
         return
     activations, backprops, scale = merged
     for p, sq in NORM_SAMPLERS[type(layer)](layer, activations, backprops).items():
         _add_norms(current, p, sq * (scale * scale))
     current.ghost_layers.add(layer)
-    if keep_ghost_calls:
-        current.ghost_calls.append((layer, activations, backprops, scale))
     current.modes[calls[0].name] = "ghost"
+    if not keep_ghost_calls:
+        return
+    factors = _factors_now(current, layer, factor_function, current.sq_norms)
+    if factors is None:
+        current.ghost_calls.append((layer, activations, backprops, scale))
+        return
+    wanted = {p: f * scale for p, f in factors.items()}
+    for p, s in ghost_layer_of(layer).weighted_grad(layer, activations, backprops, wanted).items():
+        _add_sum(current, p, s)
+
+
+def _factors_now(current: Pass, layer: nn.Module, factor_function: Optional[Callable],
+                 candidates) -> Optional[Dict[torch.Tensor, torch.Tensor]]:
+    """Clip factors of the layer's parameters from their own norms, or None (not known yet)."""
+    if factor_function is None:
+        return None
+    params = [p for p in layer.parameters(recurse=False) if p in candidates]
+    factors = {}
+    for p in params:
+        f = factor_function(p, current.sq_norms[p].clamp(min=0).sqrt())
+        if f is None:
+            return None
+        factors[p] = f
+    if current.factors is None:
+        current.factors = {}
+    current.factors.update(factors)
+    return factors
+
+
+def _sum_materialised_now(current: Pass, layer: nn.Module, factor_function: Callable) -> None:
+    """The clipped sums of a materialised layer with known factors; its gradients are dropped."""
+    factors = _factors_now(current, layer, factor_function, current.grads)
+    for p, f in (factors or {}).items():
+        g = current.grads.pop(p)
+        f = f.to(device=g.device, dtype=g.dtype) * current.grad_scales.pop(p)
+        _add_sum(current, p, torch.einsum("i,i...->...", f, g))
+
+
+def _add_sum(current: Pass, p: torch.Tensor, value: torch.Tensor) -> None:
+    previous = current.sums.get(p)
+    current.sums[p] = value if previous is None else previous + value
 
 
 def _ghost_call(layer: nn.Module, calls: List[Call], layer_rule: str):

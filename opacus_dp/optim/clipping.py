@@ -108,6 +108,10 @@ class PerLayerClipper(Clipper):
         self.check_num_params(len(per_param_norms))
         return [_factor(n, c) for n, c in zip(per_param_norms, self.max_grad_norms)]
 
+    def factor(self, index: int, norms: torch.Tensor) -> torch.Tensor:
+        """The factors of tensor ``index`` alone (they depend on its own norms only)."""
+        return _factor(norms, self.max_grad_norms[index])
+
     def __repr__(self):
         return f"PerLayerClipper(max_grad_norms={self.max_grad_norms})"
 

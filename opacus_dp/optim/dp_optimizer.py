@@ -89,6 +89,8 @@ class DPOptimizer(Optimizer):
         self.noise = GaussianNoise(generator=generator, secure_mode=secure_mode)
         self.reducer = reducer if reducer is not None else LocalReducer()
         self.grad_source = grad_source if grad_source is not None else AttributeGradSource()
+        if hasattr(self.grad_source, "set_factor_function"):
+            self.grad_source.set_factor_function(self._own_norm_factors)
         self.param_names = dict(param_names or {})
         self._inner_step = optimizer.step
         self._inner_zero_grad = optimizer.zero_grad
@@ -180,6 +182,15 @@ class DPOptimizer(Optimizer):
                 clipped = clipped.to(p.dtype)
                 self._summed[p] = self._summed[p] + clipped if p in self._summed else clipped
         self._num_accumulated += norms[0].shape[0] if norms else 0
+
+    def _own_norm_factors(self, p: torch.Tensor, norms: torch.Tensor) -> Optional[torch.Tensor]:
+        """Clip factors of ``p`` from its own per-sample norms where the clipper allows it
+        (per-layer clipping), else None: lets a norms-only grad source finish a layer's
+        clipped sum during the backward pass instead of keeping its inputs until the step."""
+        if not isinstance(self.clipper, PerLayerClipper):
+            return None
+        index = next((i for i, q in enumerate(self.params) if q is p), None)
+        return None if index is None else self.clipper.factor(index, norms)
 
     def _accumulate_or_discard(self, check_size: bool) -> None:
         """:meth:`clip_and_accumulate`; if it (or the batch size check) fails, the clipped sums

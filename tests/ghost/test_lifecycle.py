@@ -131,3 +131,23 @@ def test_data_parallel_is_refused_and_auto_falls_back_to_hooks():
     wrapped = wrap_norms_only(model, "auto", batch_first=True, loss_reduction="mean")
     assert type(wrapped) is GradSampleModule
     wrapped.close()
+
+
+def test_recorded_inputs_are_released_after_resolution_and_a_second_backward_is_refused():
+    """A resolved call drops its inputs at once (they no longer outlive the backward pass);
+    a second backward pass through the same graph then raises instead of reading them."""
+    wrapper = BookkeepingGradSampleModule(convnet())
+    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    captured = []
+    original = wrapper._bookkeeper.record
+
+    def record(layer, name, call, *args):
+        captured.append(call)
+        original(layer, name, call, *args)
+
+    wrapper._bookkeeper.record = record
+    loss = wrapper(x).pow(2).sum()
+    loss.backward(retain_graph=True)
+    assert captured and all(call.released and call.args == () for call in captured)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
