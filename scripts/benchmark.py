@@ -16,7 +16,9 @@ One step = ``zero_grad``, forward, cross-entropy loss, backward, private ``step`
 C = 1). **Time**: after ``--warmup`` untimed rounds, ``--repeats`` rounds in which every
 variant runs one step, the order rotating each round (interleaved, so load drifts hit all
 variants alike); the median per variant is reported (wall clock, or process CPU time with
-``--timer cpu``, steadier on a shared machine with ``--threads 1``).
+``--timer cpu``, steadier on a shared machine with ``--threads 1``), and ``paired x``: the median
+over rounds of the variant's time divided by the non-private time of the same round (slow
+phases of a shared machine hit both terms of a round's ratio alike).
 **Memory**: each (model, variant) runs in a fresh subprocess (``--probe``): after the model,
 optimizer and batch are built, the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``)
 and the current RSS noted; after ``--memory-steps`` steps the peak (``VmHWM``) minus that RSS
@@ -147,6 +149,10 @@ def time_variants(workload, variants: List[str], args) -> Dict[str, dict]:
                 samples[variant].append(clock() - start)
     result = {v: {"ms": 1000 * statistics.median(s), "min_ms": 1000 * min(s),
                   "samples_ms": [1000 * t for t in s]} for v, s in samples.items()}
+    base = samples.get("non-private")
+    for v, s in samples.items():  # per-round ratios: load drifts cancel within a round
+        if base:
+            result[v]["paired_x_non_private"] = statistics.median(a / b for a, b in zip(s, base))
     result.update({v: {"error": e} for v, e in errors.items()})
     return result
 
@@ -202,6 +208,7 @@ def summarise(model_name: str, timing: Dict[str, dict], memory: Dict[str, dict])
     for v in timing:
         rows[v] = {
             "ms": ms[v], "x_non_private": _ratio(ms[v], ms.get("non-private")),
+            "paired_x_non_private": timing[v].get("paired_x_non_private"),
             "speedup_vs_opacus_hooks": _ratio(ms.get("opacus:hooks"), ms[v]),
             "speedup_vs_opacus_best": _ratio(ms.get(best), ms[v]) if best else None,
             "peak_mib": mib[v], "mem_x_non_private": _ratio(mib[v], mib.get("non-private")),
@@ -217,7 +224,7 @@ def _fmt(value, spec):
 
 
 def print_table(report: dict) -> None:
-    head = (f"{'model':12s} {'variant':14s} {'step ms':>9s} {'x non-priv':>10s} "
+    head = (f"{'model':12s} {'variant':14s} {'step ms':>9s} {'x non-priv':>10s} {'paired x':>8s} "
             f"{'speedup/Op.hk':>15s} {'speedup/Op.best':>14s} {'peak MiB':>9s} "
             f"{'mem x np':>8s} {'mem x Op.min':>13s}")
     print(head)
@@ -228,6 +235,7 @@ def print_table(report: dict) -> None:
                 print(f"{model_name:12s} {v:14s} n/a: {r['error']}")
                 continue
             print(f"{model_name:12s} {v:14s} {_fmt(r['ms'], '9.1f')} {_fmt(r['x_non_private'], '10.2f')} "
+                  f"{_fmt(r['paired_x_non_private'], '8.2f')} "
                   f"{_fmt(r['speedup_vs_opacus_hooks'], '15.2f')} {_fmt(r['speedup_vs_opacus_best'], '14.2f')} "
                   f"{_fmt(r['peak_mib'], '9.1f')} {_fmt(r['mem_x_non_private'], '8.2f')} "
                   f"{_fmt(r['mem_x_opacus_leanest'], '13.2f')}")
