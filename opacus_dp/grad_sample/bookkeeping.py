@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 import torch
 import torch.nn as nn
 
-from opacus_dp.grad_sample.bookkeeping_pass import LAYER_RULES, Call, Pass, resolve_calls
+from opacus_dp.grad_sample.bookkeeping_pass import LAYER_RULES, Call, Pass, add_to, resolve_calls
 from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
 
 
@@ -180,7 +180,7 @@ class Bookkeeper:
         spec = ghost_layer_of(entry.layer)
         for p, s in spec.weighted_grad(entry.layer, entry.call.activations(entry.layer),
                                        entry.backprops[0], wanted).items():
-            _add(target.sums, p, s)
+            add_to(target.sums, p, s)
 
     # ------------------------------------------------------------------ consuming
     @property
@@ -222,16 +222,16 @@ class Bookkeeper:
             offset += resolved.batch_size
             _check_same_factors(resolved, by_param, window)
             for p, s in resolved.sums.items():
-                _add(sums, p, s)
+                add_to(sums, p, s)
             for layer, activations, backprops, scale in resolved.ghost_calls:
                 wanted = _owned(layer, by_param, scale, window)
                 for p, s in ghost_layer_of(layer).weighted_grad(
                         layer, activations, backprops, wanted).items():
-                    _add(sums, p, s)
+                    add_to(sums, p, s)
             for p, g in resolved.grads.items():
                 if p in by_param:
                     f = by_param[p][window].to(device=g.device, dtype=g.dtype) * resolved.grad_scales[p]
-                    _add(sums, p, torch.einsum("i,i...->...", f, g))
+                    add_to(sums, p, torch.einsum("i,i...->...", f, g))
         return [sums.get(p) for p in params]
 
     def _take(self) -> List[Pass]:
@@ -261,11 +261,7 @@ def _check_same_factors(resolved: Pass, by_param, window) -> None:
                                                 rtol=1e-6, atol=0.0):
             raise RuntimeError(
                 "the clip factors changed between loss.backward() and optimizer.step() (was "
-                "max_grad_norm changed in between?): the clipped sums of the two-pass backward "
-                "were computed with other factors"
+                "max_grad_norm changed in between?): the clipped sums computed during the "
+                "backward pass (the 'ghost' mode's second pass, or 'bk' with per-layer "
+                "clipping) used other factors"
             )
-
-
-def _add(sums: Dict[torch.Tensor, torch.Tensor], p: torch.Tensor, value: torch.Tensor) -> None:
-    previous = sums.get(p)
-    sums[p] = value if previous is None else previous + value

@@ -75,7 +75,7 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
         return
     wanted = {p: f * scale for p, f in factors.items()}
     for p, s in ghost_layer_of(layer).weighted_grad(layer, activations, backprops, wanted).items():
-        _add_sum(current, p, s)
+        add_to(current.sums, p, s)
 
 
 def _factors_now(current: Pass, layer: nn.Module, factor_function: Optional[Callable],
@@ -102,12 +102,13 @@ def _sum_materialised_now(current: Pass, layer: nn.Module, factor_function: Call
     for p, f in (factors or {}).items():
         g = current.grads.pop(p)
         f = f.to(device=g.device, dtype=g.dtype) * current.grad_scales.pop(p)
-        _add_sum(current, p, torch.einsum("i,i...->...", f, g))
+        add_to(current.sums, p, torch.einsum("i,i...->...", f, g))
 
 
-def _add_sum(current: Pass, p: torch.Tensor, value: torch.Tensor) -> None:
-    previous = current.sums.get(p)
-    current.sums[p] = value if previous is None else previous + value
+def add_to(sums: Dict[torch.Tensor, torch.Tensor], p: torch.Tensor, value: torch.Tensor) -> None:
+    """``sums[p] += value`` (``value`` itself if ``p`` has no entry yet)."""
+    previous = sums.get(p)
+    sums[p] = value if previous is None else previous + value
 
 
 def _ghost_call(layer: nn.Module, calls: List[Call], layer_rule: str):
@@ -131,10 +132,11 @@ def _ghost_call(layer: nn.Module, calls: List[Call], layer_rule: str):
 
 
 def _materialise(current: Pass, calls: List[Call], per_sample_grads: Callable) -> None:
-    """Per-sample gradients of the calls, added to the pass (norms recomputed from the sum).
+    """Per-sample gradients of the calls, added to the pass (norms computed from the sum).
 
     A single call's gradients are kept as the sampler returned them, with the loss-reduction
     scale in ``grad_scales`` (applied to the norms and the clip factors: no scaled copy)."""
+    touched: Dict[torch.Tensor, None] = {}  # keyed by identity, in order
     for c in calls:
         for p, g in per_sample_grads(c.layer, c.call, c.backprops).items():
             if p in current.sq_norms and p not in current.grads:
@@ -145,8 +147,10 @@ def _materialise(current: Pass, calls: List[Call], per_sample_grads: Callable) -
             else:
                 current.grads[p] = previous * current.grad_scales[p] + g * c.scale
                 current.grad_scales[p] = 1.0
-            flat = current.grads[p].reshape(g.shape[0], -1)
-            current.sq_norms[p] = torch.linalg.vector_norm(flat, dim=1).square() * current.grad_scales[p] ** 2
+            touched[p] = None
+    for p in touched:
+        flat = current.grads[p].reshape(current.grads[p].shape[0], -1)
+        current.sq_norms[p] = torch.linalg.vector_norm(flat, dim=1).square() * current.grad_scales[p] ** 2
 
 
 def _add_norms(current: Pass, p: torch.Tensor, sq: torch.Tensor) -> None:

@@ -89,6 +89,7 @@ class DPOptimizer(Optimizer):
         self.noise = GaussianNoise(generator=generator, secure_mode=secure_mode)
         self.reducer = reducer if reducer is not None else LocalReducer()
         self.grad_source = grad_source if grad_source is not None else AttributeGradSource()
+        self._param_index: Optional[Dict[torch.Tensor, int]] = None
         if hasattr(self.grad_source, "set_factor_function"):
             self.grad_source.set_factor_function(self._own_norm_factors)
         self.param_names = dict(param_names or {})
@@ -144,12 +145,14 @@ class DPOptimizer(Optimizer):
         """Clear ``p.grad`` and per-sample gradients; clipped sums of virtual steps are kept."""
         self.grad_source.clear(self.params)
         self._inner_zero_grad(set_to_none)
+        self._param_index = None
 
     # -------------------------------------------------------------- the pieces of a step
     def clip_and_accumulate(self) -> None:
         """``S_l += Σ_i f_il · g_il`` for the per-sample gradients of the last backward."""
         params = self.params
         if hasattr(self.grad_source, "clipped_sums"):
+            self._param_index = None
             self._clip_and_accumulate_from_norms(params)
             return
         grad_samples = self.grad_source.pop(params)
@@ -189,7 +192,9 @@ class DPOptimizer(Optimizer):
         clipped sum during the backward pass instead of keeping its inputs until the step."""
         if not isinstance(self.clipper, PerLayerClipper):
             return None
-        index = next((i for i, q in enumerate(self.params) if q is p), None)
+        if self._param_index is None:  # rebuilt after each zero_grad / step (params may be frozen)
+            self._param_index = {q: i for i, q in enumerate(self.params)}
+        index = self._param_index.get(p)
         return None if index is None else self.clipper.factor(index, norms)
 
     def _accumulate_or_discard(self, check_size: bool) -> None:
