@@ -69,7 +69,7 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
     current.modes[calls[0].name] = "ghost"
     if not keep_ghost_calls:
         return
-    factors = _factors_now(current, layer, factor_function, current.sq_norms)
+    factors = _factors_now(current, layer, factor_function)
     if factors is None:
         current.ghost_calls.append((layer, activations, backprops, scale))
         return
@@ -78,14 +78,13 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
         add_to(current.sums, p, s)
 
 
-def _factors_now(current: Pass, layer: nn.Module, factor_function: Optional[Callable],
-                 candidates) -> Optional[Dict[torch.Tensor, torch.Tensor]]:
-    """Clip factors of the layer's parameters from their own norms, or None (not known yet)."""
+def _factors_now(current: Pass, layer: nn.Module,
+                 factor_function: Optional[Callable]) -> Optional[Dict[torch.Tensor, torch.Tensor]]:
+    """Clip factors of the layer's resolved parameters from their own norms, or None."""
     if factor_function is None:
         return None
-    params = [p for p in layer.parameters(recurse=False) if p in candidates]
     factors = {}
-    for p in params:
+    for p in (q for q in layer.parameters(recurse=False) if q in current.sq_norms):
         f = factor_function(p, current.sq_norms[p].clamp(min=0).sqrt())
         if f is None:
             return None
@@ -98,8 +97,7 @@ def _factors_now(current: Pass, layer: nn.Module, factor_function: Optional[Call
 
 def _sum_materialised_now(current: Pass, layer: nn.Module, factor_function: Callable) -> None:
     """The clipped sums of a materialised layer with known factors; its gradients are dropped."""
-    factors = _factors_now(current, layer, factor_function, current.grads)
-    for p, f in (factors or {}).items():
+    for p, f in (_factors_now(current, layer, factor_function) or {}).items():
         g = current.grads.pop(p)
         f = f.to(device=g.device, dtype=g.dtype) * current.grad_scales.pop(p)
         add_to(current.sums, p, torch.einsum("i,i...->...", f, g))

@@ -10,11 +10,12 @@ criterion's loss has a ``backward()`` that runs two backward passes over the sam
 3. a *sums pass* recomputes the output gradients and turns each ghost layer's into its
    clipped sum ``Σ_i f_i g_i`` at once.
 
-Nothing of the size of the layer outputs is kept between the passes (the forward graph is,
-as in any backward), which makes this the mode with the lowest peak memory; the price is the
-second backward. ``optimizer.step()`` then uses the norms and sums as in the ``bk`` mode.
+Nothing of the size of the layer outputs is kept between the passes, but the forward graph
+is retained for the second one, so the peak memory is close to the ``bk`` mode's; the price is
+the second backward. ``optimizer.step()`` then uses the norms and sums as in the ``bk`` mode.
 Calling ``backward()`` on a plain tensor instead (or under ``DistributedDataParallel``) runs
-one book-keeping pass, which is equally correct.
+one book-keeping pass, which is equally correct; so does per-layer clipping, where each
+layer's clipped sum is finished within that one pass (its factors need only its own norms).
 
 ``criterion(logits, target, shape=(B, T, V))`` keeps one Opacus feature for token-level losses
 of sequence models: the loss of sample ``i`` is the mean over its valid tokens (``target !=
@@ -25,6 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from opacus_dp.optim.clipping import PerLayerClipper
+
 
 class GhostLoss:
     """A scalar loss whose :meth:`backward` is the two-pass backward (module doc)."""
@@ -34,7 +37,8 @@ class GhostLoss:
 
     def backward(self) -> None:
         module = self.module
-        if module is None or not getattr(module, "supports_two_passes", False):
+        if module is None or not getattr(module, "supports_two_passes", False) \
+                or isinstance(self.optimizer.clipper, PerLayerClipper):
             self.value.backward()
             return
         params = self.optimizer.params

@@ -74,7 +74,13 @@ def conv_norm_sample(layer: ConvNd, activations: List[torch.Tensor],
     return norms
 
 
+def _padded_sizes(layer: ConvNd, x: torch.Tensor) -> List[int]:
+    """Spatial sizes of ``x`` after the layer's padding."""
+    return [n + a + b for n, (a, b) in zip(x.shape[2:], side_padding(layer))]
+
+
 def _output_sizes(layer: ConvNd, padded: Sequence[int]) -> List[int]:
+    """Output positions per spatial dimension for an input of ``padded`` sizes."""
     return [max(0, (size - d * (k - 1) - 1) // s + 1)
             for size, k, s, d in zip(padded, layer.kernel_size, layer.stride, layer.dilation)]
 
@@ -88,7 +94,7 @@ def _prefers_autocorrelation(layer: ConvNd, x: torch.Tensor) -> bool:
     """Autocorrelation iff its cost ``P²·c + TAP_SUM_COST·K·T²`` is below the windows' matrix
     product ``T²·c·K`` (``c = C/G`` channels per group, ``K`` taps, ``P`` padded input and ``T``
     output positions): stride-1 layers with more than ~30 channels per group."""
-    padded = [n + a + b for n, (a, b) in zip(x.shape[2:], side_padding(layer))]
+    padded = _padded_sizes(layer, x)
     positions_in = math.prod(padded)
     positions_out = math.prod(_output_sizes(layer, padded))
     channels, taps = layer.in_channels // layer.groups, math.prod(layer.kernel_size)
@@ -146,11 +152,7 @@ def conv_weighted_grad(layer: ConvNd, activations: List[torch.Tensor], backprops
 
 def conv_prefers_ghost(layer: ConvNd, activations: List[torch.Tensor]) -> bool:
     """Mixed ghost clipping rule per group: ghost iff ``2 T² < d · p`` (module doc)."""
-    x = activations[0]
-    positions = 1
-    for size, k, s, d, (before, after) in zip(x.shape[2:], layer.kernel_size, layer.stride,
-                                               layer.dilation, side_padding(layer)):
-        positions *= max(0, (size + before + after - d * (k - 1) - 1) // s + 1)
+    positions = math.prod(_output_sizes(layer, _padded_sizes(layer, activations[0])))
     d_in = layer.in_channels // layer.groups * math.prod(layer.kernel_size)
     p_out = layer.out_channels // layer.groups
     return 2 * positions * positions < d_in * p_out
