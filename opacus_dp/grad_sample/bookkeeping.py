@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping_pass import LAYER_RULES, Call, Pass, add_to, resolve_calls
 from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
+from opacus_dp.grad_sample.recomputed_inputs import materialise
 
 
 @dataclass
@@ -103,6 +104,7 @@ class Bookkeeper:
                 self._add_sums(task, entry)
                 return
             current = self._open_pass(task, call.batch_size, name)
+            _settle(current)
             if pending == 0 and layer not in current.deferred and layer not in self.shared_layers:
                 self._resolve(current, layer, [entry])
                 self._release([entry])
@@ -154,6 +156,7 @@ class Bookkeeper:
                 self._resolve(finished, layer, calls)
                 self._release(calls)
             finished.deferred.clear()
+            _settle(finished)
             self._resolved.append(finished)
 
     # ------------------------------------------------------------------ sums pass
@@ -226,7 +229,7 @@ class Bookkeeper:
             for layer, activations, backprops, scale in resolved.ghost_calls:
                 wanted = _owned(layer, by_param, scale, window)
                 for p, s in ghost_layer_of(layer).weighted_grad(
-                        layer, activations, backprops, wanted).items():
+                        layer, materialise(activations), backprops, wanted).items():
                     add_to(sums, p, s)
             for p, g in resolved.grads.items():
                 if p in by_param:
@@ -245,6 +248,13 @@ class Bookkeeper:
             self._open.clear()
             self._resolved = []
             self._summing = None
+
+
+def _settle(current: Pass) -> None:
+    """Recompute kept inputs whose activation's backward has run (see ``RecomputedInput.settle``):
+    in place, while the activation's input is still in cache, instead of at the step."""
+    if current.unsettled:
+        current.unsettled = [r for r in current.unsettled if not r.settle()]
 
 
 def _owned(layer: nn.Module, by_param: Dict[torch.Tensor, torch.Tensor], scale: float,

@@ -61,6 +61,8 @@ class BookkeepingGradSampleModule(GradSampleModule):
             unless the model contains ``DistributedDataParallel``).
     """
 
+    _tracks_producers = True  # kept ghost inputs may be held as their activation's input
+
     def __init__(self, module: nn.Module, batch_first: bool = True, loss_reduction: str = "mean",
                  strict: bool = True, layer_rule: str = "mixed",
                  skip_weight_grads: Optional[bool] = None):

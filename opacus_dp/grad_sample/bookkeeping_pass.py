@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
+from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput, recomputed_in
 from opacus_dp.grad_sample.registry import NORM_SAMPLERS
 
 LAYER_RULES = ("mixed", "ghost")
@@ -43,6 +44,7 @@ class Pass:
     modes: Dict[str, str] = field(default_factory=dict)
     factors: Optional[Dict[torch.Tensor, torch.Tensor]] = None
     sums: Dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    unsettled: List[RecomputedInput] = field(default_factory=list)  # kept inputs still as φ(h)
 
 
 def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sample_grads: Callable,
@@ -55,7 +57,7 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
     layer's clipped sums are computed now and nothing else of the call is kept (the factors
     used are recorded in ``current.factors`` and checked at the step).
     """
-    merged = None if shared else _ghost_call(layer, calls, layer_rule)
+    merged = None if shared else _ghost_call(layer, calls, layer_rule, keep_ghost_calls)
     if merged is None:
         _materialise(current, calls, per_sample_grads)
         current.modes[calls[0].name] = "materialised"
@@ -71,6 +73,9 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
         return
     factors = _factors_now(current, layer, factor_function)
     if factors is None:
+        if len(calls) == 1:  # kept until the step: hold cheaper inputs where possible
+            activations = calls[0].call.lean_activations(layer, activations)
+            current.unsettled.extend(recomputed_in(activations))
         current.ghost_calls.append((layer, activations, backprops, scale))
         return
     wanted = {p: f * scale for p, f in factors.items()}
@@ -109,8 +114,9 @@ def add_to(sums: Dict[torch.Tensor, torch.Tensor], p: torch.Tensor, value: torch
     sums[p] = value if previous is None else previous + value
 
 
-def _ghost_call(layer: nn.Module, calls: List[Call], layer_rule: str):
-    """``(activations, backprops, scale)`` of the layer's calls as one, if it goes ghost."""
+def _ghost_call(layer: nn.Module, calls: List[Call], layer_rule: str, keeps_calls: bool):
+    """``(activations, backprops, scale)`` of the layer's calls as one, if it goes ghost
+    (``keeps_calls``: the ghost path would keep them for the clipped sum)."""
     spec = ghost_layer_of(layer)
     if spec is None or type(layer) not in NORM_SAMPLERS:
         return None
@@ -123,9 +129,12 @@ def _ghost_call(layer: nn.Module, calls: List[Call], layer_rule: str):
             return None
         pairs = [merged]
     activations, backprops = pairs[0]
-    if layer_rule == "mixed" and spec.prefers_ghost is not None \
-            and not spec.prefers_ghost(layer, activations):
-        return None
+    if layer_rule == "mixed":
+        if spec.prefers_ghost is not None and not spec.prefers_ghost(layer, activations):
+            return None
+        if keeps_calls and spec.materialise_if_kept is not None \
+                and spec.materialise_if_kept(layer, activations):
+            return None
     return activations, backprops, calls[0].scale
 
 

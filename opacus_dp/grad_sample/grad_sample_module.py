@@ -84,6 +84,8 @@ class GradSampleModule(nn.Module):
     every hook and attribute.
     """
 
+    _tracks_producers = False  # LayerCall.capture(track_producers=...): subclasses that keep inputs
+
     def __init__(
         self,
         module: nn.Module,
@@ -161,7 +163,8 @@ class GradSampleModule(nn.Module):
                 if param.requires_grad:
                     self._store.add_empty(param)
             return replaced
-        call = LayerCall.capture(args, kwargs, batch_dim, batch_size)
+        call = LayerCall.capture(args, kwargs, batch_dim, batch_size,
+                                  track_producers=self._tracks_producers)
         if self._sampler_for(layer) is None:
             self._check_fallback_inputs(path, master, call)
         chunk = data_parallel.chunk_of(layer, master, describe_layer=describe(path, master),

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from opacus_dp.grad_sample.recomputed_inputs import lean, producer_of
+
 _SIGNATURES: Dict[type, inspect.Signature] = {}
 
 
@@ -68,6 +70,7 @@ class LayerCall:
     batch_dim: int
     batch_size: int
     released: bool = False
+    producers: Tuple[Any, ...] = ()  # per positional arg: (activation node, version) or None
 
     def release(self) -> None:
         """Drop the inputs once the call's per-sample gradients are computed.
@@ -76,13 +79,20 @@ class LayerCall:
         which a training loop often keeps until the next step; releasing early keeps the
         activations from outliving the backward pass.
         """
-        self.args, self.kwargs, self.released = (), {}, True
+        self.args, self.kwargs, self.producers, self.released = (), {}, (), True
 
     @classmethod
-    def capture(cls, args, kwargs, batch_dim: int, batch_size: int) -> "LayerCall":
-        """Record a call; tensors are detached (they only feed the per-sample formulas)."""
+    def capture(cls, args, kwargs, batch_dim: int, batch_size: int,
+                track_producers: bool = False) -> "LayerCall":
+        """Record a call; tensors are detached (they only feed the per-sample formulas).
+        ``track_producers``: also note which inputs are fresh outputs of an activation that
+        can be recomputed from its saved input (:meth:`lean_activations`)."""
         if not kwargs and _plain_tensors(args):  # fast path: the common ``layer(x)`` call
-            return cls(tuple(a.detach() for a in args), {}, batch_dim, batch_size)
+            producers = tuple(producer_of(a) for a in args) if track_producers else ()
+            if not any(producers):
+                producers = ()
+            return cls(tuple(a.detach() for a in args), {}, batch_dim, batch_size,
+                       producers=producers)
         return cls(
             tuple(tree_map(_detach, list(args))),
             dict(tree_map(_detach, dict(kwargs))),
@@ -113,6 +123,21 @@ class LayerCall:
             return [*args, *kwargs.values()]
         bound.apply_defaults()
         return list(bound.args[1:]) + list(bound.kwargs.values())
+
+
+    def lean_activations(self, layer: nn.Module, activations: List[Any]) -> List[Any]:
+        """``activations`` (as :meth:`activations` returned them) with each input that is a
+        recomputable activation's output replaced by a ``RecomputedInput`` holding the
+        activation's input instead (see :mod:`~opacus_dp.grad_sample.recomputed_inputs`);
+        call it while that activation's backward has not run yet."""
+        if not self.producers or self.kwargs or len(activations) != len(self.args):
+            return activations
+        result = []
+        for value, recorded, producer in zip(activations, self.args, self.producers):
+            holders = 1 if value is recorded else 2  # the record, and its batch-first view
+            swapped = lean(recorded, producer, self.batch_dim, holders) if producer else None
+            result.append(value if swapped is None else swapped)
+        return result
 
 
 def separate_outputs(output: Any) -> Tuple[Optional[Any], List[torch.Tensor], List[int]]:

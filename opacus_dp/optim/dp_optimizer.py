@@ -228,21 +228,22 @@ class DPOptimizer(Optimizer):
         return max(1, int(count()))
 
     def add_noise(self, sums: List[torch.Tensor]) -> List[torch.Tensor]:
-        """``S_l + N(0, (σ · sensitivity)²)``, one draw per coordinate."""
+        """``S_l + N(0, (σ · sensitivity)²)``, one draw per coordinate (new tensors)."""
         std = noise_std(self.noise_multiplier, self.clipper)
         if sums:
             self.noise.begin_step(sums[0].device)
-        return [s + self.noise.sample(s, std) for s in sums]
+        return [self.noise.sample(s, std).add_(s) for s in sums]
 
     def scale_grad(self, sums: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Apply the ``mean`` reduction: divide by ``expected_batch_size · world_size · k``."""
+        """Apply the ``mean`` reduction: divide by ``expected_batch_size · world_size · k``
+        (in place: the sums of a step are the optimizer's own tensors)."""
         if self.loss_reduction == "sum":
             return sums
         if self.expected_batch_size is None:
             divisor = max(self._last_num_accumulated, 1)
         else:
             divisor = self.expected_batch_size * self.reducer.world_size * self.accumulated_iterations
-        return [s / divisor for s in sums]
+        return [s.div_(divisor) for s in sums]
 
     # ---------------------------------------------------------------------- helpers
     def _take_summed_grads(self) -> List[torch.Tensor]:

@@ -91,13 +91,13 @@ class GaussianNoise:
         if std == 0:
             return torch.zeros_like(reference)
         gen = self.generator_for(reference.device)
-        draws = SECURE_NUM_DRAWS if self.secure_mode else 1
-        total = torch.zeros(reference.shape, dtype=reference.dtype, device=gen.device)
-        for _ in range(draws):
-            total += torch.normal(0.0, std, size=reference.shape, generator=gen,
-                                  dtype=reference.dtype, device=gen.device)
-        if draws > 1:
-            total /= math.sqrt(draws)
+        draw = lambda: torch.normal(0.0, std, size=reference.shape, generator=gen,  # noqa: E731
+                                    dtype=reference.dtype, device=gen.device)
+        total = draw()
+        if self.secure_mode:
+            for _ in range(SECURE_NUM_DRAWS - 1):
+                total += draw()
+            total /= math.sqrt(SECURE_NUM_DRAWS)
         return total.to(reference.device)
 
     def state_dict(self) -> dict:

@@ -79,10 +79,30 @@ def test_mixed_rule_materialises_wide_images_and_ghosts_long_features():
         wrapper.close()
 
 
+def test_bk_materialises_linears_whose_per_sample_gradient_is_no_larger_than_what_ghost_keeps():
+    """``d·p ≤ T (d + p)``: the per-sample gradient takes no more memory than the kept
+    ``A_i``, ``G_i`` and its clipped sum needs no product; a norms-only pass (the ``ghost``
+    mode, which keeps nothing) still takes the ghost norm."""
+    model = build(lambda: nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 24)))
+    x = torch.randn(3, 8, 8, dtype=torch.float64)  # T = 8: 8·24 ≤ 8·32, 24·24 > 8·48
+    oracle = model_oracle(model, (x,))
+    wrapper = BookkeepingGradSampleModule(model)
+    run_backward(wrapper, (x,), "mean", 3)
+    assert wrapper.layer_modes() == {"0 (Linear)": "materialised", "2 (Linear)": "ghost"}
+    assert_norms_and_sums(wrapper, oracle)
+    wrapper.zero_grad_sample()
+    with wrapper.norms_pass():
+        run_backward(wrapper, (x,), "mean", 3)
+    assert wrapper.layer_modes() == {"0 (Linear)": "ghost", "2 (Linear)": "ghost"}
+    params = [p for _, p in wrapper.trainable_parameters()]
+    for (name, _), norm in zip(wrapper.trainable_parameters(), wrapper.per_sample_norms(params)):
+        torch.testing.assert_close(norm, oracle[name].flatten(1).norm(dim=1), rtol=1e-9, atol=1e-10)
+
+
 class TwiceAndTied(nn.Module):
     """A Linear called twice per forward, and an output layer tied to the embedding."""
 
-    def __init__(self, vocab=9, d=8):
+    def __init__(self, vocab=9, d=16):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.mix = nn.Linear(d, d)
@@ -103,7 +123,7 @@ def test_repeated_calls_and_tied_weights(rule):
     wrapper = BookkeepingGradSampleModule(model, layer_rule=rule)
     run_backward(wrapper, (tokens,), "mean", 4)
     modes = wrapper.layer_modes()
-    # two calls of 2 positions each: T = 4, 2·T² = 32 < d·p = 64
+    # two calls of 2 positions each: T = 4, 2·T² = 32 < d·p = 256, and d·p > T (d + p) = 128
     assert modes["mix (Linear)"] == "ghost", "calls of one Linear merge into one ghost call"
     assert modes["emb (Embedding)"] == modes["out (Linear)"] == "materialised", "tied weights"
     assert_norms_and_sums(wrapper, oracle)
@@ -114,9 +134,9 @@ def test_dp_lstm_and_dp_multihead_attention(rule):
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.lstm = DPLSTM(4, 6, batch_first=True)
-            self.attn = DPMultiheadAttention(6, 2, batch_first=True, add_bias_kv=True)
-            self.head = nn.Linear(6, 2)
+            self.lstm = DPLSTM(4, 8, batch_first=True)  # hh: 8 -> 32 over T = 5 steps, ghost
+            self.attn = DPMultiheadAttention(8, 2, batch_first=True, add_bias_kv=True)
+            self.head = nn.Linear(8, 2)
 
         def forward(self, x):
             h, _ = self.lstm(x)

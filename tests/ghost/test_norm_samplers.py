@@ -16,19 +16,23 @@ from opacus_dp.grad_sample import GRAD_SAMPLERS, NORM_SAMPLERS
 from opacus_dp.grad_sample.conv import padded_input
 from opacus_dp.grad_sample.norm_samplers import GHOST_LAYERS
 from opacus_dp.grad_sample.norm_samplers.conv import _prefers_autocorrelation, patch_gram
-from opacus_dp.grad_sample.norm_samplers.linear import SPLIT_GRAM_POSITIONS, gram_sq_norms
+from opacus_dp.grad_sample.norm_samplers.linear import gram_sq_norms, row_blocks
 from opacus_dp.layers import BatchFirstLinear
 from tests.ghost.helpers import layer_call, sq_norms, weighted
 
 SETTINGS = settings(max_examples=12, deadline=None)
 
 
-def check_layer(layer: nn.Module, x: torch.Tensor, seed: int = 0) -> None:
+def check_layer(layer: nn.Module, x: torch.Tensor, seed: int = 0, same_factors: bool = False) -> None:
+    """``same_factors``: one factor per sample for all parameters (flat clipping), else one
+    per sample and parameter (per-layer clipping)."""
     activations, backprops, oracle = layer_call(layer, x)
     norms = NORM_SAMPLERS[type(layer)](layer, activations, backprops)
     assert set(norms) == set(oracle)
     factors_gen = torch.Generator().manual_seed(seed)
-    factors = {p: torch.rand(x.shape[0], generator=factors_gen, dtype=torch.float64) for p in oracle}
+    shared = torch.rand(x.shape[0], generator=factors_gen, dtype=torch.float64)
+    factors = {p: shared.clone() if same_factors else
+               torch.rand(x.shape[0], generator=factors_gen, dtype=torch.float64) for p in oracle}
     sums = GHOST_LAYERS[type(layer)].weighted_grad(layer, activations, backprops, factors)
     assert set(sums) == set(oracle)
     for p, expected in oracle.items():
@@ -44,6 +48,21 @@ def test_linear_2d_and_sequences(batch, middle, features, bias, batch_first_type
     cls = BatchFirstLinear if batch_first_type else nn.Linear
     layer = cls(*features, bias=bias).double()
     check_layer(layer, torch.randn(batch, *middle, features[0], dtype=torch.float64))
+
+
+@SETTINGS
+@given(batch=st.integers(1, 4), positions=st.integers(1, 3),
+       features=st.tuples(st.integers(1, 5), st.integers(1, 5)),
+       frozen=st.sampled_from([None, "weight", "bias"]), same_factors=st.booleans())
+def test_linear_weighted_sums_both_scaled_sides_and_frozen_parameters(batch, positions, features,
+                                                                    frozen, same_factors):
+    """Both ways of the weighted sum (inputs scaled when ``d ≤ p``, output gradients
+    otherwise), shared or separate factors, either parameter frozen."""
+    layer = nn.Linear(*features).double()
+    if frozen is not None:
+        getattr(layer, frozen).requires_grad_(False)
+    check_layer(layer, torch.randn(batch, positions, features[0], dtype=torch.float64),
+                same_factors=same_factors)
 
 
 @st.composite
@@ -139,9 +158,10 @@ def test_empty_batch_gives_empty_norms():
     assert all(n.shape == (0,) for n in norms.values())
 
 
-@pytest.mark.parametrize("positions", [1, 5, SPLIT_GRAM_POSITIONS, SPLIT_GRAM_POSITIONS + 3])
-def test_linear_gram_norms_with_and_without_the_split(positions):
-    """The ghost identity (split into halves for long sequences) against ‖G_iᵀ A_i‖²."""
+@pytest.mark.parametrize("positions", [1, 5, 64, 67, 128, 131, 512, 517])
+def test_linear_gram_norms_with_and_without_row_blocks(positions):
+    """The ghost identity (in 1, 2, 4 or 8 row blocks, uneven ones included) against ‖G_iᵀ A_i‖²."""
+    assert {row_blocks(n) for n in (5, 64, 128, 512)} == {1, 2, 4, 8}  # every path is exercised
     a = torch.randn(3, positions, 4, dtype=torch.float64)
     g = torch.randn(3, positions, 5, dtype=torch.float64)
     expected = torch.einsum("btp,btd->bpd", g, a).pow(2).sum(dim=(1, 2))

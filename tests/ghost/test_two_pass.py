@@ -21,8 +21,8 @@ class Recurrent(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(7, 4)
-        self.lstm = DPLSTM(4, 5, batch_first=True)
-        self.head = nn.Linear(5, 3)
+        self.lstm = DPLSTM(4, 8, batch_first=True)  # hh: 8 -> 32 over 5 steps, ghost
+        self.head = nn.Linear(8, 3)
 
     def forward(self, tokens):
         out, _ = self.lstm(self.emb(tokens))

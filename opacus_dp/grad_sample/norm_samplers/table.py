@@ -19,7 +19,11 @@ when it has
   - ``prefers_ghost(layer, activations) -> bool`` (optional, default True): the cost rule of
     mixed ghost clipping (Bu et al. 2022, "Scalable and Efficient Training of Large
     Convolutional Neural Networks with Differential Privacy"): the norm is computed with the
-    ghost identity when that is cheaper than materialising the per-sample gradients.
+    ghost identity when that is cheaper than materialising the per-sample gradients;
+  - ``materialise_if_kept(layer, activations) -> bool`` (optional, default False): when the
+    ghost path would keep the call's inputs and output gradients for the clipped sum (the
+    ``bk`` mode), materialise instead if this holds — e.g. per-sample gradients no larger
+    than what the ghost path keeps, whose clipped sum then needs no matrix product.
 
 All functions receive batch-first tensors and the output gradient of the *summed* loss; they
 are linear (weighted grads) or quadratic (norms) in ``backprops``, which lets callers apply a
@@ -39,6 +43,7 @@ class GhostLayer:
     weighted_grad: Callable
     merge_calls: Optional[Callable] = None
     prefers_ghost: Optional[Callable] = None
+    materialise_if_kept: Optional[Callable] = None
 
 
 GHOST_LAYERS: Dict[Type[nn.Module], GhostLayer] = {}
@@ -46,11 +51,12 @@ GHOST_LAYERS: Dict[Type[nn.Module], GhostLayer] = {}
 
 def register_ghost_layer(target_types: Union[Type[nn.Module], Iterable[Type[nn.Module]]], *,
                          weighted_grad: Callable, merge_calls: Optional[Callable] = None,
-                         prefers_ghost: Optional[Callable] = None) -> None:
+                         prefers_ghost: Optional[Callable] = None,
+                         materialise_if_kept: Optional[Callable] = None) -> None:
     """Register the :class:`GhostLayer` functions of ``target_types`` (exact types)."""
     types = target_types if isinstance(target_types, (list, tuple)) else [target_types]
     for t in types:
-        GHOST_LAYERS[t] = GhostLayer(weighted_grad, merge_calls, prefers_ghost)
+        GHOST_LAYERS[t] = GhostLayer(weighted_grad, merge_calls, prefers_ghost, materialise_if_kept)
 
 
 def ghost_layer_of(layer: nn.Module) -> Optional[GhostLayer]:
