@@ -18,9 +18,13 @@ layer resolved twice in one pass raises instead of computing a wrong norm. Resol
 
 * **ghost**: its type has a norm sampler and a :class:`GhostLayer` entry, its calls merge
   into one (or there is one) and the rule holds (``"mixed"``: ``prefers_ghost``, the cheaper
-  of the two ways, Bu et al. 2022; ``"ghost"``: always). Squared norms from the norm sampler;
-  the call's ``(a, g)`` are kept for ``weighted_grad`` (unless ``keep_ghost_calls`` is off,
-  in a norms-only pass);
+  of the two ways, Bu et al. 2022, and, where the call would be kept, not
+  ``materialise_if_kept``; ``"ghost"``: always). Squared norms from the norm sampler; the
+  call's ``(a, g)`` are kept for ``weighted_grad`` (unless ``keep_ghost_calls`` is off, in a
+  norms-only pass); an input ``a = φ(h)`` of an activation that saved ``h`` is held as ``h``
+  and recomputed in place once the activation's backward has run
+  (:mod:`~opacus_dp.grad_sample.recomputed_inputs`), so that ``a`` and ``h`` are never both
+  alive at the backward pass's peak;
 * **materialised**: per-sample gradients from the layer's grad sampler or the ``torch.func``
   fallback, summed over calls and over layers sharing a parameter; only those are kept.
 

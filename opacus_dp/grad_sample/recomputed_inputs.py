@@ -91,13 +91,20 @@ def _intra_op_threads(threads: Optional[int]):
 
 def producer_of(tensor) -> Optional[tuple]:
     """``(node, version, intra-op threads)`` if ``tensor`` is the fresh output of a
-    recomputable activation (called in the forward pass, right after the activation)."""
+    recomputable activation (called in the forward pass, right after the activation); None
+    under saved-tensor hooks (activation checkpointing, ``save_on_cpu``): there the saved
+    ``h`` is packed, and unpacking it would recompute or copy it."""
     if not isinstance(tensor, torch.Tensor):
         return None
     node = tensor.grad_fn
-    if node is None or type(node).__name__ not in _RECOMPUTE:
+    if node is None or type(node).__name__ not in _RECOMPUTE or _saved_tensor_hooks_active():
         return None
     return node, tensor._version, torch.get_num_threads()
+
+
+def _saved_tensor_hooks_active() -> bool:
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top_hooks is None or top_hooks(False) is not None  # unknown: assume active
 
 
 def _storage_holders(tensor: torch.Tensor) -> int:

@@ -77,6 +77,36 @@ def test_not_swapped_when_wrong_or_useless():
     assert lean(held_elsewhere, producer, 0, holders=1) is None
 
 
+def test_not_tracked_under_saved_tensor_hooks():
+    """Checkpointing / ``save_on_cpu`` pack the saved input: unpacking would recompute or copy."""
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        h, a = _produced("gelu")
+        assert producer_of(a) is None
+    assert producer_of(_produced("gelu")[1]) is not None
+
+
+@pytest.mark.parametrize("layer_rule", ["mixed", "ghost"])
+def test_checkpointed_mlp_blocks_match_the_oracle(layer_rule):
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(Model):
+        def forward(self, tokens):
+            h = self.emb(tokens)
+            for block in self.blocks:
+                h = checkpoint(block, h, use_reentrant=False)
+            return self.head(h.mean(dim=1, keepdim=True)).squeeze(1)
+
+    torch.manual_seed(0)
+    model = Checkpointed(nn.GELU()).double()
+    tokens = torch.randint(0, 9, (3, 4))
+    oracle = model_oracle(model, (tokens,))
+    wrapper = BookkeepingGradSampleModule(model, layer_rule=layer_rule)
+    run_backward(wrapper, (tokens,), "mean", 3)
+    (finished,) = wrapper._bookkeeper._resolved
+    assert not any(isinstance(a, RecomputedInput) for _, acts, _, _ in finished.ghost_calls for a in acts)
+    assert_norms_and_sums(wrapper, oracle)
+
+
 def test_not_swapped_after_the_activation_input_changed_or_its_backward_ran():
     h, a = _produced("silu")
     recorded, producer = a.detach(), producer_of(a)
