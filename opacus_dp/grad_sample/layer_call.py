@@ -70,7 +70,7 @@ class LayerCall:
     batch_dim: int
     batch_size: int
     released: bool = False
-    producers: Tuple[Any, ...] = ()  # per positional arg: (activation node, version) or None
+    producers: Tuple[Any, ...] = ()  # per positional arg: ``producer_of(arg)`` (or all None: ())
 
     def release(self) -> None:
         """Drop the inputs once the call's per-sample gradients are computed.
@@ -124,7 +124,6 @@ class LayerCall:
         bound.apply_defaults()
         return list(bound.args[1:]) + list(bound.kwargs.values())
 
-
     def lean_activations(self, layer: nn.Module, activations: List[Any]) -> List[Any]:
         """``activations`` (as :meth:`activations` returned them) with each input that is a
         recomputable activation's output replaced by a ``RecomputedInput`` holding the
@@ -135,7 +134,7 @@ class LayerCall:
         result = []
         for value, recorded, producer in zip(activations, self.args, self.producers):
             holders = 1 if value is recorded else 2  # the record, and its batch-first view
-            swapped = lean(recorded, producer, self.batch_dim, holders) if producer else None
+            swapped = lean(recorded, producer, self.batch_dim, holders)
             result.append(value if swapped is None else swapped)
         return result
 

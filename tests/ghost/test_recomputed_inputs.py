@@ -29,17 +29,20 @@ ACTIVATIONS = {
 }
 
 
-def _produced(name: str, dtype=torch.float32):
+def _produced(name: str, dtype=torch.float32, transposed: bool = False):
     torch.manual_seed(0)
     h = (torch.randn(4, 3, 5, dtype=dtype) * 4).requires_grad_(True)
     h2 = h * 1.0  # a non-leaf, like a layer's output
+    if transposed:  # a non-contiguous input: the kernels take their scalar path
+        h2 = h2.transpose(0, 2)
     return h2, ACTIVATIONS[name](h2)
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("exclusive", [True, False])
-def test_recomputed_value_is_bit_identical(name, exclusive):
-    h, a = _produced(name)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_recomputed_value_is_bit_identical(name, exclusive, transposed):
+    h, a = _produced(name, transposed=transposed)
     recomputed = lean(a.detach(), producer_of(a), batch_dim=0, holders=2)
     assert isinstance(recomputed, RecomputedInput)
     expected = a.detach().clone()
