@@ -158,6 +158,25 @@ def test_empty_batch_gives_empty_norms():
     assert all(n.shape == (0,) for n in norms.values())
 
 
+def test_linear_bias_sum_with_and_without_the_norm_samplers_per_sample_sums():
+    """The clipped bias sum reuses the per-sample sums of the norm pass only for the same,
+    unmodified output gradients; otherwise it is computed from ``G``."""
+    layer = nn.Linear(3, 4).double()
+    x = torch.randn(5, 6, 3, dtype=torch.float64)
+    activations, backprops, oracle = layer_call(layer, x)
+    f = {layer.bias: torch.rand(5, dtype=torch.float64)}
+    expected = weighted(f[layer.bias], oracle[layer.bias])
+    spec = GHOST_LAYERS[nn.Linear]
+    fresh = spec.weighted_grad(layer, activations, backprops.clone(), f)[layer.bias]
+    NORM_SAMPLERS[nn.Linear](layer, activations, backprops)
+    reused = spec.weighted_grad(layer, activations, backprops, f)[layer.bias]
+    backprops.mul_(2)  # stale per-sample sums must not be used
+    changed = spec.weighted_grad(layer, activations, backprops, f)[layer.bias]
+    torch.testing.assert_close(fresh, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(reused, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(changed, 2 * expected, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("positions", [1, 5, 64, 67, 128, 131, 512, 517])
 def test_linear_gram_norms_with_and_without_row_blocks(positions):
     """The ghost identity (in 1, 2, 4 or 8 row blocks, uneven ones included) against ‖G_iᵀ A_i‖²."""

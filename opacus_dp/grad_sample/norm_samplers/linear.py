@@ -18,6 +18,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer, trainable
 from opacus_dp.grad_sample.registry import register_norm_sampler
@@ -67,6 +68,12 @@ def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return total
 
 
+# The per-sample bias gradients ``Σ_t g_t`` (B × p) computed for the norms, by output-gradient
+# tensor (and its version): the clipped bias sum of the same call is then ``f @`` them, without
+# a second pass over ``G``. Entries go with their output gradients.
+_BIAS_GRADS = WeakIdKeyDictionary()
+
+
 @register_norm_sampler(LINEAR_TYPES)
 def linear_norm_sample(layer: nn.Linear, activations: List[torch.Tensor],
                        backprops: torch.Tensor) -> Dict[torch.Tensor, torch.Tensor]:
@@ -76,8 +83,20 @@ def linear_norm_sample(layer: nn.Linear, activations: List[torch.Tensor],
     if trainable(layer.weight):
         norms[layer.weight] = gram_sq_norms(a, g)
     if trainable(layer.bias):
-        norms[layer.bias] = g.sum(dim=1).pow(2).sum(dim=1)
+        per_sample = g.sum(dim=1)
+        _BIAS_GRADS[backprops] = (backprops._version, per_sample)
+        norms[layer.bias] = per_sample.pow(2).sum(dim=1)
     return norms
+
+
+def _bias_sum(g: torch.Tensor, backprops: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``Σ_i f_i Σ_t g_it``: from the per-sample sums kept by the norm sampler if they are of
+    this very ``backprops``, else one matrix-vector product over the rows of ``G``."""
+    kept = _BIAS_GRADS.get(backprops)
+    if kept is not None and kept[0] == backprops._version:
+        return factors.to(kept[1].dtype) @ kept[1]
+    per_row = factors.to(g.dtype).repeat_interleave(g.shape[1])
+    return g.reshape(-1, g.shape[-1]).t().mv(per_row)
 
 
 def _scaled(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
@@ -86,22 +105,20 @@ def _scaled(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
 
 def linear_weighted_grad(layer: nn.Linear, activations: List[torch.Tensor], backprops: torch.Tensor,
                          factors: Dict[torch.Tensor, torch.Tensor]) -> Dict[torch.Tensor, torch.Tensor]:
-    """``{weight: (f ⊙ G)ᵀ A, bias: Gᵀ (f ⊗ 1_T)}`` for the trainable parameters in ``factors``
-    (the weight's factors scale the smaller of ``A`` and ``G``; the bias is one
-    matrix-vector product over the rows of ``G``)."""
+    """``{weight: (f ⊙ G)ᵀ A, bias: Σ_i f_i Σ_t g_it}`` for the trainable parameters in
+    ``factors`` (the weight's factors scale the smaller of ``A`` and ``G``)."""
     a, g = _sequences(activations, backprops)
-    g_rows = g.reshape(-1, g.shape[-1])  # one copy at most (non-contiguous output gradients)
     sums = {}
     if trainable(layer.weight) and layer.weight in factors:
         f = factors[layer.weight]
+        g_rows = g.reshape(-1, g.shape[-1])  # one copy at most (non-contiguous output gradients)
         if a.shape[-1] <= g.shape[-1]:
             sums[layer.weight] = g_rows.t().mm(_scaled(a, f).reshape(-1, a.shape[-1]))
         else:
             g_f = _scaled(g_rows.view_as(g), f).view_as(g_rows)
             sums[layer.weight] = g_f.t().mm(a.reshape(-1, a.shape[-1]))
     if trainable(layer.bias) and layer.bias in factors:
-        per_row = factors[layer.bias].to(g.dtype).repeat_interleave(g.shape[1])
-        sums[layer.bias] = g_rows.t().mv(per_row)
+        sums[layer.bias] = _bias_sum(g, backprops, factors[layer.bias])
     return sums
 
 
