@@ -7,13 +7,15 @@
 * ``"ghost"``: the same wrapper and per-layer rule, and, as in Opacus 1.6, ``make_private``
   also returns a criterion whose losses' ``backward()`` runs two passes (norms, then clipped
   sums; :mod:`~opacus_dp.grad_sample.ghost_criterion`): no output gradient is stored between
-  them, the lowest peak memory, for the price of a second backward pass;
+  them, but the graph is retained for the second pass, which also costs time;
 * ``"auto"``: a rule from the model's structure, no measurement: ``"hooks"`` if the model
   contains ``nn.DataParallel`` (the norms-only modes do not support it), else ``"bk"``. The
   reason: per layer ``bk`` does the cheaper of the two computations ``hooks`` can only do one
   way (materialising), and it skips autograd's weight gradient and the second backward of
   ``ghost``, so it does the least arithmetic (``scripts/benchmark.py`` measures this on five
-  models). Choose ``"ghost"`` when memory, not time, is the limit.
+  models). On those five models ``bk`` also has the lower peak memory (its kept layer inputs
+  are held as the activation's input where that is smaller at the peak); ``"ghost"`` is for
+  code written against Opacus's ghost-clipping criterion.
 """
 
 import torch.nn as nn
