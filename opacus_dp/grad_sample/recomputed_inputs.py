@@ -6,14 +6,17 @@ pass). When ``a = φ(h)`` for an elementwise activation whose autograd node save
 ``h`` (GELU, SiLU, Mish, LeakyReLU, Hardswish, Softplus, ELU/SELU/CELU), autograd holds ``h``
 until ``φ``'s backward anyway, so while it runs ``a`` and ``h`` are both alive — in an MLP block
 that is where the backward pass peaks. Holding ``h`` instead of ``a`` (one tensor of the same
-size) and recomputing ``a = φ(h)`` at the step removes ``a`` from that peak, for one
-elementwise op per layer at the step. The recomputation is bit-identical: the same kernel on
-the same tensor, with autocast off (the node saved the input the kernel actually received).
+size) removes ``a`` from that peak; ``a = φ(h)`` is recomputed in ``h``'s own memory as soon
+as φ's backward has released ``h`` (:meth:`RecomputedInput.settle`, called at the next layer
+record, while ``h`` is still in cache), or else at the step: one elementwise op per layer. The
+recomputation is bit-identical: the same kernel on the same tensor and layout, with autocast
+off (the node saved the input the kernel actually received).
 
 It is done only when it is safe and pays: the input is exactly the activation's output (not
 a view, not modified in place since), the saved ``h`` is still available and unmodified
-(autograd's version check), and no one but the record holds ``a``. Activations that save
-their output (ReLU, tanh, sigmoid) keep ``a`` alive in autograd anyway and gain nothing.
+(autograd's version check), no one but the record holds ``a``, and no saved-tensor hooks were
+active. Activations that save their output (ReLU, tanh, sigmoid) keep ``a`` alive in autograd
+anyway and gain nothing.
 """
 
 from contextlib import contextmanager
