@@ -54,8 +54,8 @@ class RecomputedInput:
         same layout (``h`` as saved, moved only afterwards) and, on CPU, the same intra-op
         thread count (the chunks' scalar tails differ from the vector loop in the last bit),
         which is restored for the call if it changed since the forward pass."""
-        if self._result is None:
-            self._compute(in_place=_storage_holders(self._source) == 1)
+        if not self.settle():
+            self._compute(in_place=False)
         return self._result
 
     def settle(self) -> bool:

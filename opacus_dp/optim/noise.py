@@ -91,8 +91,11 @@ class GaussianNoise:
         if std == 0:
             return torch.zeros_like(reference)
         gen = self.generator_for(reference.device)
-        draw = lambda: torch.normal(0.0, std, size=reference.shape, generator=gen,  # noqa: E731
-                                    dtype=reference.dtype, device=gen.device)
+
+        def draw() -> torch.Tensor:
+            return torch.normal(0.0, std, size=reference.shape, generator=gen,
+                                dtype=reference.dtype, device=gen.device)
+
         total = draw()
         if self.secure_mode:
             for _ in range(SECURE_NUM_DRAWS - 1):
