@@ -183,7 +183,7 @@ class Bookkeeper:
             raise ValueError("the second backward pass saw a different batch than the first one")
         if entry.layer not in target.ghost_layers:
             return  # materialised in the norms pass: its per-sample gradients are kept
-        wanted = _owned(entry.layer, self._summing.factors, entry.scale)
+        wanted = _owned(entry.layer, self._summing.factors, entry.scale, skip=target.grads)
         spec = ghost_layer_of(entry.layer)
         for p, s in spec.weighted_grad(entry.layer, entry.call.activations(entry.layer),
                                        entry.backprops[0], wanted).items():
@@ -231,7 +231,7 @@ class Bookkeeper:
             for p, s in resolved.sums.items():
                 add_to(sums, p, s)
             for layer, activations, backprops, scale in resolved.ghost_calls:
-                wanted = _owned(layer, by_param, scale, window)
+                wanted = _owned(layer, by_param, scale, window, skip=resolved.grads)
                 for p, s in ghost_layer_of(layer).weighted_grad(
                         layer, materialise(activations), backprops, wanted).items():
                     add_to(sums, p, s)
@@ -262,9 +262,11 @@ def _settle(current: Pass) -> None:
 
 
 def _owned(layer: nn.Module, by_param: Dict[torch.Tensor, torch.Tensor], scale: float,
-           window: slice = slice(None)) -> Dict:
-    """``{p: scale · factors[p][window]}`` for the parameters ``layer`` owns."""
-    return {p: by_param[p][window] * scale for p in layer.parameters(recurse=False) if p in by_param}
+           window: slice = slice(None), skip=()) -> Dict:
+    """``{p: scale · factors[p][window]}`` for the parameters ``layer`` owns, but not those in
+    ``skip`` (kept as per-sample gradients, summed apart)."""
+    return {p: by_param[p][window] * scale for p in layer.parameters(recurse=False)
+            if p in by_param and p not in skip}
 
 
 def _check_same_factors(resolved: Pass, by_param, window) -> None:

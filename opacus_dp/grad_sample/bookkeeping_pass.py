@@ -2,7 +2,9 @@
 
 See :mod:`opacus_dp.grad_sample.bookkeeping` for the method. A layer's calls are resolved
 either **ghost** (squared norms from the norm sampler, the merged call kept for the weighted
-sum) or **materialised** (per-sample gradients, summed over the calls and layers).
+sum; a parameter whose per-sample gradients the norm sampler returned, such as a bias, is
+kept as materialised) or **materialised** (per-sample gradients, summed over the calls and
+layers).
 """
 
 from dataclasses import dataclass, field
@@ -13,7 +15,7 @@ import torch.nn as nn
 
 from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
 from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput, recomputed_in
-from opacus_dp.grad_sample.registry import NORM_SAMPLERS
+from opacus_dp.grad_sample.registry import NORM_SAMPLERS, PerSampleGrads
 
 LAYER_RULES = ("mixed", "ghost")
 
@@ -65,8 +67,13 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
             _sum_materialised_now(current, layer, factor_function)
         return
     activations, backprops, scale = merged
-    for p, sq in NORM_SAMPLERS[type(layer)](layer, activations, backprops).items():
-        _add_norms(current, p, sq * (scale * scale))
+    for p, result in NORM_SAMPLERS[type(layer)](layer, activations, backprops).items():
+        if isinstance(result, PerSampleGrads):
+            _check_new(current, p)
+            _add_grads(current, p, result.grads, scale)
+            _set_norms(current, p)
+        else:
+            _add_norms(current, p, result * (scale * scale))
     current.ghost_layers.add(layer)
     current.modes[calls[0].name] = "ghost"
     if not keep_ghost_calls:
@@ -78,9 +85,10 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
             current.unsettled.extend(recomputed_in(activations))
         current.ghost_calls.append((layer, activations, backprops, scale))
         return
-    wanted = {p: f * scale for p, f in factors.items()}
+    wanted = {p: f * scale for p, f in factors.items() if p not in current.grads}
     for p, s in ghost_layer_of(layer).weighted_grad(layer, activations, backprops, wanted).items():
         add_to(current.sums, p, s)
+    _sum_grads_now(current, {p: f for p, f in factors.items() if p in current.grads})
 
 
 def _factors_now(current: Pass, layer: nn.Module,
@@ -102,7 +110,12 @@ def _factors_now(current: Pass, layer: nn.Module,
 
 def _sum_materialised_now(current: Pass, layer: nn.Module, factor_function: Callable) -> None:
     """The clipped sums of a materialised layer with known factors; its gradients are dropped."""
-    for p, f in (_factors_now(current, layer, factor_function) or {}).items():
+    _sum_grads_now(current, _factors_now(current, layer, factor_function) or {})
+
+
+def _sum_grads_now(current: Pass, factors: Dict[torch.Tensor, torch.Tensor]) -> None:
+    """``Σ_i f_i g_i`` of per-sample gradients in the pass, for the ``factors`` given; dropped."""
+    for p, f in factors.items():
         g = current.grads.pop(p)
         f = f.to(device=g.device, dtype=g.dtype) * current.grad_scales.pop(p)
         add_to(current.sums, p, torch.einsum("i,i...->...", f, g))
@@ -146,24 +159,38 @@ def _materialise(current: Pass, calls: List[Call], per_sample_grads: Callable) -
     touched: Dict[torch.Tensor, None] = {}  # keyed by identity, in order
     for c in calls:
         for p, g in per_sample_grads(c.layer, c.call, c.backprops).items():
-            if p in current.sq_norms and p not in current.grads:
-                raise RuntimeError(f"parameter of shape {tuple(p.shape)} resolved twice in one pass")
-            previous = current.grads.get(p)
-            if previous is None:
-                current.grads[p], current.grad_scales[p] = g, c.scale
-            else:
-                current.grads[p] = previous * current.grad_scales[p] + g * c.scale
-                current.grad_scales[p] = 1.0
+            _add_grads(current, p, g, c.scale)
             touched[p] = None
     for p in touched:
-        flat = current.grads[p].reshape(current.grads[p].shape[0], -1)
-        current.sq_norms[p] = torch.linalg.vector_norm(flat, dim=1).square() * current.grad_scales[p] ** 2
+        _set_norms(current, p)
+
+
+def _add_grads(current: Pass, p: torch.Tensor, g: torch.Tensor, scale: float) -> None:
+    """Add the per-sample gradients ``scale · g`` of ``p`` to the pass."""
+    if p in current.sq_norms and p not in current.grads:
+        raise RuntimeError(f"parameter of shape {tuple(p.shape)} resolved twice in one pass")
+    previous = current.grads.get(p)
+    if previous is None:
+        current.grads[p], current.grad_scales[p] = g, scale
+    else:
+        current.grads[p] = previous * current.grad_scales[p] + g * scale
+        current.grad_scales[p] = 1.0
+
+
+def _set_norms(current: Pass, p: torch.Tensor) -> None:
+    """The squared norms of ``p``'s per-sample gradients in the pass."""
+    flat = current.grads[p].reshape(current.grads[p].shape[0], -1)
+    current.sq_norms[p] = torch.linalg.vector_norm(flat, dim=1).square() * current.grad_scales[p] ** 2
 
 
 def _add_norms(current: Pass, p: torch.Tensor, sq: torch.Tensor) -> None:
+    _check_new(current, p)
+    current.sq_norms[p] = sq
+
+
+def _check_new(current: Pass, p: torch.Tensor) -> None:
     if p in current.sq_norms or p in current.grads:
         raise RuntimeError(f"parameter of shape {tuple(p.shape)} resolved twice in one pass")
-    current.sq_norms[p] = sq
 
 
 def shared_layers(layers: List[nn.Module]) -> Set[nn.Module]:

@@ -11,16 +11,28 @@ the *summed* loss restricted to sample i (the caller undoes any ``mean`` reducti
 Only parameters with ``requires_grad`` must be returned.
 
 A *norm sampler* has the same signature but returns ``{param: per_sample_sq_norm}`` with
-shape ``(B,)``: the squared L2 norm of each sample's gradient, for ghost clipping.
+shape ``(B,)``: the squared L2 norm of each sample's gradient, for ghost clipping. For a
+parameter whose per-sample gradients it computes in full anyway (a bias: ``Σ_t g_t``, as
+small as the norms' inputs) it returns them instead, wrapped in :class:`PerSampleGrads`;
+the caller then treats that parameter as materialised (norms and clipped sum from them).
 """
 
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Type, Union
 
+import torch
 import torch.nn as nn
 
 GradSampler = Callable
 GRAD_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
 NORM_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
+
+
+@dataclass(frozen=True)
+class PerSampleGrads:
+    """A norm sampler's result for one parameter: its per-sample gradients ``(B, *shape)``."""
+
+    grads: torch.Tensor
 
 
 def _register(table, target_types):

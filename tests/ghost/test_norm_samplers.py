@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opacus_dp.grad_sample import GRAD_SAMPLERS, NORM_SAMPLERS
+from opacus_dp.grad_sample.registry import PerSampleGrads
 from opacus_dp.grad_sample.conv import padded_input
 from opacus_dp.grad_sample.norm_samplers import GHOST_LAYERS
 from opacus_dp.grad_sample.norm_samplers.conv import _prefers_autocorrelation, patch_gram
@@ -36,7 +37,10 @@ def check_layer(layer: nn.Module, x: torch.Tensor, seed: int = 0, same_factors: 
     sums = GHOST_LAYERS[type(layer)].weighted_grad(layer, activations, backprops, factors)
     assert set(sums) == set(oracle)
     for p, expected in oracle.items():
-        torch.testing.assert_close(norms[p], sq_norms(expected), rtol=1e-9, atol=1e-10)
+        if isinstance(norms[p], PerSampleGrads):  # returned in full (biases)
+            torch.testing.assert_close(norms[p].grads, expected, rtol=1e-9, atol=1e-10)
+        else:
+            torch.testing.assert_close(norms[p], sq_norms(expected), rtol=1e-9, atol=1e-10)
         torch.testing.assert_close(sums[p], weighted(factors[p], expected), rtol=1e-9, atol=1e-10)
 
 
@@ -115,6 +119,7 @@ def test_conv_patch_gram_methods_agree_with_unfolded_patches(case):
 def test_autocorrelation_is_chosen_for_stride_one_layers_with_several_taps():
     x = torch.zeros(2, 64, 8, 8)
     assert _prefers_autocorrelation(nn.Conv2d(64, 64, 3, padding=1), x)
+    assert _prefers_autocorrelation(nn.Conv2d(64, 128, 3, padding=1), torch.zeros(2, 64, 4, 4))
     assert not _prefers_autocorrelation(nn.Conv2d(64, 64, 3, padding=1, stride=2), x)
     assert not _prefers_autocorrelation(nn.Conv2d(64, 64, 1), x)  # 1x1: the patches are the input
     assert not _prefers_autocorrelation(nn.Conv2d(3, 8, 3, padding=1), torch.zeros(2, 3, 32, 32))
@@ -155,32 +160,26 @@ def test_empty_batch_gives_empty_norms():
     layer = nn.Conv2d(2, 3, 2).double()
     x = torch.zeros(0, 2, 4, 4, dtype=torch.float64)
     norms = NORM_SAMPLERS[nn.Conv2d](layer, [x], torch.zeros(0, 3, 3, 3, dtype=torch.float64))
-    assert all(n.shape == (0,) for n in norms.values())
+    assert norms[layer.weight].shape == (0,) and norms[layer.bias].grads.shape == (0, 3)
 
 
-def test_linear_bias_sum_with_and_without_the_norm_samplers_per_sample_sums():
-    """The clipped bias sum reuses the per-sample sums of the norm pass only for the same,
-    unmodified output gradients; otherwise it is computed from ``G``."""
-    layer = nn.Linear(3, 4).double()
-    x = torch.randn(5, 6, 3, dtype=torch.float64)
-    activations, backprops, oracle = layer_call(layer, x)
-    f = {layer.bias: torch.rand(5, dtype=torch.float64)}
-    expected = weighted(f[layer.bias], oracle[layer.bias])
-    spec = GHOST_LAYERS[nn.Linear]
-    fresh = spec.weighted_grad(layer, activations, backprops.clone(), f)[layer.bias]
-    NORM_SAMPLERS[nn.Linear](layer, activations, backprops)
-    reused = spec.weighted_grad(layer, activations, backprops, f)[layer.bias]
-    backprops.mul_(2)  # stale per-sample sums must not be used
-    changed = spec.weighted_grad(layer, activations, backprops, f)[layer.bias]
-    torch.testing.assert_close(fresh, expected, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(reused, expected, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(changed, 2 * expected, rtol=1e-10, atol=1e-12)
+@pytest.mark.parametrize("layer, shape", [(nn.Linear(3, 4), (5, 6, 3)), (nn.Conv1d(3, 4, 2), (5, 3, 6))],
+                         ids=["linear", "conv"])
+def test_norm_samplers_return_bias_gradients_per_sample_and_weights_as_norms(layer, shape):
+    """Biases come back as per-sample gradients (kept as materialised, so their clipped sum
+    needs no second pass over the output gradients); weights as squared norms."""
+    layer = layer.double()
+    activations, backprops, oracle = layer_call(layer, torch.randn(*shape, dtype=torch.float64))
+    norms = NORM_SAMPLERS[type(layer)](layer, activations, backprops)
+    assert isinstance(norms[layer.bias], PerSampleGrads) and torch.is_tensor(norms[layer.weight])
+    torch.testing.assert_close(norms[layer.bias].grads, oracle[layer.bias], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(norms[layer.weight], sq_norms(oracle[layer.weight]), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("positions", [1, 5, 64, 67, 128, 131, 512, 517])
+@pytest.mark.parametrize("positions", [1, 5, 128, 256, 259, 512, 517, 1024, 1031])
 def test_linear_gram_norms_with_and_without_row_blocks(positions):
     """The ghost identity (in 1, 2, 4 or 8 row blocks, uneven ones included) against ‖G_iᵀ A_i‖²."""
-    assert {row_blocks(n) for n in (5, 64, 128, 512)} == {1, 2, 4, 8}  # every path is exercised
+    assert {row_blocks(n) for n in (5, 259, 517, 1031)} == {1, 2, 4, 8}  # every path is exercised
     a = torch.randn(3, positions, 4, dtype=torch.float64)
     g = torch.randn(3, positions, 5, dtype=torch.float64)
     expected = torch.einsum("btp,btd->bpd", g, a).pow(2).sum(dim=(1, 2))

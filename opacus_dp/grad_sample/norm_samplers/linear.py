@@ -8,7 +8,7 @@ Differentially Private Learners", ghost clipping)
     ‖G_iᵀ A_i‖²_F = Σ_{t,s} (a_t · a_s)(g_t · g_s) = ⟨A_i A_iᵀ, G_i G_iᵀ⟩,
 
 ``O(T²(d + p))`` instead of ``O(T d p)``; for ``T = 1`` it is ``‖a‖² ‖g‖²``. The bias gradient
-is ``Σ_t g_t``. With factors ``f_i`` the weighted sum of the per-sample weight gradients is the
+is ``Σ_t g_t``, which the norm sampler returns per sample. With factors ``f_i`` the weighted sum of the per-sample weight gradients is the
 batch weight gradient of the scaled output gradients: ``Σ_i f_i G_iᵀ A_i = (f ⊙ G)ᵀ A``
 (one matrix product, the scale applied to the smaller of ``A`` and ``G``).
 Several calls of the layer in one pass are merged by concatenating their positions.
@@ -18,10 +18,9 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer, trainable
-from opacus_dp.grad_sample.registry import register_norm_sampler
+from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
 from opacus_dp.layers.batch_first import BatchFirstLinear
 
 LINEAR_TYPES = [nn.Linear, BatchFirstLinear]
@@ -37,11 +36,15 @@ def _sequences(activations, backprops) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def row_blocks(positions: int) -> int:
     """How many row blocks :func:`gram_sq_norms` splits ``positions`` into: symmetry leaves
-    ``(k + 1) / 2k`` of the Gram products; smaller blocks run slower per product, so k grows
-    with T (measured on CPU at B·T = 4096, d, p ∈ {256, 1024}: 3-10 % at T = 128, ~15 % at 512)."""
-    if positions < 64:
-        return 1
-    return 2 if positions < 128 else 4 if positions < 512 else 8
+    ``(k + 1) / 2k`` of the Gram products, but a product of fewer rows runs slower, so each
+    block keeps at least 128 rows (k = 1, 2, 4, 8 from T = 1, 256, 512, 1024 on). Measured on
+    CPU at B·T = 4096, d, p ∈ {256, 1024}: on an Intel Xeon (AVX-512) 32- and 64-row blocks
+    made T = 128 20-35 % slower than one block, 128-row blocks made T = 256 and 512 10-25 %
+    faster; on an AMD EPYC 32-row blocks gained 3-10 % at T = 128 and ~15 % at T = 512."""
+    blocks = 1
+    while blocks < 8 and positions >= 256 * blocks:
+        blocks *= 2
+    return blocks
 
 
 def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -68,35 +71,18 @@ def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return total
 
 
-# The per-sample bias gradients ``Σ_t g_t`` (B × p) computed for the norms, by output-gradient
-# tensor (and its version): the clipped bias sum of the same call is then ``f @`` them, without
-# a second pass over ``G``. Entries go with their output gradients.
-_BIAS_GRADS = WeakIdKeyDictionary()
-
-
 @register_norm_sampler(LINEAR_TYPES)
 def linear_norm_sample(layer: nn.Linear, activations: List[torch.Tensor],
                        backprops: torch.Tensor) -> Dict[torch.Tensor, torch.Tensor]:
-    """Per-sample squared norms of the weight (ghost identity) and bias gradients."""
+    """Per-sample squared norms of the weight gradient (ghost identity); the bias's per-sample
+    gradients ``Σ_t g_t`` themselves (``B × p``, no larger than the norms' inputs)."""
     a, g = _sequences(activations, backprops)
     norms = {}
     if trainable(layer.weight):
         norms[layer.weight] = gram_sq_norms(a, g)
     if trainable(layer.bias):
-        per_sample = g.sum(dim=1)
-        _BIAS_GRADS[backprops] = (backprops._version, per_sample)
-        norms[layer.bias] = per_sample.pow(2).sum(dim=1)
+        norms[layer.bias] = PerSampleGrads(g.sum(dim=1))
     return norms
-
-
-def _bias_sum(g: torch.Tensor, backprops: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """``Σ_i f_i Σ_t g_it``: from the per-sample sums kept by the norm sampler if they are of
-    this very ``backprops``, else one matrix-vector product over the rows of ``G``."""
-    kept = _BIAS_GRADS.get(backprops)
-    if kept is not None and kept[0] == backprops._version:
-        return factors.to(kept[1].dtype) @ kept[1]
-    per_row = factors.to(g.dtype).repeat_interleave(g.shape[1])
-    return g.reshape(-1, g.shape[-1]).t().mv(per_row)
 
 
 def _scaled(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
@@ -118,7 +104,8 @@ def linear_weighted_grad(layer: nn.Linear, activations: List[torch.Tensor], back
             g_f = _scaled(g_rows.view_as(g), f).view_as(g_rows)
             sums[layer.weight] = g_f.t().mm(a.reshape(-1, a.shape[-1]))
     if trainable(layer.bias) and layer.bias in factors:
-        sums[layer.bias] = _bias_sum(g, backprops, factors[layer.bias])
+        per_row = factors[layer.bias].to(g.dtype).repeat_interleave(g.shape[1])
+        sums[layer.bias] = g.reshape(-1, g.shape[-1]).t().mv(per_row)
     return sums
 
 

@@ -4,7 +4,9 @@ A layer type gets per-sample gradient *norms* without materialised per-sample gr
 when it has
 
 * a norm sampler in :data:`opacus_dp.grad_sample.registry.NORM_SAMPLERS`
-  (``(layer, activations, backprops) -> {param: ‖g_i‖²}``), and
+  (``(layer, activations, backprops) -> {param: ‖g_i‖²}``, or the per-sample gradients
+  themselves, as ``PerSampleGrads``, for a parameter where they cost no more than the norm:
+  that parameter is then kept as materialised and ``weighted_grad`` is not asked for it), and
 * a :class:`GhostLayer` entry here:
 
   - ``weighted_grad(layer, activations, backprops, factors) -> {param: Σ_i f_i · g_i}``,
