@@ -18,7 +18,7 @@ clears ``p.grad_sample`` itself, the table adopts that value.
 """
 
 import threading
-from typing import Dict, Optional
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 
@@ -34,6 +34,23 @@ class _Pass:
         self.sums: Dict[torch.Tensor, Dict[int, torch.Tensor]] = {}
         self.batch_size: Dict[int, int] = {}
         self.first_layer: Dict[int, str] = {}
+        self.owned: Set[Tuple[int, int]] = set()  # (id(param), chunk): sums this pass allocated
+
+    def accumulate(self, param: torch.Tensor, chunk: int, grad_sample: torch.Tensor) -> None:
+        """``sums[param][chunk] += grad_sample``: in place once the sum is the pass's own tensor
+        (a sampler's result may alias autograd's tensors; a layer called at every time step
+        would otherwise allocate a new per-sample gradient per call)."""
+        by_chunk = self.sums.setdefault(param, {})
+        previous = by_chunk.get(chunk)
+        key = (id(param), chunk)
+        if previous is None:
+            by_chunk[chunk] = grad_sample
+        elif key in self.owned and previous.dtype == torch.result_type(previous, grad_sample) \
+                and previous.shape == grad_sample.shape:
+            previous.add_(grad_sample)
+        else:
+            by_chunk[chunk] = previous + grad_sample
+            self.owned.add(key)
 
     def concatenated(self, param: torch.Tensor, undo_mean: bool) -> torch.Tensor:
         """The pass's per-sample gradient of ``param``: the chunks in batch (index) order.
@@ -82,9 +99,7 @@ class PerSampleGradStore:
                     lambda: self._close_pass(task)
                 )
             self._check_batch_size(current, grad_sample.shape[0], layer, task, chunk)
-            by_chunk = current.sums.setdefault(param, {})
-            previous = by_chunk.get(chunk)
-            by_chunk[chunk] = grad_sample if previous is None else previous + grad_sample
+            current.accumulate(param, chunk, grad_sample)
 
     def add_empty(self, param: torch.Tensor) -> None:
         """Make ``param.grad_sample`` exist with 0 rows (a forward pass on an empty batch)."""

@@ -150,3 +150,24 @@ def test_missing_batch_dimension_is_reported():
     with pytest.raises(ValueError, match=r"<root module> \(Linear\).*shape \(2,\)"):
         gsm(torch.randn(3))
     gsm.close()
+
+
+def test_per_call_sums_never_write_into_a_samplers_result():
+    """Calls of one layer are summed in place only into a tensor the store allocated: the first
+    call's per-sample gradient (which a sampler may share with others) is left as it was."""
+    from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
+
+    store = PerSampleGradStore(batch_first=True, loss_reduction="sum")
+    param = nn.Parameter(torch.zeros(2))
+    calls = [torch.randn(3, 2, dtype=torch.double) for _ in range(4)]
+    kept = [c.clone() for c in calls]
+    x = torch.ones(1, requires_grad=True)
+
+    def add_all(_):
+        for c in calls:
+            store.add(param, c, "cell")
+
+    x.register_hook(add_all)
+    (x * 2).sum().backward()
+    assert all(torch.equal(c, k) for c, k in zip(calls, kept))
+    torch.testing.assert_close(param.grad_sample, sum(kept), rtol=0, atol=1e-12)
