@@ -230,12 +230,16 @@ class Bookkeeper:
             _check_same_factors(resolved, by_param, window)
             for p, s in resolved.sums.items():
                 add_to(sums, p, s)
-            for layer, activations, backprops, scale in resolved.ghost_calls:
+            resolved.unsettled.clear()
+            while resolved.ghost_calls:  # each call's tensors freed once used (memory reused)
+                layer, activations, backprops, scale = resolved.ghost_calls.pop()
                 wanted = _owned(layer, by_param, scale, window, skip=resolved.grads)
                 for p, s in ghost_layer_of(layer).weighted_grad(
                         layer, materialise(activations), backprops, wanted).items():
                     add_to(sums, p, s)
-            for p, g in resolved.grads.items():
+                del activations, backprops
+            for p in list(resolved.grads):
+                g = resolved.grads.pop(p)
                 if p in by_param:
                     f = by_param[p][window].to(device=g.device, dtype=g.dtype) * resolved.grad_scales[p]
                     add_to(sums, p, torch.einsum("i,i...->...", f, g))
