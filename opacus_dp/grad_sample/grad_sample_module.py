@@ -32,7 +32,7 @@ from opacus_dp.errors import UnsupportedModuleError
 from opacus_dp.grad_sample.functorch import functorch_grad_sample
 from opacus_dp.grad_sample.layer_call import LayerCall, layer_batch_dim, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
-from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, find_sampler
+from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
 from opacus_dp.grad_sample.support import (
     describe,
     has_trainable_parameters,
@@ -165,6 +165,9 @@ class GradSampleModule(nn.Module):
             return replaced
         call = LayerCall.capture(args, kwargs, batch_dim, batch_size,
                                   track_producers=self._tracks_producers)
+        reader = None if self.force_functorch else find_sampler(SAVED_STATISTICS, layer)
+        if reader is not None:
+            call.statistics = reader(layer, output)
         if self._sampler_for(layer) is None:
             self._check_fallback_inputs(path, master, call)
         chunk = data_parallel.chunk_of(layer, master, describe_layer=describe(path, master),
@@ -247,6 +250,8 @@ class GradSampleModule(nn.Module):
         if sampler is not None:
             if backprops[0] is None:
                 return {}
+            if call.statistics is not None:
+                return sampler(layer, call.activations(layer), backprops[0], statistics=call.statistics)
             return sampler(layer, call.activations(layer), backprops[0])
         args, kwargs = call.batch_first_inputs()
         _RECOMPUTING.active = True

@@ -71,6 +71,7 @@ class LayerCall:
     batch_size: int
     released: bool = False
     producers: Tuple[Any, ...] = ()  # per positional arg: ``producer_of(arg)`` (or all None: ())
+    statistics: Optional[Tuple[torch.Tensor, ...]] = None  # a statistics reader's (registry)
 
     def release(self) -> None:
         """Drop the inputs once the call's per-sample gradients are computed.
@@ -80,6 +81,7 @@ class LayerCall:
         activations from outliving the backward pass.
         """
         self.args, self.kwargs, self.producers, self.released = (), {}, (), True
+        self.statistics = None
 
     @classmethod
     def capture(cls, args, kwargs, batch_dim: int, batch_size: int,

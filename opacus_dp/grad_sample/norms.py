@@ -6,7 +6,8 @@ statistics of that sample only (unlike BatchNorm), so with output gradient ``gy`
     dL_i/dw = sum over the dims not covered by ``w`` (except the batch) of  x_hat_i * gy_i
     dL_i/db = the same sum of  gy_i
 
-``x_hat`` is recomputed from the recorded input with the layer's own ``eps``:
+``x_hat`` is recomputed from the recorded input with the layer's own ``eps`` (GroupNorm: from the
+per-sample statistics its forward saved, where available, see :func:`group_norm_statistics`):
 
 * ``LayerNorm``:    (x - mean) / sqrt(var + eps) over the trailing ``normalized_shape`` dims;
 * ``RMSNorm``:      x / sqrt(mean(x^2) + eps) over the trailing ``normalized_shape`` dims
@@ -18,13 +19,14 @@ statistics of that sample only (unlike BatchNorm), so with output gradient ``gy`
 Variances are the biased (1/n) ones.
 """
 
-from typing import Dict, List, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from opacus_dp.grad_sample.registry import register_grad_sampler
+from opacus_dp.grad_sample.recomputed_inputs import saved_tensor_hooks_active
+from opacus_dp.grad_sample.registry import register_grad_sampler, register_saved_statistics
 
 InstanceNormNd = Union[nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d]
 
@@ -52,6 +54,10 @@ def _affine_grads(layer, x_hat_fn, backprops: torch.Tensor, reduce_dims) -> Dict
     if bias is not None and bias.requires_grad:
         grads[bias] = _sum_over(backprops, reduce_dims)
     return grads
+
+
+def _trainable(param) -> bool:
+    return param is not None and param.requires_grad
 
 
 def _check_trailing_shape(layer, x: torch.Tensor) -> None:
@@ -88,16 +94,59 @@ def layer_norm_grad_sample(
 
 @register_grad_sampler(nn.GroupNorm)
 def group_norm_grad_sample(
-    layer: nn.GroupNorm, activations: List[torch.Tensor], backprops: torch.Tensor
+    layer: nn.GroupNorm, activations: List[torch.Tensor], backprops: torch.Tensor,
+    statistics: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Dict[nn.Parameter, torch.Tensor]:
-    """Per-sample gradients of ``GroupNorm`` per-channel weight and bias."""
+    """Per-sample gradients of ``GroupNorm`` per-channel weight and bias; from the forward's
+    saved ``statistics`` (:func:`group_norm_statistics`) in one pass where they fit."""
     x = activations[0].to(backprops.dtype)
     _check_channels(layer, x, layer.num_channels)
+    if statistics is not None and _statistics_fit(layer, x, backprops, statistics):
+        return _group_norm_grads_from_statistics(layer, x, backprops, statistics)
 
     def x_hat():
         return F.group_norm(x, layer.num_groups, eps=layer.eps)
 
     return _affine_grads(layer, x_hat, backprops, range(2, x.dim()))
+
+
+@register_saved_statistics(nn.GroupNorm)
+def group_norm_statistics(layer: nn.GroupNorm, output) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(mean, rstd)`` of each sample and group, ``(B, G)``, as the forward saved them for its
+    backward (``rstd = 1/sqrt(var + eps)``); None when the output is not that op's own result
+    or saved-tensor hooks (checkpointing, offloading) may be packing them."""
+    node = getattr(output, "grad_fn", None)
+    if node is None or type(node).__name__ != "NativeGroupNormBackward0" or saved_tensor_hooks_active():
+        return None
+    return node._saved_result1.detach(), node._saved_result2.detach()
+
+
+def _statistics_fit(layer: nn.GroupNorm, x: torch.Tensor, backprops: torch.Tensor, statistics) -> bool:
+    mean, rstd = statistics
+    return (x.shape[0] > 0 and tuple(mean.shape) == (x.shape[0], layer.num_groups)
+            and rstd.shape == mean.shape and x.dtype == mean.dtype == rstd.dtype
+            and backprops.shape == x.shape)
+
+
+def _group_norm_grads_from_statistics(layer: nn.GroupNorm, x: torch.Tensor, backprops: torch.Tensor,
+                                      statistics) -> Dict[nn.Parameter, torch.Tensor]:
+    """``Σ_s x_hat·gy`` and ``Σ_s gy`` per sample and channel from torch's own GroupNorm weight
+    gradient kernel run on the batch folded into the channels (``1 × B·C`` channels in ``B·G``
+    groups: the same groups, each sample's channels apart): one pass over ``x`` and ``gy``."""
+    mean, rstd = statistics
+    batch, channels, groups = x.shape[0], x.shape[1], layer.num_groups
+    spatial = x[0, 0].numel()
+    wanted = [False, _trainable(layer.weight), _trainable(layer.bias)]
+    _, weight_grad, bias_grad = torch.ops.aten.native_group_norm_backward(
+        backprops.reshape(1, batch * channels, spatial), x.reshape(1, batch * channels, spatial),
+        mean.reshape(1, batch * groups), rstd.reshape(1, batch * groups), None,
+        1, batch * channels, spatial, batch * groups, wanted)
+    grads = {}
+    if wanted[1]:
+        grads[layer.weight] = weight_grad.view(batch, channels)
+    if wanted[2]:
+        grads[layer.bias] = bias_grad.view(batch, channels)
+    return grads
 
 
 def _instance_norm_x_hat(layer: InstanceNormNd, x: torch.Tensor) -> torch.Tensor:

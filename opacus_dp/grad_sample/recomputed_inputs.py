@@ -100,12 +100,12 @@ def producer_of(tensor) -> Optional[tuple]:
     if not isinstance(tensor, torch.Tensor):
         return None
     node = tensor.grad_fn
-    if node is None or type(node).__name__ not in _RECOMPUTE or _saved_tensor_hooks_active():
+    if node is None or type(node).__name__ not in _RECOMPUTE or saved_tensor_hooks_active():
         return None
     return node, tensor._version, torch.get_num_threads()
 
 
-def _saved_tensor_hooks_active() -> bool:
+def saved_tensor_hooks_active() -> bool:
     top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top_hooks is None or top_hooks(False) is not None  # unknown: assume active
 

@@ -15,6 +15,11 @@ shape ``(B,)``: the squared L2 norm of each sample's gradient, for ghost clippin
 parameter whose per-sample gradients it computes in full anyway (a bias: ``Σ_t g_t``, as
 small as the norms' inputs) it returns them instead, wrapped in :class:`PerSampleGrads`;
 the caller then treats that parameter as materialised (norms and clipped sum from them).
+
+A *statistics reader* ``reader(layer, output) -> tuple of tensors or None`` runs at the layer's
+forward call and returns small tensors its forward saved for the backward (e.g. GroupNorm's
+per-sample means and inverse deviations); the layer's grad sampler then also receives them as
+``statistics=`` and need not recompute them.
 """
 
 from dataclasses import dataclass
@@ -26,6 +31,7 @@ import torch.nn as nn
 GradSampler = Callable
 GRAD_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
 NORM_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
+SAVED_STATISTICS: Dict[Type[nn.Module], Callable] = {}
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,11 @@ def register_grad_sampler(target_types: Union[Type[nn.Module], Iterable[Type[nn.
 def register_norm_sampler(target_types: Union[Type[nn.Module], Iterable[Type[nn.Module]]]):
     """Decorator: register ``fn`` as the per-sample squared-norm function of ``target_types``."""
     return _register(NORM_SAMPLERS, target_types)
+
+
+def register_saved_statistics(target_types: Union[Type[nn.Module], Iterable[Type[nn.Module]]]):
+    """Decorator: register ``fn`` as the statistics reader of ``target_types`` (module doc)."""
+    return _register(SAVED_STATISTICS, target_types)
 
 
 def find_sampler(table, layer: nn.Module):

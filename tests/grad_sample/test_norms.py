@@ -255,3 +255,46 @@ def test_results_do_not_alias_backprops():
     torch.testing.assert_close(got[layer.bias], gy)
     got[layer.bias].mul_(0.0)
     assert gy.abs().sum() > 0
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.lists(small, max_size=3), batch_sizes,
+       st.sampled_from([1e-5, 0.3]), st.sampled_from(["both", "weight", "bias"]))
+def test_group_norm_from_the_forwards_saved_statistics(groups, channels_per_group, spatial, batch,
+                                                       eps, trained):
+    """The one-pass form from the (mean, rstd) the forward saved equals the oracle, also with
+    a frozen weight or bias (inputs far from zero mean: the statistics must be the forward's)."""
+    assume(channels_per_group * torch.Size(spatial).numel() > 1)
+    layer = randomise_affine(nn.GroupNorm(groups, groups * channels_per_group, eps=eps, dtype=F64))
+    layer.weight.requires_grad_(trained != "bias")
+    layer.bias.requires_grad_(trained != "weight")
+    x = 5 + 3 * torch.randn(batch, groups * channels_per_group, *spatial, dtype=F64)
+    out = layer(x)
+    statistics = norms.group_norm_statistics(layer, out)
+    assert statistics is not None and statistics[0].shape == (batch, groups)
+    gy = torch.randn_like(out)
+    got = norms.group_norm_grad_sample(layer, [x], gy, statistics=statistics)
+    expected = oracle_per_sample_grads(layer, x, gy)
+    assert set(got) == set(expected)
+    for p, g in expected.items():
+        torch.testing.assert_close(got[p], g, atol=1e-10, rtol=1e-8)
+
+
+def test_group_norm_statistics_are_read_only_from_the_ops_own_output(monkeypatch):
+    """GradSampleModule hands the saved statistics to the sampler (one-pass form used, results
+    equal the oracle); not under saved-tensor hooks or for a tensor that is not GroupNorm's result."""
+    from tests.grad_sample.oracle import assert_grad_samples_close, gsm_grad_samples, oracle_grad_samples
+
+    used = []
+    original = norms._group_norm_grads_from_statistics
+    monkeypatch.setattr(norms, "_group_norm_grads_from_statistics",
+                        lambda *a: used.append(1) or original(*a))
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Tanh()).double()
+    x = torch.randn(3, 2, 5, 5, dtype=F64)
+    assert_grad_samples_close(gsm_grad_samples(model, (x,)), oracle_grad_samples(model, (x,)))
+    assert used == [1]
+    with torch.autograd.graph.save_on_cpu():
+        assert norms.group_norm_statistics(model[1], model[1](model[0](x))) is None
+        assert_grad_samples_close(gsm_grad_samples(model, (x,)), oracle_grad_samples(model, (x,)))
+    assert used == [1]
+    assert norms.group_norm_statistics(model[1], torch.tanh(model[1](model[0](x)))) is None
