@@ -250,9 +250,8 @@ class GradSampleModule(nn.Module):
         if sampler is not None:
             if backprops[0] is None:
                 return {}
-            if call.statistics is not None:
-                return sampler(layer, call.activations(layer), backprops[0], statistics=call.statistics)
-            return sampler(layer, call.activations(layer), backprops[0])
+            extra = {} if call.statistics is None else {"statistics": call.statistics}
+            return sampler(layer, call.activations(layer), backprops[0], **extra)
         args, kwargs = call.batch_first_inputs()
         _RECOMPUTING.active = True
         try:

@@ -8,9 +8,10 @@ Differentially Private Learners", ghost clipping)
     ‖G_iᵀ A_i‖²_F = Σ_{t,s} (a_t · a_s)(g_t · g_s) = ⟨A_i A_iᵀ, G_i G_iᵀ⟩,
 
 ``O(T²(d + p))`` instead of ``O(T d p)``; for ``T = 1`` it is ``‖a‖² ‖g‖²``. The bias gradient
-is ``Σ_t g_t``, which the norm sampler returns per sample. With factors ``f_i`` the weighted sum of the per-sample weight gradients is the
-batch weight gradient of the scaled output gradients: ``Σ_i f_i G_iᵀ A_i = (f ⊙ G)ᵀ A``
-(one matrix product, the scale applied to the smaller of ``A`` and ``G``).
+is ``Σ_t g_t``, which the norm sampler returns per sample. With factors ``f_i`` the weighted
+sum of the per-sample weight gradients is the batch weight gradient of the scaled output
+gradients: ``Σ_i f_i G_iᵀ A_i = (f ⊙ G)ᵀ A`` (one matrix product, the scale applied to the
+smaller of ``A`` and ``G``).
 Several calls of the layer in one pass are merged by concatenating their positions.
 """
 
