@@ -25,8 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from opacus_dp.grad_sample.recomputed_inputs import saved_tensor_hooks_active
 from opacus_dp.grad_sample.registry import register_grad_sampler, register_saved_statistics
+from opacus_dp.grad_sample.support import saved_tensor_hooks_active, trainable
 
 InstanceNormNd = Union[nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d]
 
@@ -46,18 +46,14 @@ def _affine_grads(layer, x_hat_fn, backprops: torch.Tensor, reduce_dims) -> Dict
     """
     grads = {}
     weight, bias = layer.weight, getattr(layer, "bias", None)
-    if weight is not None and weight.requires_grad:
+    if trainable(weight):
         if backprops.numel() == 0:
             grads[weight] = _sum_over(backprops, reduce_dims)
         else:
             grads[weight] = _sum_over(x_hat_fn().mul_(backprops), reduce_dims)
-    if bias is not None and bias.requires_grad:
+    if trainable(bias):
         grads[bias] = _sum_over(backprops, reduce_dims)
     return grads
-
-
-def _trainable(param) -> bool:
-    return param is not None and param.requires_grad
 
 
 def _check_trailing_shape(layer, x: torch.Tensor) -> None:
@@ -136,7 +132,7 @@ def _group_norm_grads_from_statistics(layer: nn.GroupNorm, x: torch.Tensor, back
     mean, rstd = statistics
     batch, channels, groups = x.shape[0], x.shape[1], layer.num_groups
     spatial = x[0, 0].numel()
-    wanted = [False, _trainable(layer.weight), _trainable(layer.bias)]
+    wanted = [False, trainable(layer.weight), trainable(layer.bias)]
     _, weight_grad, bias_grad = torch.ops.aten.native_group_norm_backward(
         backprops.reshape(1, batch * channels, spatial), x.reshape(1, batch * channels, spatial),
         mean.reshape(1, batch * groups), rstd.reshape(1, batch * groups), None,

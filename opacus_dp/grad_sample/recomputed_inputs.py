@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from opacus_dp.grad_sample.support import saved_tensor_hooks_active
+
 # autograd node -> (the aten op φ, the node's saved scalars that are φ's arguments)
 _RECOMPUTE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "GeluBackward0": ("gelu", ("approximate",)),
@@ -103,11 +105,6 @@ def producer_of(tensor) -> Optional[tuple]:
     if node is None or type(node).__name__ not in _RECOMPUTE or saved_tensor_hooks_active():
         return None
     return node, tensor._version, torch.get_num_threads()
-
-
-def saved_tensor_hooks_active() -> bool:
-    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top_hooks is None or top_hooks(False) is not None  # unknown: assume active
 
 
 def _storage_holders(tensor: torch.Tensor) -> int:

@@ -10,8 +10,21 @@ the layers below violate that and are refused.
 
 from typing import Iterator, List, Optional, Tuple
 
+import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+
+def trainable(param) -> bool:
+    """True for a parameter that exists and requires a gradient."""
+    return param is not None and param.requires_grad
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Saved-tensor hooks (activation checkpointing, ``save_on_cpu``) may be packing what
+    autograd saves: its saved tensors are then not to be read directly (unknown: assume so)."""
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top_hooks is None or top_hooks(False) is not None
 
 
 def own_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:

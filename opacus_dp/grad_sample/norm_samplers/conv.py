@@ -37,7 +37,8 @@ import torch.nn as nn
 from torch.nn import grad as conv_grad
 
 from opacus_dp.grad_sample.conv import _prepare_input, conv_windows, padded_input, side_padding
-from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer, trainable
+from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
+from opacus_dp.grad_sample.support import trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
 
 ConvNd = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]

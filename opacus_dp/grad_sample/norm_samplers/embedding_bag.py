@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.embedding_bag import bag_elements, element_weights, max_winners
-from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer, trainable
+from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
+from opacus_dp.grad_sample.support import trainable
 from opacus_dp.grad_sample.registry import register_norm_sampler
 
 

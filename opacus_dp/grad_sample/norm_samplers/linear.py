@@ -20,7 +20,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer, trainable
+from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
+from opacus_dp.grad_sample.support import trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
 from opacus_dp.layers.batch_first import BatchFirstLinear
 

@@ -65,7 +65,3 @@ def ghost_layer_of(layer: nn.Module) -> Optional[GhostLayer]:
     """The entry of exactly ``type(layer)`` (subclasses may change ``forward``), else None."""
     return GHOST_LAYERS.get(type(layer))
 
-
-def trainable(param) -> bool:
-    """True for a parameter that exists and requires a gradient."""
-    return param is not None and param.requires_grad
