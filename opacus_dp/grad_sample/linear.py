@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.registry import register_grad_sampler
+from opacus_dp.grad_sample.support import sum_over_positions
 
 
 @register_grad_sampler(nn.Linear)
@@ -29,5 +30,5 @@ def linear_grad_sample(
     if layer.weight.requires_grad:
         grads[layer.weight] = torch.einsum("bto,bti->boi", g, x)
     if layer.bias is not None and layer.bias.requires_grad:
-        grads[layer.bias] = g.sum(dim=1)
+        grads[layer.bias] = sum_over_positions(g)
     return grads

@@ -6,8 +6,9 @@ statistics of that sample only (unlike BatchNorm), so with output gradient ``gy`
     dL_i/dw = sum over the dims not covered by ``w`` (except the batch) of  x_hat_i * gy_i
     dL_i/db = the same sum of  gy_i
 
-``x_hat`` is recomputed from the recorded input with the layer's own ``eps`` (GroupNorm: from the
-per-sample statistics its forward saved, where available, see :func:`group_norm_statistics`):
+``x_hat`` is recomputed from the recorded input with the layer's own ``eps`` (LayerNorm and
+GroupNorm: from the statistics ``(mean, rstd)`` their forward saved, where available, see
+:func:`saved_statistics`):
 
 * ``LayerNorm``:    (x - mean) / sqrt(var + eps) over the trailing ``normalized_shape`` dims;
 * ``RMSNorm``:      x / sqrt(mean(x^2) + eps) over the trailing ``normalized_shape`` dims
@@ -19,6 +20,7 @@ per-sample statistics its forward saved, where available, see :func:`group_norm_
 Variances are the biased (1/n) ones.
 """
 
+import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -26,15 +28,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from opacus_dp.grad_sample.registry import register_grad_sampler, register_saved_statistics
-from opacus_dp.grad_sample.support import saved_tensor_hooks_active, trainable
+from opacus_dp.grad_sample.support import saved_tensor_hooks_active, sum_over_positions, trainable
 
 InstanceNormNd = Union[nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d]
 
 
 def _sum_over(t: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     """``t`` summed over ``dims``; a copy of ``t`` when there are none (results never alias
-    ``backprops``, so a consumer may scale each per-sample gradient in place)."""
-    return t.sum(dim=tuple(dims)) if len(dims) > 0 else t.clone()
+    ``backprops``, so a consumer may scale each per-sample gradient in place). The middle
+    dimensions of a contiguous ``(B, *middle, *trailing)`` go through
+    :func:`~opacus_dp.grad_sample.support.sum_over_positions`."""
+    dims = tuple(dims)
+    if not dims:
+        return t.clone()
+    trailing = t.shape[1 + len(dims):]
+    if dims == tuple(range(1, 1 + len(dims))) and trailing and t.is_contiguous():
+        flat = t.view(t.shape[0], math.prod(t.shape[1:1 + len(dims)]), math.prod(trailing))
+        return sum_over_positions(flat).view(t.shape[0], *trailing)
+    return t.sum(dim=dims)
 
 
 def _affine_grads(layer, x_hat_fn, backprops: torch.Tensor, reduce_dims) -> Dict:
@@ -75,17 +86,30 @@ def _check_channels(layer, x: torch.Tensor, channels: int) -> None:
 
 @register_grad_sampler(nn.LayerNorm)
 def layer_norm_grad_sample(
-    layer: nn.LayerNorm, activations: List[torch.Tensor], backprops: torch.Tensor
+    layer: nn.LayerNorm, activations: List[torch.Tensor], backprops: torch.Tensor,
+    statistics: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Dict[nn.Parameter, torch.Tensor]:
-    """Per-sample gradients of ``LayerNorm`` weight and bias (``x_hat`` in the module doc)."""
+    """Per-sample gradients of ``LayerNorm`` weight and bias (``x_hat`` in the module doc);
+    ``x_hat = x · rstd − mean · rstd`` from the forward's saved ``statistics`` where they fit
+    (the form torch's kernel normalises with), else recomputed."""
     x = activations[0].to(backprops.dtype)
     _check_trailing_shape(layer, x)
     reduce_dims = range(1, x.dim() - len(layer.normalized_shape))
 
     def x_hat():
+        if statistics is not None and _layer_statistics_fit(layer, x, statistics):
+            mean, rstd = statistics
+            return torch.addcmul(-mean * rstd, x, rstd)
         return F.layer_norm(x, layer.normalized_shape, eps=layer.eps)
 
     return _affine_grads(layer, x_hat, backprops, reduce_dims)
+
+
+def _layer_statistics_fit(layer: nn.LayerNorm, x: torch.Tensor, statistics) -> bool:
+    mean, rstd = statistics
+    kept = x.dim() - len(layer.normalized_shape)
+    shape = tuple(x.shape[:kept]) + (1,) * len(layer.normalized_shape)
+    return tuple(mean.shape) == shape == tuple(rstd.shape) and x.dtype == mean.dtype == rstd.dtype
 
 
 @register_grad_sampler(nn.GroupNorm)
@@ -94,7 +118,7 @@ def group_norm_grad_sample(
     statistics: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients of ``GroupNorm`` per-channel weight and bias; from the forward's
-    saved ``statistics`` (:func:`group_norm_statistics`) in one pass where they fit."""
+    saved ``statistics`` (:func:`saved_statistics`) in one pass where they fit."""
     x = activations[0].to(backprops.dtype)
     _check_channels(layer, x, layer.num_channels)
     if statistics is not None and _statistics_fit(layer, x, backprops, statistics):
@@ -106,13 +130,18 @@ def group_norm_grad_sample(
     return _affine_grads(layer, x_hat, backprops, range(2, x.dim()))
 
 
-@register_saved_statistics(nn.GroupNorm)
-def group_norm_statistics(layer: nn.GroupNorm, output) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """``(mean, rstd)`` of each sample and group, ``(B, G)``, as the forward saved them for its
-    backward (``rstd = 1/sqrt(var + eps)``); None when the output is not that op's own result
-    or saved-tensor hooks (checkpointing, offloading) may be packing them."""
+_STATISTICS_NODES = {nn.GroupNorm: "NativeGroupNormBackward0", nn.LayerNorm: "NativeLayerNormBackward0"}
+
+
+@register_saved_statistics([nn.GroupNorm, nn.LayerNorm])
+def saved_statistics(layer: nn.Module, output) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(mean, rstd)`` as the forward saved them for its backward (``rstd = 1/sqrt(var +
+    eps)``): per sample and group ``(B, G)`` for GroupNorm, per normalised row ``(..., 1)``
+    for LayerNorm; None when the output is not that op's own result or saved-tensor hooks
+    (checkpointing, offloading) may be packing them."""
     node = getattr(output, "grad_fn", None)
-    if node is None or type(node).__name__ != "NativeGroupNormBackward0" or saved_tensor_hooks_active():
+    expected = next(name for kind, name in _STATISTICS_NODES.items() if isinstance(layer, kind))
+    if node is None or type(node).__name__ != expected or saved_tensor_hooks_active():
         return None
     return node._saved_result1.detach(), node._saved_result2.detach()
 

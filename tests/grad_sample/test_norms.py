@@ -270,7 +270,7 @@ def test_group_norm_from_the_forwards_saved_statistics(groups, channels_per_grou
     layer.bias.requires_grad_(trained != "weight")
     x = 5 + 3 * torch.randn(batch, groups * channels_per_group, *spatial, dtype=F64)
     out = layer(x)
-    statistics = norms.group_norm_statistics(layer, out)
+    statistics = norms.saved_statistics(layer, out)
     assert statistics is not None and statistics[0].shape == (batch, groups)
     gy = torch.randn_like(out)
     got = norms.group_norm_grad_sample(layer, [x], gy, statistics=statistics)
@@ -294,7 +294,71 @@ def test_group_norm_statistics_are_read_only_from_the_ops_own_output(monkeypatch
     assert_grad_samples_close(gsm_grad_samples(model, (x,)), oracle_grad_samples(model, (x,)))
     assert used == [1]
     with torch.autograd.graph.save_on_cpu():
-        assert norms.group_norm_statistics(model[1], model[1](model[0](x))) is None
+        assert norms.saved_statistics(model[1], model[1](model[0](x))) is None
         assert_grad_samples_close(gsm_grad_samples(model, (x,)), oracle_grad_samples(model, (x,)))
     assert used == [1]
-    assert norms.group_norm_statistics(model[1], torch.tanh(model[1](model[0](x)))) is None
+    assert norms.saved_statistics(model[1], torch.tanh(model[1](model[0](x)))) is None
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(small, min_size=1, max_size=2), st.lists(small, max_size=2), batch_sizes,
+       st.sampled_from([1e-5, 0.3]), st.sampled_from(["both", "weight", "bias"]))
+def test_layer_norm_from_the_forwards_saved_statistics(normalized, leading, batch, eps, trained):
+    """``x_hat`` from the forward's saved (mean, rstd) gives the oracle's per-sample gradients
+    (inputs far from zero mean, so that wrong statistics show), also with a frozen parameter."""
+    layer = randomise_affine(nn.LayerNorm(normalized, eps=eps, dtype=F64))
+    layer.weight.requires_grad_(trained != "bias")
+    layer.bias.requires_grad_(trained != "weight")
+    x = 5 + 3 * torch.randn(batch, *leading, *normalized, dtype=F64)
+    out = layer(x)
+    statistics = norms.saved_statistics(layer, out)
+    assert statistics is not None
+    assert statistics[0].shape == (batch, *leading, *[1] * len(normalized))
+    gy = torch.randn_like(out)
+    got = norms.layer_norm_grad_sample(layer, [x], gy, statistics=statistics)
+    expected = oracle_per_sample_grads(layer, x, gy)
+    assert set(got) == set(expected)
+    for p, g in expected.items():
+        torch.testing.assert_close(got[p], g, atol=1e-10, rtol=1e-8)
+
+
+def test_layer_norm_statistics_are_used_and_read_only_from_the_ops_own_output(monkeypatch):
+    """GradSampleModule hands LayerNorm's saved statistics to its sampler, which normalises
+    with them (results equal the oracle; wrong statistics would not); not under saved-tensor
+    hooks, for another op's output, or when their shape does not fit the input."""
+    from tests.grad_sample.oracle import assert_grad_samples_close, gsm_grad_samples, oracle_grad_samples
+
+    fits = []
+    original = norms._layer_statistics_fit
+    monkeypatch.setattr(norms, "_layer_statistics_fit", lambda *a: fits.append(original(*a)) or fits[-1])
+    model = nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6), nn.Tanh()).double()
+    x = 2 + torch.randn(4, 5, 3, dtype=F64)
+    assert_grad_samples_close(gsm_grad_samples(model, (x,)), oracle_grad_samples(model, (x,)))
+    assert fits == [True]
+    with torch.autograd.graph.save_on_cpu():
+        assert norms.saved_statistics(model[1], model[1](model[0](x))) is None
+        assert_grad_samples_close(gsm_grad_samples(model, (x,)), oracle_grad_samples(model, (x,)))
+    assert fits == [True]
+    assert norms.saved_statistics(model[1], torch.tanh(model[1](model[0](x)))) is None
+    h = model[0](x)
+    mean, rstd = norms.saved_statistics(model[1], model[1](h))
+    assert not norms._layer_statistics_fit(model[1], h[:2], (mean, rstd))
+    gy = torch.randn(4, 5, 6, dtype=F64)
+    wrong = norms.layer_norm_grad_sample(model[1], [h], gy, statistics=(torch.zeros_like(mean), rstd))
+    right = norms.layer_norm_grad_sample(model[1], [h], gy, statistics=(mean, rstd))
+    assert not torch.allclose(wrong[model[1].weight], right[model[1].weight])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 5, 4), (2, 1, 7), (0, 3, 2), (3, 0, 2), (4, 128, 33)])
+def test_sum_over_positions_equals_sum_over_the_middle_dimension(dtype, shape):
+    from opacus_dp.grad_sample.support import sum_over_positions
+
+    t = torch.randn(*shape, dtype=torch.float64).to(dtype)
+    for view in (t, t.transpose(0, 1).contiguous().transpose(0, 1)):
+        got = sum_over_positions(view)
+        assert got.shape == (shape[0], shape[2]) and got.dtype == dtype
+        torch.testing.assert_close(got, view.sum(dim=1), atol=1e-5, rtol=1e-5)
+        if got.numel():
+            got.add_(1.0)  # a new tensor: the input is not changed
+            torch.testing.assert_close(view.double(), t.double())
