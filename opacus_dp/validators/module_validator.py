@@ -16,12 +16,12 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from opacus_dp.grad_sample.support import has_trainable_parameters
 from opacus_dp.validators import fixers
 from opacus_dp.validators.errors import UnsupportedModuleError, combined_error
 from opacus_dp.validators.rules import (
     MODULE_RULES,
     RNN_REPLACEMENTS,
-    has_trainable_parameters,
     no_trainable_parameters_error,
 )
 

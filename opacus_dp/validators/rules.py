@@ -14,6 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import UninitializedParameter
 
+from opacus_dp.grad_sample.support import has_trainable_parameters
 from opacus_dp.validators.errors import (
     IllegalModuleConfigurationError,
     ShouldReplaceModuleError,
@@ -35,11 +36,6 @@ class Problem:
     def error(self, path: str, module: nn.Module) -> UnsupportedModuleError:
         message = f"{path} ({type(module).__name__}) cannot be private: {self.reason}; fix: {self.fix}"
         return self.error_class(message)
-
-
-def has_trainable_parameters(module: nn.Module) -> bool:
-    """True when the module itself (not its children) owns a parameter with ``requires_grad``."""
-    return any(p.requires_grad for p in module.parameters(recurse=False))
 
 
 def check_batch_norm(module: nn.Module) -> Optional[Problem]:
