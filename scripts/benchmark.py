@@ -24,7 +24,11 @@ optimizer and batch are built, the kernel's peak-RSS mark is reset (``/proc/self
 and the current RSS noted; after ``--memory-steps`` steps the peak (``VmHWM``) minus that RSS
 is the *peak increase*: what training adds on top of model and data (activations, gradients,
 per-sample state, optimizer state). ``MALLOC_MMAP_THRESHOLD_=65536`` makes glibc return freed
-tensors to the OS at once, so RSS follows live memory.
+tensors to the OS at once, so RSS follows live memory (and ``THP_MEM_ALLOC_ENABLE`` is unset
+there: huge pages would round resident sizes up).
+**Allocator**: the timed process runs with the environment it is given, reported in the
+table's header and the JSON: e.g. ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator on
+2 MiB transparent huge pages, fewer page faults for large tensors) applies to every variant alike.
 
 Usage::
 
@@ -182,6 +186,7 @@ def probe_memory(model_name: str, variant: str, steps: int) -> dict:
 
 def measure_memory(model_name: str, variant: str, args) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(args.threads))
+    env.pop("THP_MEM_ALLOC_ENABLE", None)  # 2 MiB pages would round the resident sizes up
     cmd = [sys.executable, os.path.abspath(__file__), "--probe", model_name, variant,
            "--memory-steps", str(args.memory_steps), "--threads", str(args.threads)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -242,10 +247,14 @@ def print_table(report: dict) -> None:
         print(f"{'':12s} auto -> {entry['auto']}")
 
 
+ALLOCATOR_SETTINGS = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")
+
+
 def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "load_average": os.getloadavg()}
+            "load_average": os.getloadavg(),
+            "allocator": {k: os.environ[k] for k in ALLOCATOR_SETTINGS if k in os.environ}}
 
 
 def parse_args(argv=None):
@@ -285,6 +294,7 @@ def main(argv=None) -> None:
                                         "raw_timing": timing, "memory": memory}
         print(f"done: {model_name}", file=sys.stderr)
     report["machine"]["load_average_after"] = os.getloadavg()
+    print(f"allocator settings of the timed process: {report['machine']['allocator'] or 'defaults'}")
     print_table(report)
     if args.json:
         with open(args.json, "w") as f:
