@@ -17,8 +17,8 @@ small as the norms' inputs) it returns them instead, wrapped in :class:`PerSampl
 the caller then treats that parameter as materialised (norms and clipped sum from them).
 
 A *statistics reader* ``reader(layer, output) -> tuple of tensors or None`` runs at the layer's
-forward call and returns small tensors its forward saved for the backward (e.g. GroupNorm's
-per-sample means and inverse deviations); the layer's grad sampler then also receives them as
+forward call and returns small tensors its forward saved for the backward (e.g. GroupNorm's and
+LayerNorm's means and inverse deviations); the layer's grad sampler then also receives them as
 ``statistics=`` and need not recompute them.
 """
 
