@@ -121,7 +121,7 @@ def group_norm_grad_sample(
     saved ``statistics`` (:func:`saved_statistics`) in one pass where they fit."""
     x = activations[0].to(backprops.dtype)
     _check_channels(layer, x, layer.num_channels)
-    if statistics is not None and _statistics_fit(layer, x, backprops, statistics):
+    if statistics is not None and _group_statistics_fit(layer, x, backprops, statistics):
         return _group_norm_grads_from_statistics(layer, x, backprops, statistics)
 
     def x_hat():
@@ -146,7 +146,8 @@ def saved_statistics(layer: nn.Module, output) -> Optional[Tuple[torch.Tensor, t
     return node._saved_result1.detach(), node._saved_result2.detach()
 
 
-def _statistics_fit(layer: nn.GroupNorm, x: torch.Tensor, backprops: torch.Tensor, statistics) -> bool:
+def _group_statistics_fit(layer: nn.GroupNorm, x: torch.Tensor, backprops: torch.Tensor,
+                          statistics) -> bool:
     mean, rstd = statistics
     return (x.shape[0] > 0 and tuple(mean.shape) == (x.shape[0], layer.num_groups)
             and rstd.shape == mean.shape and x.dtype == mean.dtype == rstd.dtype

@@ -27,14 +27,14 @@ def saved_tensor_hooks_active() -> bool:
     return top_hooks is None or top_hooks(False) is not None
 
 
-def sum_over_positions(t: torch.Tensor) -> torch.Tensor:
-    """``Σ_t t[:, t, :]`` of a ``(B, T, p)`` tensor, shape ``(B, p)``, as the product
-    ``1ᵀ t_i`` of each sample (a new tensor). On CPU the product reads ``t`` once at memory
-    speed where ``t.sum(dim=1)``, a reduction over a middle dimension, ran ~3× slower
+def sum_over_positions(x: torch.Tensor) -> torch.Tensor:
+    """``Σ_s x[:, s, :]`` of a ``(B, T, p)`` tensor, shape ``(B, p)``, as the product
+    ``1ᵀ x_i`` of each sample (a new tensor). On CPU the product reads ``x`` once at memory
+    speed where ``x.sum(dim=1)``, a reduction over a middle dimension, ran ~3× slower
     (``B·T = 4096``, ``p = 1024``); other dtypes keep ``sum``."""
-    if t.dtype in (torch.float32, torch.float64) and t.shape[1] > 1 and t.numel() > 0:
-        return torch.bmm(t.new_ones(t.shape[0], 1, t.shape[1]), t).squeeze(1)
-    return t.sum(dim=1)
+    if x.dtype in (torch.float32, torch.float64) and x.shape[1] > 1 and x.numel() > 0:
+        return torch.bmm(x.new_ones(x.shape[0], 1, x.shape[1]), x).squeeze(1)
+    return x.sum(dim=1)
 
 
 def own_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
