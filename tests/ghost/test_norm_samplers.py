@@ -218,3 +218,58 @@ def test_embedding_bag_offsets_against_materialised_gradients(lengths, mode, pad
     sums = GHOST_LAYERS[nn.EmbeddingBag].weighted_grad(layer, activations, backprops, factors)
     torch.testing.assert_close(sums[layer.weight], weighted(factors[layer.weight], materialised),
                                rtol=1e-10, atol=1e-12)
+
+
+def test_conv_clipped_sum_runs_without_cudnn_where_its_tf32_default_would_apply(monkeypatch):
+    """A float32 CUDA clipped sum is computed with cuDNN off (its TF32 default would round the
+    products more coarsely than the norms'); the flag is restored, also after an error, and left
+    alone elsewhere. Here the CUDA condition is forced: the wiring and the restore are checked."""
+    from opacus_dp.grad_sample.norm_samplers import conv as conv_samplers
+
+    seen = []
+    original = conv_samplers._WEIGHT_GRAD[2]
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cudnn.enabled)
+        return original(*args, **kwargs)
+
+    monkeypatch.setitem(conv_samplers._WEIGHT_GRAD, 2, recording)
+    layer = nn.Conv2d(2, 3, 3, padding=1).double()
+    x = torch.randn(3, 2, 5, 5, dtype=torch.float64)
+    assert torch.backends.cudnn.enabled
+    check_layer(layer, x)  # on CPU: cuDNN untouched
+    assert seen == [True]
+    monkeypatch.setattr(conv_samplers, "_cuda_float32", lambda t: True)
+    check_layer(layer, x)  # "CUDA float32": computed with cuDNN off, same results
+    assert seen == [True, False] and torch.backends.cudnn.enabled
+    with pytest.raises(RuntimeError, match="boom"):
+        with conv_samplers.products_as_exact_as_the_norms(x):
+            assert not torch.backends.cudnn.enabled
+            raise RuntimeError("boom")
+    assert torch.backends.cudnn.enabled
+    monkeypatch.undo()
+    for t in (torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)):
+        assert not conv_samplers._cuda_float32(t)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_conv_clipped_sum_on_cuda_is_as_exact_as_the_norms_with_tf32_allowed():
+    """With cuDNN's TF32 allowed, the clipped sum still equals the float64 oracle to float32
+    precision (TF32 products would be ~1e-3 off)."""
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        layer64 = nn.Conv2d(16, 32, 3, padding=1).double()
+        x64 = torch.randn(8, 16, 12, 12, dtype=torch.float64)
+        activations, backprops, oracle = layer_call(layer64, x64)
+        layer = nn.Conv2d(16, 32, 3, padding=1).cuda()
+        with torch.no_grad():
+            layer.weight.copy_(layer64.weight)
+            layer.bias.copy_(layer64.bias)
+        factors = {layer.weight: torch.rand(8, device="cuda")}
+        sums = GHOST_LAYERS[nn.Conv2d].weighted_grad(
+            layer, [activations[0].float().cuda()], backprops.float().cuda(), factors)
+        expected = weighted(factors[layer.weight].double().cpu(), oracle[layer64.weight])
+        torch.testing.assert_close(sums[layer.weight].double().cpu(), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous

@@ -30,6 +30,7 @@ The patch Gram ``A_i A_iᵀ`` has two forms (:func:`patch_gram`, the cheaper one
 """
 
 import math
+from contextlib import contextmanager
 from typing import Dict, List, Sequence, Union
 
 import torch
@@ -159,17 +160,40 @@ def patch_gram(layer: ConvNd, x: torch.Tensor, method: str = "auto") -> torch.Te
     return _autocorrelation_gram(layer, x) if method == "autocorrelation" else _windows_gram(layer, x)
 
 
+def _cuda_float32(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and x.dtype == torch.float32
+
+
+@contextmanager
+def products_as_exact_as_the_norms(x: torch.Tensor):
+    """Float32 convolutions on CUDA without cuDNN, whose default is TF32 products on Ampere and
+    later GPUs (``torch.backends.cudnn.allow_tf32``): the norms come from matrix products (full
+    float32 unless the user lowers their precision), and a clipped sum rounded more coarsely
+    than its norms could let a sample's contribution exceed the clipping bound (~2⁻¹¹ relative).
+    Without cuDNN, torch's own CUDA convolution runs on the same matrix products."""
+    if not (_cuda_float32(x) and torch.backends.cudnn.enabled):
+        yield
+        return
+    torch.backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = True
+
+
 def conv_weighted_grad(layer: ConvNd, activations: List[torch.Tensor], backprops: torch.Tensor,
                        factors: Dict[torch.Tensor, torch.Tensor]) -> Dict[torch.Tensor, torch.Tensor]:
-    """``Σ_i f_i ∇W_i`` as one weight-gradient convolution; ``Σ_i f_i Σ_t g_it`` for the bias."""
+    """``Σ_i f_i ∇W_i`` as one weight-gradient convolution (products as exact as the norms':
+    :func:`products_as_exact_as_the_norms`); ``Σ_i f_i Σ_t g_it`` for the bias."""
     sums = {}
     if trainable(layer.weight) and layer.weight in factors:
         x, padding = _prepare_input(layer, activations[0].to(backprops.dtype))
         f = factors[layer.weight].to(backprops.dtype).view(-1, *[1] * (backprops.dim() - 1))
         x, gy = (x * f, backprops) if x.numel() <= backprops.numel() else (x, backprops * f)
-        sums[layer.weight] = _WEIGHT_GRAD[x.dim() - 2](
-            x, layer.weight.shape, gy, stride=layer.stride, padding=padding,
-            dilation=layer.dilation, groups=layer.groups)
+        with products_as_exact_as_the_norms(x):
+            sums[layer.weight] = _WEIGHT_GRAD[x.dim() - 2](
+                x, layer.weight.shape, gy, stride=layer.stride, padding=padding,
+                dilation=layer.dilation, groups=layer.groups)
     if trainable(layer.bias) and layer.bias in factors:
         per_sample = backprops.flatten(start_dim=2).sum(dim=2)
         sums[layer.bias] = factors[layer.bias].to(per_sample.dtype) @ per_sample
