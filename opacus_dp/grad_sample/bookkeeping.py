@@ -46,8 +46,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 import torch
 import torch.nn as nn
 
-from opacus_dp.grad_sample.bookkeeping_pass import LAYER_RULES, Call, Pass, add_to, resolve_calls
-from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
+from opacus_dp.grad_sample.bookkeeping_pass import (
+    LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, resolve_calls, weighted_sum)
 from opacus_dp.grad_sample.recomputed_inputs import materialise
 
 
@@ -184,9 +184,8 @@ class Bookkeeper:
         if entry.layer not in target.ghost_layers:
             return  # materialised in the norms pass: its per-sample gradients are kept
         wanted = _owned(entry.layer, self._summing.factors, entry.scale, skip=target.grads)
-        spec = ghost_layer_of(entry.layer)
-        for p, s in spec.weighted_grad(entry.layer, entry.call.activations(entry.layer),
-                                       entry.backprops[0], wanted).items():
+        for p, s in ghost_weighted_grad(entry.layer, entry.call.activations(entry.layer),
+                                        entry.backprops[0], wanted).items():
             add_to(target.sums, p, s)
 
     # ------------------------------------------------------------------ consuming
@@ -234,15 +233,14 @@ class Bookkeeper:
             while resolved.ghost_calls:  # each call's tensors freed once used (memory reused)
                 layer, activations, backprops, scale = resolved.ghost_calls.pop()
                 wanted = _owned(layer, by_param, scale, window, skip=resolved.grads)
-                for p, s in ghost_layer_of(layer).weighted_grad(
-                        layer, materialise(activations), backprops, wanted).items():
+                for p, s in ghost_weighted_grad(layer, materialise(activations), backprops,
+                                                wanted).items():
                     add_to(sums, p, s)
                 del activations, backprops
             for p in list(resolved.grads):
                 g = resolved.grads.pop(p)
                 if p in by_param:
-                    f = by_param[p][window].to(device=g.device, dtype=g.dtype) * resolved.grad_scales[p]
-                    add_to(sums, p, torch.einsum("i,i...->...", f, g))
+                    add_to(sums, p, weighted_sum(by_param[p][window] * resolved.grad_scales[p], g))
         return [sums.get(p) for p in params]
 
     def _take(self) -> List[Pass]:

@@ -16,6 +16,7 @@ import torch.nn as nn
 from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
 from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput, recomputed_in
 from opacus_dp.grad_sample.registry import NORM_SAMPLERS, PerSampleGrads
+from opacus_dp.optim.clipping import sum_dtype
 
 LAYER_RULES = ("mixed", "ghost")
 
@@ -67,7 +68,7 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
             _sum_materialised_now(current, layer, factor_function)
         return
     activations, backprops, scale = merged
-    for p, result in NORM_SAMPLERS[type(layer)](layer, activations, backprops).items():
+    for p, result in ghost_norms(layer, activations, backprops).items():
         if isinstance(result, PerSampleGrads):
             _check_new(current, p)
             _add_grads(current, p, result.grads, scale)
@@ -86,9 +87,31 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
         current.ghost_calls.append((layer, activations, backprops, scale))
         return
     wanted = {p: f * scale for p, f in factors.items() if p not in current.grads}
-    for p, s in ghost_layer_of(layer).weighted_grad(layer, activations, backprops, wanted).items():
+    for p, s in ghost_weighted_grad(layer, activations, backprops, wanted).items():
         add_to(current.sums, p, s)
     _sum_grads_now(current, {p: f for p, f in factors.items() if p in current.grads})
+
+
+def _in_sum_dtype(activations: list, backprops: torch.Tensor):
+    """Half-precision inputs and output gradients as float32 (exactly), so that a ghost layer's
+    norms and its clipped sum both come from float32 products and agree to float32 rounding
+    (half-precision products would leave a clipped sample up to ~2⁻⁸ above the bound)."""
+    def lift(t):
+        return t.to(sum_dtype(t.dtype)) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    return [lift(a) for a in activations], lift(backprops)
+
+
+def ghost_norms(layer: nn.Module, activations: list, backprops: torch.Tensor) -> Dict:
+    """The layer's norm sampler, on float32 inputs for half-precision ones."""
+    activations, backprops = _in_sum_dtype(activations, backprops)
+    return NORM_SAMPLERS[type(layer)](layer, activations, backprops)
+
+
+def ghost_weighted_grad(layer: nn.Module, activations: list, backprops: torch.Tensor,
+                        factors: Dict[torch.Tensor, torch.Tensor]) -> Dict:
+    """The layer's ``Σ_i f_i g_i``, on float32 inputs for half-precision ones."""
+    activations, backprops = _in_sum_dtype(activations, backprops)
+    return ghost_layer_of(layer).weighted_grad(layer, activations, backprops, factors)
 
 
 def _factors_now(current: Pass, layer: nn.Module,
@@ -117,8 +140,13 @@ def _sum_grads_now(current: Pass, factors: Dict[torch.Tensor, torch.Tensor]) -> 
     """``Σ_i f_i g_i`` of per-sample gradients in the pass, for the ``factors`` given; dropped."""
     for p, f in factors.items():
         g = current.grads.pop(p)
-        f = f.to(device=g.device, dtype=g.dtype) * current.grad_scales.pop(p)
-        add_to(current.sums, p, torch.einsum("i,i...->...", f, g))
+        add_to(current.sums, p, weighted_sum(f * current.grad_scales.pop(p), g))
+
+
+def weighted_sum(factors: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+    """``Σ_i f_i g_i`` of per-sample gradients, in float32 for half-precision ones."""
+    dtype = sum_dtype(grads.dtype)
+    return torch.einsum("i,i...->...", factors.to(device=grads.device, dtype=dtype), grads.to(dtype))
 
 
 def add_to(sums: Dict[torch.Tensor, torch.Tensor], p: torch.Tensor, value: torch.Tensor) -> None:
@@ -180,7 +208,8 @@ def _add_grads(current: Pass, p: torch.Tensor, g: torch.Tensor, scale: float) ->
 def _set_norms(current: Pass, p: torch.Tensor) -> None:
     """The squared norms of ``p``'s per-sample gradients in the pass."""
     flat = current.grads[p].reshape(current.grads[p].shape[0], -1)
-    current.sq_norms[p] = torch.linalg.vector_norm(flat, dim=1).square() * current.grad_scales[p] ** 2
+    norms = torch.linalg.vector_norm(flat, dim=1, dtype=sum_dtype(flat.dtype))
+    current.sq_norms[p] = norms.square() * current.grad_scales[p] ** 2
 
 
 def _add_norms(current: Pass, p: torch.Tensor, sq: torch.Tensor) -> None:

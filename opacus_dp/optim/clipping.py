@@ -32,8 +32,15 @@ def check_max_grad_norm(value, name: str = "max_grad_norm") -> float:
     return value
 
 
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for the half-precision floats, else ``dtype``: clip factors, clipped sums and noise
+    of half-precision parameters are formed in float32 (see :mod:`opacus_dp.optim.dp_optimizer`)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _factor(norms: torch.Tensor, bound: float) -> torch.Tensor:
-    """``min(1, bound / (norms + 1e-6))`` elementwise."""
+    """``min(1, bound / (norms + 1e-6))`` elementwise, in at least float32."""
+    norms = norms.to(sum_dtype(norms.dtype))
     return (bound / (norms + CLIP_EPSILON)).clamp(max=1.0)
 
 
@@ -66,7 +73,8 @@ class FlatClipper(Clipper):
     def clip_factors(self, per_param_norms):
         if not per_param_norms:
             return []
-        total = torch.stack([n.to(per_param_norms[0].device) for n in per_param_norms], dim=1)
+        device = per_param_norms[0].device
+        total = torch.stack([n.to(device=device, dtype=sum_dtype(n.dtype)) for n in per_param_norms], dim=1)
         factor = _factor(total.norm(2, dim=1), self.max_grad_norm)
         return [factor.to(n.device) for n in per_param_norms]
 

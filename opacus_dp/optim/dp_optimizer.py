@@ -14,6 +14,13 @@ One logical step (``step()``), for the trainable tensors ``l`` of the wrapped op
 Parameters of the wrapped optimizer without ``requires_grad`` get ``p.grad = None`` before
 the inner step, so it never applies a gradient that was not clipped and noised.
 
+Half-precision parameters (float16, bfloat16): norms, clip factors, ``S_l`` and the noise are
+formed in float32 (:func:`~opacus_dp.optim.clipping.sum_dtype`) and ``p.grad`` is cast to the parameter's dtype only after
+the noise — a cast after the noise is post-processing, while rounding ``S_l`` before it could
+move the sum by up to a unit in the last place of its own magnitude, beyond what one clipped
+sample may change (and per-sample norms rounded to 8 bits could leave a clipped sample up to
+~0.4 % above the bound).
+
 Abadi et al. 2016, "Deep Learning with Differential Privacy" (Algorithm 1). Dividing by the
 *expected* batch size keeps the sensitivity of the average independent of the sampled
 batch (Poisson sampling).
@@ -26,7 +33,7 @@ import torch
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from opacus_dp.optim.clipping import Clipper, FlatClipper, PerLayerClipper, make_clipper
+from opacus_dp.optim.clipping import Clipper, FlatClipper, PerLayerClipper, make_clipper, sum_dtype
 from opacus_dp.optim.grad_source import AttributeGradSource
 from opacus_dp.optim.noise import GaussianNoise, check_noise_multiplier, noise_std
 from opacus_dp.optim.reduction import LocalReducer
@@ -169,8 +176,8 @@ class DPOptimizer(Optimizer):
             g = grad_samples.get(p)
             if g is None:
                 continue
-            g = g.to(p.dtype)
-            clipped = torch.einsum("i,i...->...", factor.to(device=g.device, dtype=p.dtype), g)
+            g = g.to(sum_dtype(p.dtype))
+            clipped = torch.einsum("i,i...->...", factor.to(device=g.device, dtype=g.dtype), g)
             self._summed[p] = self._summed[p] + clipped if p in self._summed else clipped
         self._num_accumulated += batch_size
 
@@ -182,7 +189,7 @@ class DPOptimizer(Optimizer):
         factors = self.clipper.clip_factors(norms)
         for p, clipped in zip(params, self.grad_source.clipped_sums(params, factors)):
             if clipped is not None:
-                clipped = clipped.to(p.dtype)
+                clipped = clipped.to(sum_dtype(p.dtype))
                 self._summed[p] = self._summed[p] + clipped if p in self._summed else clipped
         self._num_accumulated += norms[0].shape[0] if norms else 0
 
@@ -247,7 +254,7 @@ class DPOptimizer(Optimizer):
 
     # ---------------------------------------------------------------------- helpers
     def _take_summed_grads(self) -> List[torch.Tensor]:
-        sums = [self._summed.get(p, torch.zeros_like(p)) for p in self.params]
+        sums = [self._summed.get(p, torch.zeros_like(p, dtype=sum_dtype(p.dtype))) for p in self.params]
         self._summed = {}
         self._last_num_accumulated, self._num_accumulated = self._num_accumulated, 0
         return sums
@@ -283,8 +290,9 @@ class DPOptimizer(Optimizer):
 
     def _per_sample_norms(self, p, g, batch_size) -> torch.Tensor:
         if g is None:
-            return torch.zeros(batch_size, device=p.device, dtype=p.dtype)
-        return self._check_finite(p, g.reshape(g.shape[0], p.numel()).norm(2, dim=1))
+            return torch.zeros(batch_size, device=p.device, dtype=sum_dtype(p.dtype))
+        flat = g.reshape(g.shape[0], p.numel())
+        return self._check_finite(p, torch.linalg.vector_norm(flat, dim=1, dtype=sum_dtype(g.dtype)))
 
     def _check_finite(self, p, norms: torch.Tensor) -> torch.Tensor:
         if not bool(torch.isfinite(norms).all()):
