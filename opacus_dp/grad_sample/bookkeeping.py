@@ -47,8 +47,9 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping_pass import (
-    LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, resolve_calls, weighted_sum)
+    LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, resolve_calls)
 from opacus_dp.grad_sample.recomputed_inputs import materialise
+from opacus_dp.optim.clipping import weighted_sum
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch.nn as nn
 from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
 from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput, recomputed_in
 from opacus_dp.grad_sample.registry import NORM_SAMPLERS, PerSampleGrads
-from opacus_dp.optim.clipping import sum_dtype
+from opacus_dp.optim.clipping import per_sample_norms, sum_dtype, weighted_sum
 
 LAYER_RULES = ("mixed", "ghost")
 
@@ -143,12 +143,6 @@ def _sum_grads_now(current: Pass, factors: Dict[torch.Tensor, torch.Tensor]) -> 
         add_to(current.sums, p, weighted_sum(f * current.grad_scales.pop(p), g))
 
 
-def weighted_sum(factors: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
-    """``Σ_i f_i g_i`` of per-sample gradients, in float32 for half-precision ones."""
-    dtype = sum_dtype(grads.dtype)
-    return torch.einsum("i,i...->...", factors.to(device=grads.device, dtype=dtype), grads.to(dtype))
-
-
 def add_to(sums: Dict[torch.Tensor, torch.Tensor], p: torch.Tensor, value: torch.Tensor) -> None:
     """``sums[p] += value`` (``value`` itself if ``p`` has no entry yet)."""
     previous = sums.get(p)
@@ -207,9 +201,7 @@ def _add_grads(current: Pass, p: torch.Tensor, g: torch.Tensor, scale: float) ->
 
 def _set_norms(current: Pass, p: torch.Tensor) -> None:
     """The squared norms of ``p``'s per-sample gradients in the pass."""
-    flat = current.grads[p].reshape(current.grads[p].shape[0], -1)
-    norms = torch.linalg.vector_norm(flat, dim=1, dtype=sum_dtype(flat.dtype))
-    current.sq_norms[p] = norms.square() * current.grad_scales[p] ** 2
+    current.sq_norms[p] = per_sample_norms(current.grads[p]).square() * current.grad_scales[p] ** 2
 
 
 def _add_norms(current: Pass, p: torch.Tensor, sq: torch.Tensor) -> None:

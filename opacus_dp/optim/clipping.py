@@ -38,6 +38,18 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def per_sample_norms(grads: torch.Tensor) -> torch.Tensor:
+    """``‖g_i‖₂`` of per-sample gradients ``(B, ...)``, in :func:`sum_dtype` of theirs."""
+    flat = grads.reshape(grads.shape[0], math.prod(grads.shape[1:]))  # also for an empty batch
+    return torch.linalg.vector_norm(flat, dim=1, dtype=sum_dtype(grads.dtype))
+
+
+def weighted_sum(factors: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+    """``Σ_i f_i g_i`` of per-sample gradients ``(B, ...)``, in :func:`sum_dtype` of theirs."""
+    dtype = sum_dtype(grads.dtype)
+    return torch.einsum("i,i...->...", factors.to(device=grads.device, dtype=dtype), grads.to(dtype))
+
+
 def _factor(norms: torch.Tensor, bound: float) -> torch.Tensor:
     """``min(1, bound / (norms + 1e-6))`` elementwise, in at least float32."""
     norms = norms.to(sum_dtype(norms.dtype))
@@ -74,7 +86,8 @@ class FlatClipper(Clipper):
         if not per_param_norms:
             return []
         device = per_param_norms[0].device
-        total = torch.stack([n.to(device=device, dtype=sum_dtype(n.dtype)) for n in per_param_norms], dim=1)
+        total = torch.stack([n.to(device=device, dtype=sum_dtype(n.dtype)) for n in per_param_norms],
+                            dim=1)
         factor = _factor(total.norm(2, dim=1), self.max_grad_norm)
         return [factor.to(n.device) for n in per_param_norms]
 

@@ -15,8 +15,8 @@ Parameters of the wrapped optimizer without ``requires_grad`` get ``p.grad = Non
 the inner step, so it never applies a gradient that was not clipped and noised.
 
 Half-precision parameters (float16, bfloat16): norms, clip factors, ``S_l`` and the noise are
-formed in float32 (:func:`~opacus_dp.optim.clipping.sum_dtype`) and ``p.grad`` is cast to the parameter's dtype only after
-the noise — a cast after the noise is post-processing, while rounding ``S_l`` before it could
+formed in float32 (:func:`~opacus_dp.optim.clipping.sum_dtype`) and ``p.grad`` is cast to the
+parameter's dtype only after the noise — a cast after the noise is post-processing, while rounding ``S_l`` before it could
 move the sum by up to a unit in the last place of its own magnitude, beyond what one clipped
 sample may change (and per-sample norms rounded to 8 bits could leave a clipped sample up to
 ~0.4 % above the bound).
@@ -33,7 +33,8 @@ import torch
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from opacus_dp.optim.clipping import Clipper, FlatClipper, PerLayerClipper, make_clipper, sum_dtype
+from opacus_dp.optim.clipping import (
+    Clipper, FlatClipper, PerLayerClipper, make_clipper, per_sample_norms, sum_dtype, weighted_sum)
 from opacus_dp.optim.grad_source import AttributeGradSource
 from opacus_dp.optim.noise import GaussianNoise, check_noise_multiplier, noise_std
 from opacus_dp.optim.reduction import LocalReducer
@@ -176,8 +177,7 @@ class DPOptimizer(Optimizer):
             g = grad_samples.get(p)
             if g is None:
                 continue
-            g = g.to(sum_dtype(p.dtype))
-            clipped = torch.einsum("i,i...->...", factor.to(device=g.device, dtype=g.dtype), g)
+            clipped = weighted_sum(factor, g.to(sum_dtype(p.dtype)))
             self._summed[p] = self._summed[p] + clipped if p in self._summed else clipped
         self._num_accumulated += batch_size
 
@@ -291,8 +291,7 @@ class DPOptimizer(Optimizer):
     def _per_sample_norms(self, p, g, batch_size) -> torch.Tensor:
         if g is None:
             return torch.zeros(batch_size, device=p.device, dtype=sum_dtype(p.dtype))
-        flat = g.reshape(g.shape[0], p.numel())
-        return self._check_finite(p, torch.linalg.vector_norm(flat, dim=1, dtype=sum_dtype(g.dtype)))
+        return self._check_finite(p, per_sample_norms(g))
 
     def _check_finite(self, p, norms: torch.Tensor) -> torch.Tensor:
         if not bool(torch.isfinite(norms).all()):
