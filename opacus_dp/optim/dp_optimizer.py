@@ -254,7 +254,8 @@ class DPOptimizer(Optimizer):
 
     # ---------------------------------------------------------------------- helpers
     def _take_summed_grads(self) -> List[torch.Tensor]:
-        sums = [self._summed.get(p, torch.zeros_like(p, dtype=sum_dtype(p.dtype))) for p in self.params]
+        sums = [self._summed[p] if p in self._summed else torch.zeros_like(p, dtype=sum_dtype(p.dtype))
+                for p in self.params]  # zeros only for parameters no sample reached
         self._summed = {}
         self._last_num_accumulated, self._num_accumulated = self._num_accumulated, 0
         return sums
