@@ -39,6 +39,7 @@ from torch.nn import grad as conv_grad
 
 from opacus_dp.grad_sample.conv import _prepare_input, conv_windows, padded_input, side_padding
 from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
+from opacus_dp.grad_sample.norm_samplers.trust import bound_from_diagonal, materialised_sq_norms, trusted_sq_norms
 from opacus_dp.grad_sample.support import trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
 
@@ -68,13 +69,41 @@ def conv_norm_sample(layer: ConvNd, activations: List[torch.Tensor],
         if batch == 0:
             norms[layer.weight] = backprops.new_zeros(0)
         else:
-            gram_a = patch_gram(layer, x)                                 # (B*G, T, T)
-            g = backprops.reshape(batch * layer.groups, -1, gram_a.shape[-1])  # (B*G, p, T)
-            gram_g = torch.bmm(g.transpose(1, 2), g)
-            norms[layer.weight] = (gram_a * gram_g).sum(dim=(1, 2)).view(batch, -1).sum(dim=1)
+            norms[layer.weight] = _trusted_weight_sq_norms(layer, x, backprops)
     if trainable(layer.bias):
         norms[layer.bias] = PerSampleGrads(backprops.flatten(start_dim=2).sum(dim=2))
     return norms
+
+
+def _trusted_weight_sq_norms(layer: ConvNd, x: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
+    """Per-sample ``Σ_groups ⟨A Aᵀ, G Gᵀ⟩``, checked against the Gram form's rounding
+    (:func:`~opacus_dp.grad_sample.norm_samplers.trust.trusted_sq_norms`; the bound of a sample
+    is the sum of its groups' ``N²``; the fallback materialises from the unfolded patches)."""
+    sq_norms, bound_sq = _weight_sq_norms_and_bound(layer, x, backprops)
+    batch, groups = backprops.shape[0], layer.groups
+    positions = math.prod(backprops.shape[2:])
+    taps = math.prod(layer.kernel_size)
+    elements = layer.out_channels * layer.in_channels // groups * taps + layer.in_channels * taps * positions
+
+    def pieces(chunk):
+        patches = conv_windows(layer, x[chunk]).flatten(0, 1).transpose(1, 2)        # (k*G, T, d)
+        g = backprops[chunk].reshape(patches.shape[0], -1, positions).transpose(1, 2)  # (k*G, T, p)
+        return patches, g
+
+    def materialise(index: torch.Tensor):
+        return materialised_sq_norms(index, batch, elements, pieces, units_per_sample=groups)
+
+    return trusted_sq_norms(sq_norms, bound_sq, materialise, positions)
+
+
+def _weight_sq_norms_and_bound(layer: ConvNd, x: torch.Tensor, backprops: torch.Tensor):
+    batch = backprops.shape[0]
+    gram_a = patch_gram(layer, x)                                          # (B*G, T, T)
+    g = backprops.reshape(batch * layer.groups, -1, gram_a.shape[-1])     # (B*G, p, T)
+    product = gram_a.mul_(torch.bmm(g.transpose(1, 2), g))
+    sq_norms = product.sum(dim=(1, 2)).view(batch, -1).sum(dim=1)
+    bound_sq = bound_from_diagonal(product.diagonal(dim1=1, dim2=2)).view(batch, -1).sum(dim=1)
+    return sq_norms, bound_sq
 
 
 def _padded_sizes(layer: ConvNd, x: torch.Tensor) -> List[int]:

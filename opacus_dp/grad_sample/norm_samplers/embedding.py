@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from opacus_dp.grad_sample.embedding import sample_row_index
 from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
+from opacus_dp.grad_sample.norm_samplers.trust import trusted_sq_norms
 from opacus_dp.grad_sample.support import trainable
 from opacus_dp.grad_sample.registry import register_norm_sampler
 
@@ -54,7 +55,21 @@ def embedding_norm_sample(layer: nn.Embedding, activations: List[torch.Tensor],
     unique_keys, inverse = torch.unique(keys, return_inverse=True)
     rows = grads.new_zeros(unique_keys.shape[0], layer.embedding_dim).index_add_(0, inverse, grads)
     owner = torch.div(unique_keys, layer.num_embeddings, rounding_mode="floor")
-    return {layer.weight: grads.new_zeros(batch).index_add_(0, owner, rows.pow(2).sum(dim=1))}
+    sq_norms = grads.new_zeros(batch).index_add_(0, owner, rows.pow(2).sum(dim=1))
+    return {layer.weight: _with_margin_where_rows_cancel(sq_norms, grads, batch)}
+
+
+def _with_margin_where_rows_cancel(sq_norms: torch.Tensor, grads: torch.Tensor, batch: int) -> torch.Tensor:
+    """The rows' norms are exact sums, but the weighted sum scatters the positions again, whose
+    rounding grows with ``N = Σ_t ‖s_t g_t‖``: where positions of a row cancel (``N > 16 n``),
+    the norm gets the margin of
+    :func:`~opacus_dp.grad_sample.norm_samplers.trust.trusted_sq_norms`."""
+    if batch == 0:
+        return sq_norms
+    positions = grads.shape[0] // batch
+    bound_sq = grads.norm(dim=1).view(batch, positions).double().sum(dim=1).square()
+    return trusted_sq_norms(sq_norms, bound_sq, lambda index: (sq_norms[index].double(), bound_sq[index]),
+                            positions)
 
 
 def embedding_weighted_grad(layer: nn.Embedding, activations: List[torch.Tensor],

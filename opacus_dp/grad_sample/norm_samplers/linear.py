@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
+from opacus_dp.grad_sample.norm_samplers.trust import bound_from_diagonal, materialised_sq_norms, trusted_sq_norms
 from opacus_dp.grad_sample.support import sum_over_positions, trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
 from opacus_dp.layers.batch_first import BatchFirstLinear
@@ -51,7 +52,22 @@ def row_blocks(positions: int) -> int:
 
 
 def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``‖G_iᵀ A_i‖²_F`` for every ``i`` from ``A (B, T, d)``, ``G (B, T, p)`` (module doc).
+    """``‖G_iᵀ A_i‖²_F`` for every ``i`` from ``A (B, T, d)``, ``G (B, T, p)`` (module doc), checked
+    against the Gram form's rounding under cancelling positions
+    (:func:`~opacus_dp.grad_sample.norm_samplers.trust.trusted_sq_norms`)."""
+    if a.shape[1] == 1:  # one position: the product of two norms, no cancellation
+        return a.pow(2).sum(dim=(1, 2)) * g.pow(2).sum(dim=(1, 2))
+    sq_norms, diagonal = _gram_sq_norms_and_diagonal(a, g)
+    batch, positions, elements = a.shape[0], a.shape[1], a.shape[2] * g.shape[2]
+
+    def materialise(index: torch.Tensor):
+        return materialised_sq_norms(index, batch, elements, lambda chunk: (a[chunk], g[chunk]))
+
+    return trusted_sq_norms(sq_norms, bound_from_diagonal(diagonal), materialise, positions)
+
+
+def _gram_sq_norms_and_diagonal(a: torch.Tensor, g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``⟨A_i A_iᵀ, G_i G_iᵀ⟩`` and the diagonal ``‖a_t‖² ‖g_t‖²`` ``(B, T)`` of the product.
 
     With the positions cut into row blocks ``I_1 … I_k``, each block's rows of both Grams
     against the columns from the block's start on, ``R = A[I_j] A[I_j:]ᵀ``, hold its diagonal
@@ -59,19 +75,20 @@ def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     transposes: ``⟨AAᵀ, GGᵀ⟩ = Σ_j 2⟨R_A, R_G⟩ − ⟨R_A, R_G⟩_diagonal block``.
     """
     positions = a.shape[1]
-    if positions == 1:
-        return a.pow(2).sum(dim=(1, 2)) * g.pow(2).sum(dim=(1, 2))
     blocks = row_blocks(positions)
     if blocks == 1:
-        return torch.bmm(a, a.transpose(1, 2)).mul_(torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2))
+        product = torch.bmm(a, a.transpose(1, 2)).mul_(torch.bmm(g, g.transpose(1, 2)))
+        return product.sum(dim=(1, 2)), product.diagonal(dim1=1, dim2=2)
     bounds = [positions * j // blocks for j in range(blocks + 1)]
-    total = None
+    total, diagonals = None, []
     for low, high in zip(bounds[:-1], bounds[1:]):
         product = torch.bmm(a[:, low:high], a[:, low:].transpose(1, 2))
         product.mul_(torch.bmm(g[:, low:high], g[:, low:].transpose(1, 2)))
-        part = 2 * product.sum(dim=(1, 2)) - product[:, :, : high - low].sum(dim=(1, 2))
+        own_block = product[:, :, : high - low]
+        part = 2 * product.sum(dim=(1, 2)) - own_block.sum(dim=(1, 2))
         total = part if total is None else total + part
-    return total
+        diagonals.append(own_block.diagonal(dim1=1, dim2=2))
+    return total, torch.cat(diagonals, dim=1)
 
 
 @register_norm_sampler(LINEAR_TYPES)
