@@ -140,17 +140,20 @@ def test_trust_rule_keeps_or_materialises_with_a_margin():
 
 def test_float64_gram_norms_are_trusted_far_longer():
     def materialise(index):
-        return torch.ones(len(index), dtype=torch.float64), torch.full((len(index),), 1e12, dtype=torch.float64)
+        count = len(index)
+        return torch.ones(count, dtype=torch.float64), torch.full((count,), 1e12, dtype=torch.float64)
 
     sq = torch.tensor([1.0, 1.0], dtype=torch.float64)
     got = trusted_sq_norms(sq, torch.tensor([1e10, 1e12], dtype=torch.float64), materialise, positions=4)
     # N = 1e5 n̂ passes in float64 (u N² = 1.1e-6 n̂² ≤ 2⁻¹⁶ n̂²), N = 1e6 n̂ does not
-    torch.testing.assert_close(got, torch.tensor([1.0, (1.0 + 2 * 2.0 ** -53 * 1e6) ** 2], dtype=torch.float64))
+    expected = torch.tensor([1.0, (1.0 + 2 * 2.0 ** -53 * 1e6) ** 2], dtype=torch.float64)
+    torch.testing.assert_close(got, expected)
 
 
 def test_nan_norms_stay_nan():
     def materialise(index):
-        return torch.full((len(index),), float("nan"), dtype=torch.float64), torch.ones(len(index), dtype=torch.float64)
+        count = len(index)
+        return torch.full((count,), float("nan"), dtype=torch.float64), torch.ones(count, dtype=torch.float64)
 
     got = trusted_sq_norms(torch.tensor([float("nan"), 1.0]), torch.tensor([1.0, 1.0]), materialise, 4)
     assert torch.isnan(got[0]) and got[1] == 1.0

@@ -39,7 +39,8 @@ from torch.nn import grad as conv_grad
 
 from opacus_dp.grad_sample.conv import _prepare_input, conv_windows, padded_input, side_padding
 from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
-from opacus_dp.grad_sample.norm_samplers.trust import bound_from_diagonal, materialised_sq_norms, trusted_sq_norms
+from opacus_dp.grad_sample.norm_samplers.trust import (
+    bound_from_diagonal, materialised_sq_norms, trusted_sq_norms)
 from opacus_dp.grad_sample.support import trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
 
@@ -83,6 +84,7 @@ def _trusted_weight_sq_norms(layer: ConvNd, x: torch.Tensor, backprops: torch.Te
     batch, groups = backprops.shape[0], layer.groups
     positions = math.prod(backprops.shape[2:])
     taps = math.prod(layer.kernel_size)
+    # a chunk holds each sample's gradients (O · C/G · K) and unfolded patches (C · K · T)
     elements = layer.out_channels * layer.in_channels // groups * taps + layer.in_channels * taps * positions
 
     def pieces(chunk):

@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
-from opacus_dp.grad_sample.norm_samplers.trust import bound_from_diagonal, materialised_sq_norms, trusted_sq_norms
+from opacus_dp.grad_sample.norm_samplers.trust import (
+    bound_from_diagonal, materialised_sq_norms, trusted_sq_norms)
 from opacus_dp.grad_sample.support import sum_over_positions, trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
 from opacus_dp.layers.batch_first import BatchFirstLinear

@@ -12,15 +12,16 @@ of the norm stayed below ``0.6 u (N/n)²`` (``u`` the unit roundoff), while a pr
 positions — a materialised per-sample gradient, or the sample's part of the clipped-sum product —
 errs by at most ``1e-8 N`` (about ``u N / 6``), linear in ``N``.
 
-:func:`trusted_sq_norms` keeps a Gram norm ``n̂`` when ``u N² ≤ 2⁻¹⁶ n̂²`` (float32: ``N ≤ 16 n̂``,
-error below 1e-5 by that measurement; random positions at ``T = 128`` give ``N / n ≈ √T ≈ 11``,
-and no sample of the benchmark models fails it). The other samples get their per-sample
-gradient materialised (in chunks, in the inputs' dtype; its norm ``n_m`` is a sum of squares, free
-of cancellation), and the norm ``n_m + √T u N``: the margin is the probabilistic bound of the rounding of a sum of
-``T`` products (Higham & Mary 2019, "A New Approach to Probabilistic Rounding Error Analysis"),
-which covers both ``n_m``'s own error and what the clipped-sum product's rounding can add to the
-sample's contribution. Those samples are therefore clipped a little more than exactly (by ``√T u
-N / n`` relative; 3e-5 for random positions at ``T = 512``), never less.
+:func:`trusted_sq_norms` keeps a Gram norm ``n̂`` when ``u N² ≤ 2⁻¹⁶ n̂²`` (float32:
+``N ≤ 16 n̂``, error below 1e-5 by that measurement; random positions at ``T = 128`` give
+``N / n ≈ √T ≈ 11``, and no sample of the benchmark models fails it). The other samples get
+their per-sample gradient materialised (in chunks, in the inputs' dtype; its norm ``n_m`` is a
+sum of squares, free of cancellation), and the norm ``n_m + √T u N``: the margin is the
+probabilistic bound of the rounding of a sum of ``T`` products (Higham & Mary 2019, "A New
+Approach to Probabilistic Rounding Error Analysis"), which covers both ``n_m``'s own error and
+what the clipped-sum product's rounding can add to the sample's contribution. Those samples are
+therefore clipped a little more than exactly (by ``√T u N / n`` relative; 3e-5 for random
+positions at ``T = 512``), never less.
 """
 
 import math
