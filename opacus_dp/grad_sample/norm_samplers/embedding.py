@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from opacus_dp.grad_sample.embedding import sample_row_index
 from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
-from opacus_dp.grad_sample.norm_samplers.trust import trusted_sq_norms
+from opacus_dp.grad_sample.norm_samplers.trust import bound_sq, trusted_sq_norms
 from opacus_dp.grad_sample.support import trainable
 from opacus_dp.grad_sample.registry import register_norm_sampler
 
@@ -67,8 +67,8 @@ def _with_margin_where_rows_cancel(sq_norms: torch.Tensor, grads: torch.Tensor, 
     if batch == 0:
         return sq_norms
     positions = grads.shape[0] // batch
-    bound_sq = grads.norm(dim=1).view(batch, positions).double().sum(dim=1).square()
-    return trusted_sq_norms(sq_norms, bound_sq, lambda index: (sq_norms[index].double(), bound_sq[index]),
+    bounds = bound_sq(grads.norm(dim=1).view(batch, positions))
+    return trusted_sq_norms(sq_norms, bounds, lambda index: (sq_norms[index].double(), bounds[index]),
                             positions)
 
 

@@ -35,29 +35,34 @@ CHUNK_ELEMENTS = 2 ** 24  # materialised per-sample gradients held at once (64 M
 Materialise = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
+def bound_sq(position_norms: torch.Tensor) -> torch.Tensor:
+    """``N² = (Σ_t r_t q_t)²`` (float64 sums) per row of ``position_norms`` ``(U, T)``, which
+    holds ``r_t q_t``."""
+    return position_norms.double().sum(dim=1).square()
+
+
 def bound_from_diagonal(diagonal: torch.Tensor) -> torch.Tensor:
-    """``N² = (Σ_t r_t q_t)²`` per row of ``diagonal`` ``(U, T)``, which holds ``r_t² q_t²`` (the
-    diagonal of ``(A Aᵀ) ⊙ (G Gᵀ)``)."""
-    return diagonal.clamp(min=0).sqrt().sum(dim=1).square()
+    """:func:`bound_sq` from the diagonal ``r_t² q_t²`` of ``(A Aᵀ) ⊙ (G Gᵀ)`` ``(U, T)``."""
+    return bound_sq(diagonal.clamp(min=0).sqrt())
 
 
-def _trusted(sq_norms: torch.Tensor, bound_sq: torch.Tensor) -> torch.Tensor:
+def _trusted(sq_norms: torch.Tensor, bounds_sq: torch.Tensor) -> torch.Tensor:
     """``u N² ≤ 2⁻¹⁶ n̂²`` elementwise (False for NaN, negative or zero-but-bounded norms)."""
     roundoff = torch.finfo(sq_norms.dtype).eps / 2
-    return roundoff * bound_sq <= TRUSTED_ERROR * sq_norms
+    return roundoff * bounds_sq <= TRUSTED_ERROR * sq_norms
 
 
-def trusted_sq_norms(sq_norms: torch.Tensor, bound_sq: torch.Tensor, materialise: Materialise,
+def trusted_sq_norms(sq_norms: torch.Tensor, bounds_sq: torch.Tensor, materialise: Materialise,
                      positions: int) -> torch.Tensor:
     """``sq_norms`` where the Gram form can be trusted, else materialised norms with a margin
     (module doc).
 
-    ``sq_norms``, ``bound_sq``: ``(B,)`` computed ``n̂²`` and ``N²``; ``materialise(index)``
+    ``sq_norms``, ``bounds_sq``: ``(B,)`` computed ``n̂²`` and ``N²``; ``materialise(index)``
     returns, for the samples ``index``, the squared norms (float64) of their materialised
     per-sample gradients and their ``N²``; ``positions``: ``T``, the number of terms each sample
     adds to an entry of its gradient.
     """
-    suspect = ~_trusted(sq_norms, bound_sq)
+    suspect = ~_trusted(sq_norms, bounds_sq)
     if not bool(suspect.any()):
         return sq_norms
     index = suspect.nonzero().squeeze(1)
@@ -89,6 +94,6 @@ def materialised_sq_norms(index: torch.Tensor, batch: int, elements_per_sample: 
         a, g = pieces(chunk)
         gradients = torch.bmm(g.transpose(1, 2), a)
         sq_norms.append(torch.linalg.vector_norm(gradients, dim=(1, 2)).double().square())
-        bounds.append((a.norm(dim=2) * g.norm(dim=2)).double().sum(dim=1).square())
+        bounds.append(bound_sq(a.norm(dim=2) * g.norm(dim=2)))
     per_sample = [torch.cat(parts).view(-1, units_per_sample).sum(dim=1) for parts in (sq_norms, bounds)]
     return per_sample[0], per_sample[1]
