@@ -1,0 +1,33 @@
+"""``scripts/benchmark_distributed.py`` counts what each mode sends: on 2 gloo processes, DP-SGD
+on DDP with the no-op hook and on DPDDP all-reduce the clipped sums once (one gradient's bytes
+per step, like non-private DDP); without the hook DDP also sends the unclipped gradients (twice)."""
+
+import importlib
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+SCRIPTS = str(Path(__file__).resolve().parents[2] / "scripts")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """Imported by name from ``scripts/`` (on ``sys.path``, which spawned workers inherit), so
+    that ``mp.spawn`` can pickle its worker function."""
+    if SCRIPTS not in sys.path:
+        sys.path.insert(0, SCRIPTS)
+    return importlib.import_module("benchmark_distributed")
+
+
+def test_bytes_per_step_of_each_mode_on_two_processes(bench):
+    args = SimpleNamespace(width=16, batch_size=8, steps=2)
+    gradient_bytes = 4 * sum(p.numel() for p in bench.make_model(args.width).parameters())
+    results = bench.run_world(2, args)
+    assert set(results) == set(bench.MODES)
+    assert results["ddp"]["bytes_per_step"] == gradient_bytes
+    assert results["dp-ddp"]["bytes_per_step"] == gradient_bytes
+    assert results["dp-dpddp"]["bytes_per_step"] == gradient_bytes
+    assert results["dp-2x"]["bytes_per_step"] == 2 * gradient_bytes
+    assert all(r["step_s"] > 0 for r in results.values())
