@@ -10,7 +10,9 @@ step) and the bytes it put into all-reduce collectives per step:
                  all-reduce, the optimizer's ``AllReduceReducer`` sends the clipped sums;
 * ``dp-dpddp``   DP-SGD with ``DifferentiallyPrivateDistributedDataParallel``;
 * ``dp-2x``      for contrast, DP-SGD on DDP *without* the no-op hook: DDP also
-                 all-reduces the unclipped gradients, doubling the traffic.
+                 all-reduces the unclipped gradients, doubling the traffic;
+* ``bk-ddp``, ``bk-dpddp``  ``make_private(grad_sample_mode="bk")`` on a DDP / DPDDP model:
+                 the book-keeping mode's clipped sums, one all-reduce per step as well.
 
 Usage: ``python scripts/benchmark_distributed.py [--steps 20] [--batch-size 64]``.
 """
@@ -22,14 +24,16 @@ import os
 import socket
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-MODES = ("ddp", "dp-ddp", "dp-dpddp", "dp-2x")
+MODES = ("ddp", "dp-ddp", "dp-dpddp", "dp-2x", "bk-ddp", "bk-dpddp")
 
 
 class ByteCounter:
@@ -54,6 +58,22 @@ def make_model(width: int) -> nn.Module:
                          nn.ReLU(), nn.Linear(width, 10))
 
 
+def build_bk(wrapped: nn.Module, batch_size: int):
+    """``make_private(grad_sample_mode="bk")`` around a DDP/DPDDP model; the loader (one shard
+    per process) only sets the batch size (the timed steps bring their own batches)."""
+    from opacus_dp import PrivacyEngine
+
+    width = next(wrapped.parameters()).shape[1]
+    data = TensorDataset(torch.zeros(100 * batch_size, width), torch.zeros(100 * batch_size).long())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer, _ = PrivacyEngine(accountant="rdp").make_private(
+            module=wrapped, optimizer=torch.optim.SGD(wrapped.parameters(), lr=0.05),
+            data_loader=DataLoader(data, batch_size=batch_size, sampler=DistributedSampler(data)),
+            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="bk")
+    return model, optimizer, lambda: optimizer.reducer.bytes_reduced
+
+
 def build(mode: str, width: int, batch_size: int):
     """(model, optimizer, bytes_so_far) for ``mode`` on this rank."""
     from opacus_dp.distributed import (
@@ -71,10 +91,12 @@ def build(mode: str, width: int, batch_size: int):
         ddp.register_comm_hook(counter, counting_allreduce_hook)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), lambda: counter.bytes
     counter = ByteCounter()
-    if mode == "dp-dpddp":
+    if mode.endswith("dpddp"):
         wrapped = DifferentiallyPrivateDistributedDataParallel(model)
     else:
         wrapped = DistributedDataParallel(model)
+    if mode.startswith("bk-"):
+        return build_bk(wrapped, batch_size)
     if mode == "dp-2x":
         wrapped.register_comm_hook(counter, counting_allreduce_hook)
     gsm = GradSampleModule(wrapped)

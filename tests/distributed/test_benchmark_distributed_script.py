@@ -1,6 +1,7 @@
 """``scripts/benchmark_distributed.py`` counts what each mode sends: on 2 gloo processes, DP-SGD
-on DDP with the no-op hook and on DPDDP all-reduce the clipped sums once (one gradient's bytes
-per step, like non-private DDP); without the hook DDP also sends the unclipped gradients (twice)."""
+on DDP with the no-op hook and on DPDDP, in the hooks and the ``bk`` mode, all-reduce the clipped
+sums once (one gradient's bytes per step, like non-private DDP); without the hook DDP also sends
+the unclipped gradients (twice)."""
 
 import importlib
 import sys
@@ -30,4 +31,6 @@ def test_bytes_per_step_of_each_mode_on_two_processes(bench):
     assert results["dp-ddp"]["bytes_per_step"] == gradient_bytes
     assert results["dp-dpddp"]["bytes_per_step"] == gradient_bytes
     assert results["dp-2x"]["bytes_per_step"] == 2 * gradient_bytes
+    assert results["bk-ddp"]["bytes_per_step"] == gradient_bytes
+    assert results["bk-dpddp"]["bytes_per_step"] == gradient_bytes
     assert all(r["step_s"] > 0 for r in results.values())
