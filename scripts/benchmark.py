@@ -18,7 +18,8 @@ variant runs one step, the order rotating each round (interleaved, so load drift
 variants alike); the median per variant is reported (wall clock, or process CPU time with
 ``--timer cpu``, steadier on a shared machine with ``--threads 1``), and ``paired x``: the median
 over rounds of the variant's time divided by the non-private time of the same round (slow
-phases of a shared machine hit both terms of a round's ratio alike).
+phases of a shared machine hit both terms of a round's ratio alike); likewise ``paired`` next to
+``speedup/Op.hk``: the median over rounds of Opacus hooks' time divided by the variant's.
 **Memory**: each (model, variant) runs in a fresh subprocess (``--probe``): after the model,
 optimizer and batch are built, the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``)
 and the current RSS noted; after ``--memory-steps`` steps the peak (``VmHWM``) minus that RSS
@@ -153,12 +154,25 @@ def time_variants(workload, variants: List[str], args) -> Dict[str, dict]:
                 samples[variant].append(clock() - start)
     result = {v: {"ms": 1000 * statistics.median(s), "min_ms": 1000 * min(s),
                   "samples_ms": [1000 * t for t in s]} for v, s in samples.items()}
-    base = samples.get("non-private")
-    for v, s in samples.items():  # per-round ratios: load drifts cancel within a round
-        if base:
-            result[v]["paired_x_non_private"] = statistics.median(a / b for a, b in zip(s, base))
     result.update({v: {"error": e} for v, e in errors.items()})
+    add_paired_ratios(result)
     return result
+
+
+def add_paired_ratios(timing: Dict[str, dict]) -> None:
+    """Per-round ratios (load drifts cancel within a round), their median over the rounds:
+    ``paired_x_non_private`` = time / non-private time, ``paired_speedup_vs_opacus_hooks`` =
+    Opacus hooks time / time."""
+    def samples(variant):
+        return timing.get(variant, {}).get("samples_ms")
+
+    base, opacus_hooks = samples("non-private"), samples("opacus:hooks")
+    for v, r in timing.items():
+        s = r.get("samples_ms")
+        if s and base:
+            r["paired_x_non_private"] = statistics.median(a / b for a, b in zip(s, base))
+        if s and opacus_hooks:
+            r["paired_speedup_vs_opacus_hooks"] = statistics.median(h / a for a, h in zip(s, opacus_hooks))
 
 
 # ----------------------------------------------------------------------------- memory
@@ -215,6 +229,7 @@ def summarise(model_name: str, timing: Dict[str, dict], memory: Dict[str, dict])
             "ms": ms[v], "x_non_private": _ratio(ms[v], ms.get("non-private")),
             "paired_x_non_private": timing[v].get("paired_x_non_private"),
             "speedup_vs_opacus_hooks": _ratio(ms.get("opacus:hooks"), ms[v]),
+            "paired_speedup_vs_opacus_hooks": timing[v].get("paired_speedup_vs_opacus_hooks"),
             "speedup_vs_opacus_best": _ratio(ms.get(best), ms[v]) if best else None,
             "peak_mib": mib[v], "mem_x_non_private": _ratio(mib[v], mib.get("non-private")),
             "mem_x_opacus_leanest": _ratio(mib[v], mib.get(leanest)) if leanest else None,
@@ -230,7 +245,7 @@ def _fmt(value, spec):
 
 def print_table(report: dict) -> None:
     head = (f"{'model':12s} {'variant':14s} {'step ms':>9s} {'x non-priv':>10s} {'paired x':>8s} "
-            f"{'speedup/Op.hk':>15s} {'speedup/Op.best':>14s} {'peak MiB':>9s} "
+            f"{'speedup/Op.hk':>15s} {'paired':>6s} {'speedup/Op.best':>14s} {'peak MiB':>9s} "
             f"{'mem x np':>8s} {'mem x Op.min':>13s}")
     print(head)
     print("-" * len(head))
@@ -241,7 +256,8 @@ def print_table(report: dict) -> None:
                 continue
             print(f"{model_name:12s} {v:14s} {_fmt(r['ms'], '9.1f')} {_fmt(r['x_non_private'], '10.2f')} "
                   f"{_fmt(r['paired_x_non_private'], '8.2f')} "
-                  f"{_fmt(r['speedup_vs_opacus_hooks'], '15.2f')} {_fmt(r['speedup_vs_opacus_best'], '14.2f')} "
+                  f"{_fmt(r['speedup_vs_opacus_hooks'], '15.2f')} "
+                  f"{_fmt(r['paired_speedup_vs_opacus_hooks'], '6.2f')} {_fmt(r['speedup_vs_opacus_best'], '14.2f')} "
                   f"{_fmt(r['peak_mib'], '9.1f')} {_fmt(r['mem_x_non_private'], '8.2f')} "
                   f"{_fmt(r['mem_x_opacus_leanest'], '13.2f')}")
         print(f"{'':12s} auto -> {entry['auto']}")

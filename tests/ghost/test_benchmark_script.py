@@ -150,7 +150,8 @@ def test_paired_ratio_is_the_median_of_per_round_ratios(bench, monkeypatch):
     """Fake steps advance a fake clock by scripted times (the first, untimed call right after
     building a step by 0): the plain ratio follows the medians, the paired one the rounds."""
     clock = SimpleNamespace(now=0.0)
-    scripted = {"non-private": [0.0, 1.0, 3.0, 2.0], "bk": [0.0, 2.0, 3.3, 2.1]}
+    scripted = {"non-private": [0.0, 1.0, 3.0, 2.0], "bk": [0.0, 2.0, 3.3, 2.1],
+                "opacus:hooks": [0.0, 3.0, 6.6, 6.3]}
 
     def build(workload, variant, x, y):
         times = iter(scripted[variant])
@@ -162,11 +163,17 @@ def test_paired_ratio_is_the_median_of_per_round_ratios(bench, monkeypatch):
     monkeypatch.setattr(bench, "build_step", build)
     monkeypatch.setattr(bench, "_timer", lambda kind: lambda: clock.now)
     workload = SimpleNamespace(batch=lambda: (None, None))
-    result = bench.time_variants(workload, ["non-private", "bk"],
+    result = bench.time_variants(workload, ["non-private", "bk", "opacus:hooks"],
                                  SimpleNamespace(warmup=0, repeats=3, timer="cpu"))
     assert result["non-private"]["ms"] == pytest.approx(2000.0)
     assert result["bk"]["ms"] == pytest.approx(2100.0)  # ratio of the medians: 1.05
     assert result["bk"]["paired_x_non_private"] == pytest.approx(1.1)  # rounds: 2.0, 1.1, 1.05
+    # Opacus hooks / bk per round: 1.5, 2.0, 3.0 (ratio of the medians: 6.3 / 2.1 = 3.0)
+    assert result["bk"]["paired_speedup_vs_opacus_hooks"] == pytest.approx(2.0)
+    assert result["opacus:hooks"]["paired_speedup_vs_opacus_hooks"] == pytest.approx(1.0)
+    rows = bench.summarise("m", result, {})
+    assert rows["bk"]["paired_speedup_vs_opacus_hooks"] == pytest.approx(2.0)
+    assert rows["bk"]["speedup_vs_opacus_hooks"] == pytest.approx(3.0)
 
 
 def test_short_run_reports_every_variant_consistently(bench, tmp_path, capsys):
