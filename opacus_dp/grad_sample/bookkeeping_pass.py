@@ -17,6 +17,7 @@ from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
 from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput, recomputed_in
 from opacus_dp.grad_sample.registry import NORM_SAMPLERS, PerSampleGrads
 from opacus_dp.optim.clipping import per_sample_norms, sum_dtype, weighted_sum
+from opacus_dp.optim.float32_products import ieee_float32_products
 
 LAYER_RULES = ("mixed", "ghost")
 
@@ -102,16 +103,20 @@ def _in_sum_dtype(activations: list, backprops: torch.Tensor):
 
 
 def ghost_norms(layer: nn.Module, activations: list, backprops: torch.Tensor) -> Dict:
-    """The layer's norm sampler, on float32 inputs for half-precision ones."""
+    """The layer's norm sampler, on float32 inputs for half-precision ones, with IEEE float32
+    products (:mod:`~opacus_dp.optim.float32_products`)."""
     activations, backprops = _in_sum_dtype(activations, backprops)
-    return NORM_SAMPLERS[type(layer)](layer, activations, backprops)
+    with ieee_float32_products():
+        return NORM_SAMPLERS[type(layer)](layer, activations, backprops)
 
 
 def ghost_weighted_grad(layer: nn.Module, activations: list, backprops: torch.Tensor,
                         factors: Dict[torch.Tensor, torch.Tensor]) -> Dict:
-    """The layer's ``Σ_i f_i g_i``, on float32 inputs for half-precision ones."""
+    """The layer's ``Σ_i f_i g_i``, on float32 inputs for half-precision ones, with IEEE float32
+    products."""
     activations, backprops = _in_sum_dtype(activations, backprops)
-    return ghost_layer_of(layer).weighted_grad(layer, activations, backprops, factors)
+    with ieee_float32_products():
+        return ghost_layer_of(layer).weighted_grad(layer, activations, backprops, factors)
 
 
 def _factors_now(current: Pass, layer: nn.Module,

@@ -16,6 +16,8 @@ from typing import List, Sequence
 
 import torch
 
+from opacus_dp.optim.float32_products import ieee_float32_products
+
 CLIP_EPSILON = 1e-6
 
 
@@ -45,9 +47,11 @@ def per_sample_norms(grads: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_sum(factors: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
-    """``Σ_i f_i g_i`` of per-sample gradients ``(B, ...)``, in :func:`sum_dtype` of theirs."""
+    """``Σ_i f_i g_i`` of per-sample gradients ``(B, ...)``, in :func:`sum_dtype` of theirs, with
+    IEEE float32 products (:mod:`~opacus_dp.optim.float32_products`)."""
     dtype = sum_dtype(grads.dtype)
-    return torch.einsum("i,i...->...", factors.to(device=grads.device, dtype=dtype), grads.to(dtype))
+    with ieee_float32_products():
+        return torch.einsum("i,i...->...", factors.to(device=grads.device, dtype=dtype), grads.to(dtype))
 
 
 def _factor(norms: torch.Tensor, bound: float) -> torch.Tensor:
