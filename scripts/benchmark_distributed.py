@@ -90,13 +90,13 @@ def build(mode: str, width: int, batch_size: int):
         counter = ByteCounter()
         ddp.register_comm_hook(counter, counting_allreduce_hook)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), lambda: counter.bytes
-    counter = ByteCounter()
     if mode.endswith("dpddp"):
         wrapped = DifferentiallyPrivateDistributedDataParallel(model)
     else:
         wrapped = DistributedDataParallel(model)
     if mode.startswith("bk-"):
         return build_bk(wrapped, batch_size)
+    counter = ByteCounter()
     if mode == "dp-2x":
         wrapped.register_comm_hook(counter, counting_allreduce_hook)
     gsm = GradSampleModule(wrapped)

@@ -3,9 +3,9 @@
 Each variant's step is checked against a per-sample autograd oracle: with σ = 0 the gradient
 it leaves for SGD is ``1/B · Σ_i clip(g_i)`` (flat: ``C``; ``-per-layer``: ``C/√n`` per tensor),
 the non-private one ``1/B · Σ_i g_i``; with the script's σ = 1 it differs from that by Gaussian
-noise of std ``σ·C/B`` per coordinate. The ratios of the report are checked against hand computation, a
-short run against its own raw timings, and the memory probe against the per-sample gradients the
-``hooks`` mode materialises.
+noise of std ``σ·C/B`` per coordinate. The report's ratios are checked against hand
+computation, a short run against its own raw timings, and the memory probe against the
+per-sample gradients the ``hooks`` mode materialises.
 """
 
 import importlib.util
