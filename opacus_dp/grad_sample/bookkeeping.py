@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping_pass import (
     LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, resolve_calls)
+from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.recomputed_inputs import materialise
 from opacus_dp.optim.clipping import weighted_sum
 
@@ -218,9 +219,18 @@ class Bookkeeper:
             result.append(torch.cat(parts) if parts else torch.zeros(0, device=p.device, dtype=p.dtype))
         return result
 
+    def check_kept_calls(self) -> None:
+        """Raise (consuming nothing) if a tensor kept for a clipped sum was written in place
+        since its backward pass (see :mod:`~opacus_dp.grad_sample.modification_guard`)."""
+        for resolved in self._resolved:
+            name = resolved.changed_kept_call()
+            if name is not None:
+                raise changed_before_step(name)
+
     def clipped_sums(self, params: Sequence[torch.Tensor],
                      factors: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         """``Σ_i f_i g_i`` per param (None if it has no gradient); consumes the passes."""
+        self.check_kept_calls()
         by_param = dict(zip(params, factors))
         sums: Dict[torch.Tensor, torch.Tensor] = {}
         offset = 0

@@ -115,6 +115,8 @@ class BookkeepingGradSampleModule(GradSampleModule):
                 "(retain_graph=True) is not supported with per-sample gradients (except the "
                 "'ghost' mode's own two passes); run a new forward pass for each backward pass"
             )
+        call.check_own_pass(describe(path, master))
+        call.check_unmodified(describe(path, master))
         scale = float(call.batch_size) if self.loss_reduction == "mean" else 1.0
         self._bookkeeper.record(master, describe(path, master), call, backprops, scale)
 
@@ -123,6 +125,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
         """``‖g_i‖₂`` of every param, shape ``(B,)`` (B summed over unconsumed passes)."""
         if self._bookkeeper.num_passes == 0:
             return self._norms_without_passes(params)
+        self._bookkeeper.check_kept_calls()
         self._check_unrecorded_grads(params)
         norms = [sq.clamp(min=0).sqrt() for sq in self._bookkeeper.sq_norms(params)]
         names = {p: n for n, p in self._module.named_parameters()}
@@ -176,6 +179,11 @@ class BookkeepingGradSampleModule(GradSampleModule):
     @property
     def num_passes(self) -> int:
         """Finished backward passes whose norms and sums were not consumed yet."""
+        return self._bookkeeper.num_passes
+
+    def pending_passes(self) -> int:
+        """Backward passes (batches) that the next step combines: the accountant counts each
+        (the ``ghost`` mode's two passes over one batch are one)."""
         return self._bookkeeper.num_passes
 
     @property

@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
+from opacus_dp.grad_sample.modification_guard import KeptVersions
 from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
 from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput, recomputed_in
 from opacus_dp.grad_sample.registry import NORM_SAMPLERS, PerSampleGrads
@@ -49,6 +50,11 @@ class Pass:
     factors: Optional[Dict[torch.Tensor, torch.Tensor]] = None
     sums: Dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
     unsettled: List[RecomputedInput] = field(default_factory=list)  # kept inputs still as φ(h)
+    kept_versions: List[Tuple[str, KeptVersions]] = field(default_factory=list)  # of ghost_calls
+
+    def changed_kept_call(self) -> Optional[str]:
+        """Name of a layer whose kept tensors were written in place since they were kept."""
+        return next((name for name, versions in self.kept_versions if versions.changed()), None)
 
 
 def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sample_grads: Callable,
@@ -83,9 +89,10 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
     factors = _factors_now(current, layer, factor_function)
     if factors is None:
         if len(calls) == 1:  # kept until the step: hold cheaper inputs where possible
-            activations = calls[0].call.lean_activations(layer, activations)
+            activations = calls[0].call.kept_activations(layer, activations)
             current.unsettled.extend(recomputed_in(activations))
         current.ghost_calls.append((layer, activations, backprops, scale))
+        current.kept_versions.append((calls[0].name, KeptVersions([*activations, backprops])))
         return
     wanted = {p: f * scale for p, f in factors.items() if p not in current.grads}
     for p, s in ghost_weighted_grad(layer, activations, backprops, wanted).items():

@@ -59,6 +59,34 @@ def _master_grad_samples(
     return {by_id[id(t)]: gs for t, gs in grad_samples.items()}
 
 
+def _hook_output_grad(output: torch.Tensor, hook) -> None:
+    """Call ``hook(dLoss/d output)`` once per backward pass, also after in-place operations.
+
+    An in-place operation on a *view* (e.g. ``y += h`` or ``relu_`` on the output of
+    ``F.linear`` for 3-D inputs, which reshapes a 2-D product) gives the view a new autograd
+    node, and a hook registered on the view never fires. Such an output that reshapes its whole
+    base is hooked on the node that produced the base: its gradient is the output's, reshaped,
+    and still the gradient of the values the layer returned.
+    """
+    base = output._base if output._is_view() else None
+    if base is None or base.grad_fn is None or not _reshapes_whole(output, base):
+        output.register_hook(hook)
+        return
+    shape, index = output.shape, base.output_nr
+
+    def prehook(grad_outputs):
+        grad = grad_outputs[index]
+        if grad is not None:
+            hook(grad.reshape(shape))
+
+    base.grad_fn.register_prehook(prehook)
+
+
+def _reshapes_whole(view: torch.Tensor, base: torch.Tensor) -> bool:
+    return (view.numel() == base.numel() and view.storage_offset() == base.storage_offset()
+            and view.is_contiguous() and base.is_contiguous())
+
+
 class GradSampleModule(nn.Module):
     """Wraps ``module`` so that each trainable parameter gets ``p.grad_sample``.
 
@@ -165,6 +193,7 @@ class GradSampleModule(nn.Module):
             return replaced
         call = LayerCall.capture(args, kwargs, batch_dim, batch_size,
                                   track_producers=self._tracks_producers)
+        call.during_backward = torch._C._current_graph_task_id() != -1
         reader = None if self.force_functorch else find_sampler(SAVED_STATISTICS, layer)
         if reader is not None:
             call.statistics = reader(layer, output)
@@ -182,7 +211,7 @@ class GradSampleModule(nn.Module):
             # A plain tensor hook: register_multi_grad_hook's closure refers to the output's
             # autograd node, a cycle the garbage collector frees only one graph node per pass,
             # which kept whole graphs (and the recorded inputs) alive after backward.
-            outputs[hooked[0]].register_hook(lambda grad: on_output_grads([grad]))
+            _hook_output_grad(outputs[hooked[0]], lambda grad: on_output_grads([grad]))
         else:
             torch.autograd.graph.register_multi_grad_hook(
                 [outputs[i] for i in hooked], on_output_grads
@@ -233,6 +262,8 @@ class GradSampleModule(nn.Module):
                 f"(retain_graph=True) is not supported with per-sample gradients; "
                 f"run a new forward pass for each backward pass"
             )
+        call.check_own_pass(layer_name)
+        call.check_unmodified(layer_name)
         grad_samples = self._per_sample_grads(layer, call, backprops)
         call.release()
         for param, grad_sample in _master_grad_samples(master, layer, grad_samples).items():

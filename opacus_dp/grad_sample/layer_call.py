@@ -11,8 +11,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from opacus_dp.grad_sample.modification_guard import changed_before_backward, first_changed, versions_of
 from opacus_dp.grad_sample.recomputed_inputs import lean, producer_of
 
 _SIGNATURES: Dict[type, inspect.Signature] = {}
@@ -72,6 +73,9 @@ class LayerCall:
     released: bool = False
     producers: Tuple[Any, ...] = ()  # per positional arg: ``producer_of(arg)`` (or all None: ())
     statistics: Optional[Tuple[torch.Tensor, ...]] = None  # a statistics reader's (registry)
+    versions: Tuple[int, ...] = ()  # of the tensor arguments at the call (modification_guard)
+    during_backward: bool = False  # made while a backward pass ran (a checkpoint's recomputation)
+    outside_graph: Tuple[bool, ...] = ()  # per positional arg: not from autograd (e.g. data)
 
     def release(self) -> None:
         """Drop the inputs once the call's per-sample gradients are computed.
@@ -81,6 +85,7 @@ class LayerCall:
         activations from outliving the backward pass.
         """
         self.args, self.kwargs, self.producers, self.released = (), {}, (), True
+        self.outside_graph = ()
         self.statistics = None
 
     @classmethod
@@ -93,14 +98,44 @@ class LayerCall:
             producers = tuple(producer_of(a) for a in args) if track_producers else ()
             if not any(producers):
                 producers = ()
+            outside = tuple(not a.requires_grad for a in args) if track_producers else ()
             return cls(tuple(a.detach() for a in args), {}, batch_dim, batch_size,
-                       producers=producers)
-        return cls(
+                       producers=producers, versions=versions_of(args), outside_graph=outside)
+        call = cls(
             tuple(tree_map(_detach, list(args))),
             dict(tree_map(_detach, dict(kwargs))),
             batch_dim,
             batch_size,
         )
+        call.versions = versions_of(call._tensors())
+        return call
+
+    def _tensors(self) -> List[torch.Tensor]:
+        if not self.kwargs and _plain_tensors(self.args):
+            return list(self.args)
+        return [v for v in tree_leaves((list(self.args), self.kwargs)) if isinstance(v, torch.Tensor)]
+
+    def check_own_pass(self, layer_name: str) -> None:
+        """Raise if this call, made during a backward pass, gets output gradients: a nested
+        backward pass (reentrant activation checkpointing) would count as a batch of its own,
+        and each sample's gradient would be split between the two passes and clipped twice."""
+        if self.during_backward:
+            raise RuntimeError(
+                f"{layer_name}: this layer was run again during a backward pass, and a nested "
+                "backward pass through it followed (torch.utils.checkpoint with "
+                "use_reentrant=True does this): its per-sample gradients would be split from the "
+                "rest of each sample's and clipped on their own. Use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), which recomputes "
+                "inside the same backward pass"
+            )
+
+    def check_unmodified(self, layer_name: str) -> None:
+        """Raise if a tensor argument was written in place since the call (it shares its
+        version counter with the detached record; see ``modification_guard``)."""
+        if not self.released:
+            changed = first_changed(self._tensors(), self.versions)
+            if changed is not None:
+                raise changed_before_backward(layer_name, changed)
 
     def batch_first_inputs(self) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """``(args, kwargs)`` with every tensor's batch dimension moved to 0."""
@@ -125,6 +160,18 @@ class LayerCall:
             return [*args, *kwargs.values()]
         bound.apply_defaults()
         return list(bound.args[1:]) + list(bound.kwargs.values())
+
+    def kept_activations(self, layer: nn.Module, activations: List[Any]) -> List[Any]:
+        """What the ``bk`` mode keeps of ``activations`` until the step: :meth:`lean_activations`,
+        with an own copy of each input from outside the autograd graph (a data batch, frozen
+        features): a loop may refill such a buffer before the step by means autograd's version
+        counter does not see (``.data``, a NumPy view), and the clipped sum must be built from
+        the values the norms came from. Those inputs are usually small (the first layer's)."""
+        activations = self.lean_activations(layer, activations)
+        if not any(self.outside_graph) or self.kwargs or len(activations) != len(self.args):
+            return activations
+        return [v.clone() if outside and isinstance(v, torch.Tensor) else v
+                for v, outside in zip(activations, self.outside_graph)]
 
     def lean_activations(self, layer: nn.Module, activations: List[Any]) -> List[Any]:
         """``activations`` (as :meth:`activations` returned them) with each input that is a

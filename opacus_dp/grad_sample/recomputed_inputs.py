@@ -42,11 +42,12 @@ _RECOMPUTE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
 class RecomputedInput:
     """``φ(h)`` on demand: :meth:`value` is bit-identical to the layer input it replaces."""
 
-    __slots__ = ("_op", "_source", "_arguments", "_batch_dim", "_threads", "_result")
+    __slots__ = ("_op", "_source", "_version", "_arguments", "_batch_dim", "_threads", "_result")
 
     def __init__(self, op_name: str, source: torch.Tensor, arguments: Dict[str, object],
                  batch_dim: int, threads: int):
         self._op, self._source, self._arguments = getattr(torch.ops.aten, op_name), source, arguments
+        self._version = source._version
         self._batch_dim, self._threads = batch_dim, threads
         self._result: Optional[torch.Tensor] = None
 
@@ -59,6 +60,11 @@ class RecomputedInput:
         if not self.settle():
             self._compute(in_place=False)
         return self._result
+
+    def source_changed(self) -> bool:
+        """``h`` was written in place by someone else since it was taken (then ``φ(h)`` would
+        not be the layer input; once computed, the result is this object's own)."""
+        return self._source is not None and self._source._version != self._version
 
     def settle(self) -> bool:
         """Compute ``φ(h)`` now if it can be done in ``h``'s memory (autograd has released
