@@ -99,7 +99,7 @@ class Bookkeeper:
                scale: float) -> None:
         """Keep (or resolve) one call of ``layer`` (``name`` for messages) seen by the current
         backward pass."""
-        task = torch._C._current_graph_task_id()
+        task = call.outer_task if call.outer_task != -1 else torch._C._current_graph_task_id()
         if task == -1:
             raise RuntimeError("layer calls can only be recorded during a backward pass")
         with self._lock:
@@ -116,6 +116,14 @@ class Bookkeeper:
                 self._release([entry])
             else:
                 current.deferred.setdefault(layer, []).append(entry)
+
+    def open_pass(self, task: int, batch_size: int, name: str) -> None:
+        """Open the pass of the running graph task ``task`` now, for calls recorded into it from
+        a nested backward pass (reentrant checkpointing); not during a sums pass, which adds to
+        the pass it recomputes."""
+        with self._lock:
+            if self._summing is None:
+                self._open_pass(task, batch_size, name)
 
     def _open_pass(self, task: int, batch_size: int, name: str) -> Pass:
         current = self._open.get(task)
@@ -149,8 +157,8 @@ class Bookkeeper:
     def _close(self, task: int) -> None:
         with self._lock:
             finished = self._open.pop(task, None)
-            if finished is None:
-                return
+            if finished is None or not (finished.deferred or finished.modes):
+                return  # no call recorded (a pass opened for a recomputation that was not used)
             if self._resolved and not self.accumulation_allowed:
                 raise ValueError(
                     "A second backward pass recorded per-sample information before the previous "

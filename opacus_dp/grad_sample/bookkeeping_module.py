@@ -98,6 +98,10 @@ class BookkeepingGradSampleModule(GradSampleModule):
             self._bookkeeper.expect_call(master)
         return replaced
 
+    def _open_outer_pass(self, call, layer_name: str) -> None:
+        """See :meth:`GradSampleModule._open_outer_pass`."""
+        self._bookkeeper.open_pass(call.outer_task, call.batch_size, layer_name)
+
     def _on_backward(self, path, master, layer, call, hooked, n_outputs, grads, chunk=0) -> None:
         """Record the call (batch-first output gradients, loss-reduction scale) for later."""
         if not self.hooks_enabled:
@@ -115,7 +119,6 @@ class BookkeepingGradSampleModule(GradSampleModule):
                 "(retain_graph=True) is not supported with per-sample gradients (except the "
                 "'ghost' mode's own two passes); run a new forward pass for each backward pass"
             )
-        call.check_own_pass(describe(path, master))
         call.check_unmodified(describe(path, master))
         scale = float(call.batch_size) if self.loss_reduction == "mean" else 1.0
         self._bookkeeper.record(master, describe(path, master), call, backprops, scale)

@@ -193,7 +193,9 @@ class GradSampleModule(nn.Module):
             return replaced
         call = LayerCall.capture(args, kwargs, batch_dim, batch_size,
                                   track_producers=self._tracks_producers)
-        call.during_backward = torch._C._current_graph_task_id() != -1
+        call.outer_task = torch._C._current_graph_task_id()
+        if call.outer_task != -1:  # recomputed during a backward pass (activation checkpointing)
+            self._open_outer_pass(call, describe(path, master))
         reader = None if self.force_functorch else find_sampler(SAVED_STATISTICS, layer)
         if reader is not None:
             call.statistics = reader(layer, output)
@@ -217,6 +219,14 @@ class GradSampleModule(nn.Module):
                 [outputs[i] for i in hooked], on_output_grads
             )
         return replaced
+
+    def _open_outer_pass(self, call: LayerCall, layer_name: str) -> None:
+        """A call made while a backward pass runs belongs to that pass: a reentrant checkpoint
+        (``torch.utils.checkpoint(..., use_reentrant=True)``) recomputes its block there and
+        backpropagates through it in a nested backward pass, whose per-sample gradients are
+        each sample's share of the same loss (a pass of their own would split every sample into
+        two separately clipped rows). The outer pass is opened now, while its task runs."""
+        self._store.open_pass(call.outer_task)
 
     def _batch_size(self, path, master, output: torch.Tensor, batch_dim: int) -> int:
         if output.dim() <= batch_dim:
@@ -262,12 +272,11 @@ class GradSampleModule(nn.Module):
                 f"(retain_graph=True) is not supported with per-sample gradients; "
                 f"run a new forward pass for each backward pass"
             )
-        call.check_own_pass(layer_name)
         call.check_unmodified(layer_name)
         grad_samples = self._per_sample_grads(layer, call, backprops)
         call.release()
         for param, grad_sample in _master_grad_samples(master, layer, grad_samples).items():
-            self._store.add(param, grad_sample, layer_name, chunk)
+            self._store.add(param, grad_sample, layer_name, chunk, task=call.outer_task)
 
     def _batch_first_backprop(self, grad: torch.Tensor, call: LayerCall) -> torch.Tensor:
         grad = grad.detach()

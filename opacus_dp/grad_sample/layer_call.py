@@ -74,7 +74,7 @@ class LayerCall:
     producers: Tuple[Any, ...] = ()  # per positional arg: ``producer_of(arg)`` (or all None: ())
     statistics: Optional[Tuple[torch.Tensor, ...]] = None  # a statistics reader's (registry)
     versions: Tuple[int, ...] = ()  # of the tensor arguments at the call (modification_guard)
-    during_backward: bool = False  # made while a backward pass ran (a checkpoint's recomputation)
+    outer_task: int = -1  # graph task running at the call (a checkpoint's recomputation), or -1
     outside_graph: Tuple[bool, ...] = ()  # per positional arg: not from autograd (e.g. data)
 
     def release(self) -> None:
@@ -114,20 +114,6 @@ class LayerCall:
         if not self.kwargs and _plain_tensors(self.args):
             return list(self.args)
         return [v for v in tree_leaves((list(self.args), self.kwargs)) if isinstance(v, torch.Tensor)]
-
-    def check_own_pass(self, layer_name: str) -> None:
-        """Raise if this call, made during a backward pass, gets output gradients: a nested
-        backward pass (reentrant activation checkpointing) would count as a batch of its own,
-        and each sample's gradient would be split between the two passes and clipped twice."""
-        if self.during_backward:
-            raise RuntimeError(
-                f"{layer_name}: this layer was run again during a backward pass, and a nested "
-                "backward pass through it followed (torch.utils.checkpoint with "
-                "use_reentrant=True does this): its per-sample gradients would be split from the "
-                "rest of each sample's and clipped on their own. Use "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), which recomputes "
-                "inside the same backward pass"
-            )
 
     def check_unmodified(self, layer_name: str) -> None:
         """Raise if a tensor argument was written in place since the call (it shares its

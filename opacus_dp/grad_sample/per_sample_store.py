@@ -82,24 +82,37 @@ class PerSampleGradStore:
         self.passes = 0  # backward passes that added per-sample gradients since the last pop/clear
 
     # ----------------------------------------------------------------- adding
-    def add(self, param: torch.Tensor, grad_sample: torch.Tensor, layer: str, chunk: int = 0) -> None:
-        """Add one call's per-sample gradient of ``param`` to the current backward pass.
+    def add(self, param: torch.Tensor, grad_sample: torch.Tensor, layer: str, chunk: int = 0,
+            task: int = -1) -> None:
+        """Add one call's per-sample gradient of ``param`` to the current backward pass (or to
+        the pass of graph task ``task``, opened by :meth:`open_pass`).
 
         ``chunk`` is the index of the ``nn.DataParallel`` replica (batch chunk) that made
         the call; chunks are kept apart and concatenated in index order when the pass ends.
         """
-        task = torch._C._current_graph_task_id()
+        if task == -1:
+            task = torch._C._current_graph_task_id()
         if task == -1:
             raise RuntimeError("per-sample gradients can only be added during a backward pass")
         with self._lock:
-            current = self._passes.get(task)
-            if current is None:
-                current = self._passes[task] = _Pass()
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: self._close_pass(task)
-                )
+            current = self._pass_of(task)
             self._check_batch_size(current, grad_sample.shape[0], layer, task, chunk)
             current.accumulate(param, chunk, grad_sample)
+
+    def open_pass(self, task: int) -> None:
+        """Open the pass of the running graph task ``task`` now (a layer called during it, by a
+        reentrant checkpoint's recomputation, adds to it from a nested backward pass)."""
+        with self._lock:
+            self._pass_of(task)
+
+    def _pass_of(self, task: int) -> _Pass:
+        """The pass of ``task``, opened (and closed at the task's end) if needed; call it while
+        ``task`` runs."""
+        current = self._passes.get(task)
+        if current is None:
+            current = self._passes[task] = _Pass()
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._close_pass(task))
+        return current
 
     def add_empty(self, param: torch.Tensor) -> None:
         """Make ``param.grad_sample`` exist with 0 rows (a forward pass on an empty batch)."""
@@ -126,7 +139,7 @@ class PerSampleGradStore:
     def _close_pass(self, task: int) -> None:
         with self._lock:
             finished = self._passes.pop(task, None)
-            if finished is None:
+            if finished is None or not finished.sums:
                 return
             for param in finished.sums:
                 self._append(param, finished.concatenated(param, self._undo_mean))

@@ -14,8 +14,7 @@ refused with a message naming the layer:
   ``.data`` or NumPy) changes no mode's update;
 * a layer input modified in place after the layer's forward call, before backward: refused
   (plain autograd refuses it too);
-* ``torch.utils.checkpoint`` with ``use_reentrant=True`` is refused, ``use_reentrant=False``
-  is exact;
+* ``torch.utils.checkpoint``, reentrant (a nested backward pass) or not: exact, one batch;
 * in-place operations on the output of a ``Linear`` applied to 3-D input (residual ``y += h``,
   ``ReLU/SiLU/LeakyReLU(inplace=True)``): every parameter gets its exact update.
 """
@@ -339,40 +338,49 @@ def test_input_modified_after_the_layer_call_is_refused(mode):
 
 # ------------------------------------------------------------- 4. torch.utils.checkpoint
 class Checkpointed(nn.Module):
-    def __init__(self, reentrant):
+    """``a`` → checkpointed ``blk`` → ``c``; with ``last`` the checkpointed block is the end of
+    the model (no layer records in the outer backward pass before the nested one), with
+    ``twice`` a second checkpointed block follows."""
+
+    def __init__(self, reentrant, last=False, twice=False):
         super().__init__()
-        self.reentrant = reentrant
+        self.reentrant, self.last, self.twice = reentrant, last, twice
         self.a = nn.Linear(8, 8)
         self.blk = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
-        self.c = nn.Linear(8, 3)
+        self.blk2 = nn.Sequential(nn.Linear(8, 8), nn.Tanh()) if twice else None
+        self.c = None if last else nn.Linear(8, 3)
 
     def forward(self, x):
-        return self.c(checkpoint.checkpoint(self.blk, torch.tanh(self.a(x)), use_reentrant=self.reentrant))
+        h = checkpoint.checkpoint(self.blk, torch.tanh(self.a(x)), use_reentrant=self.reentrant)
+        if self.twice:
+            h = checkpoint.checkpoint(self.blk2, h, use_reentrant=self.reentrant)
+        return h if self.last else self.c(h)
 
 
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("structure", ["middle", "last", "twice"])
+@pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("mode", ALL_MODES)
-def test_reentrant_checkpoint_is_refused(mode):
-    """``use_reentrant=True`` runs a nested backward pass: backward raises and names the fix."""
+def test_checkpointed_blocks_equal_the_oracle(mode, reentrant, structure, reduction, clipping):
+    """Activation checkpointing, reentrant (the block's gradients come from a nested backward
+    pass, which belongs to the outer one) or not: the update is the oracle's clipped sum, and
+    the step is one batch for the accountant."""
     torch.manual_seed(0)
-    model, x = Checkpointed(reentrant=True), data(4, 8)
-    _, gsm, _, criterion, _ = private(model, DataLoader(TensorDataset(x), batch_size=4), mode, 0.01)
-    with pytest.raises(RuntimeError, match="use_reentrant=False"):
-        criterion(gsm(x)).backward()
-
-
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_non_reentrant_checkpoint_equals_the_oracle(mode):
-    """``use_reentrant=False``: the update is the oracle's clipped mean."""
-    torch.manual_seed(0)
-    model, x = Checkpointed(reentrant=False), data(6, 8)
-    names, rows = oracle_rows(model, x)
-    bound = median_bound(rows, "flat")
-    expected = oracle_update(rows, bound, "flat", len(x))
-    _, gsm, optimizer, criterion, _ = private(model, DataLoader(TensorDataset(x), batch_size=6), mode, bound)
+    model = Checkpointed(reentrant, last=structure == "last", twice=structure == "twice")
+    x = data(6, 8)
+    plain = copy.deepcopy(model)
+    plain.reentrant = False  # the oracle's torch.autograd.grad cannot run reentrant checkpoints
+    names, rows = oracle_rows(plain, x)
+    bound = median_bound(rows, clipping)
+    expected = oracle_update(rows, bound, clipping, len(x) if reduction == "mean" else 1)
+    engine, gsm, optimizer, criterion, _ = private(
+        model, DataLoader(TensorDataset(x), batch_size=6), mode, bound, reduction, clipping)
     before = snapshot(model)
     criterion(gsm(x)).backward()
     optimizer.step()
     assert_update_matches(names, before, model, expected)
+    assert [q for _, q, _ in engine.accountant.history] == [1.0]
 
 
 # --------------------------------------- 5. in-place ops on a Linear's output, 3-D input
