@@ -193,7 +193,7 @@ class Bookkeeper:
             raise ValueError("the second backward pass saw a different batch than the first one")
         if entry.layer not in target.ghost_layers:
             return  # materialised in the norms pass: its per-sample gradients are kept
-        wanted = _owned(entry.layer, self._summing.factors, entry.scale, skip=target.grads)
+        wanted = _owned(entry.layer, self._summing.factors, entry.scale, target)
         for p, s in ghost_weighted_grad(entry.layer, entry.call.activations(entry.layer),
                                         entry.backprops[0], wanted).items():
             add_to(target.sums, p, s)
@@ -251,7 +251,7 @@ class Bookkeeper:
             resolved.unsettled.clear()
             while resolved.ghost_calls:  # each call's tensors freed once used (memory reused)
                 layer, activations, backprops, scale = resolved.ghost_calls.pop()
-                wanted = _owned(layer, by_param, scale, window, skip=resolved.grads)
+                wanted = _owned(layer, by_param, scale, resolved, window)
                 for p, s in ghost_weighted_grad(layer, materialise(activations), backprops,
                                                 wanted).items():
                     add_to(sums, p, s)
@@ -283,11 +283,13 @@ def _settle(current: Pass) -> None:
 
 
 def _owned(layer: nn.Module, by_param: Dict[torch.Tensor, torch.Tensor], scale: float,
-           window: slice = slice(None), skip=()) -> Dict:
-    """``{p: scale · factors[p][window]}`` for the parameters ``layer`` owns, but not those in
-    ``skip`` (kept as per-sample gradients, summed apart)."""
+           resolved: Pass, window: slice = slice(None)) -> Dict:
+    """``{p: scale · factors[p][window]}`` for the parameters ``layer`` owns that have norms in
+    the pass ``resolved``, but not those kept there as per-sample gradients (summed apart).
+    A parameter without norms did not require grad during the backward pass; unfrozen before
+    the step, its kept output gradients would otherwise add an unclipped sum."""
     return {p: by_param[p][window] * scale for p in layer.parameters(recurse=False)
-            if p in by_param and p not in skip}
+            if p in by_param and p in resolved.sq_norms and p not in resolved.grads}
 
 
 def _check_same_factors(resolved: Pass, by_param, window) -> None:

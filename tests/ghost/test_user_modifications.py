@@ -99,8 +99,10 @@ def snapshot(model):
 
 
 def assert_update_matches(names, before, model, expected):
-    """``before - after`` (the lr = 1 update) equals ``expected`` for every parameter."""
-    for name, b, p, e in zip(names, before, model.parameters(), expected):
+    """``before - after`` (the lr = 1 update) equals ``expected`` for every parameter of
+    ``model`` (a module, or a list of parameters)."""
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    for name, b, p, e in zip(names, before, params, expected):
         assert e.abs().max() > 0, f"{name}: the oracle update must not be zero"
         torch.testing.assert_close((b - p.detach()).double(), e, rtol=RTOL,
                                    atol=RTOL * e.abs().max().item(), msg=lambda m: f"update of {name}: {m}")
@@ -429,3 +431,39 @@ def test_inplace_op_on_linear_output_with_3d_input_equals_the_oracle(kind, mode,
     criterion(gsm(x)).backward()
     optimizer.step()
     assert_update_matches(names, before, model, expected)
+
+
+# ------------------------------- 6. a parameter frozen for the backward pass, unfrozen before the step
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_parameter_unfrozen_between_backward_and_step_gets_no_update(mode, clipping):
+    """A bias frozen during ``loss.backward()`` has no per-sample gradient in that step: after
+    ``requires_grad_(True)`` before the step it must stay unchanged (not get an unclipped sum
+    of the kept output gradients), and the others get the oracle's update without it."""
+    torch.manual_seed(0)
+    model, x = mlp(width=8), data(6, 8)
+    frozen = model[0].bias
+    frozen.requires_grad_(False)
+    names, rows = oracle_rows(model, x)  # the trainable parameters of the backward pass
+    bound = median_bound(rows, clipping)
+    expected = oracle_update(rows, bound, clipping, len(x))
+    frozen.requires_grad_(True)
+    if clipping == "per_layer":  # one bound per parameter of the optimizer, the frozen one's too
+        bound = bound[:1] + [bound[0]] + bound[1:]
+    _, gsm, optimizer, criterion, _ = private(model, DataLoader(TensorDataset(x), batch_size=6), mode, bound,
+                                              clipping=clipping)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    frozen.requires_grad_(False)
+    criterion(gsm(x)).backward()
+    frozen.requires_grad_(True)
+    if clipping == "per_layer" and mode != "hooks":
+        # the bounds of the sums finished during the backward pass were those of the tensors
+        # trainable then: the step sees other bounds and refuses (nothing changes)
+        with pytest.raises(RuntimeError, match="clip factors changed"):
+            optimizer.step()
+        assert_unchanged(list(before.values()), model)
+        return
+    optimizer.step()
+    assert torch.equal(frozen.detach(), before["0.bias"]), "the frozen bias must not move"
+    trained = dict(model.named_parameters())
+    assert_update_matches(names, [before[n] for n in names], [trained[n] for n in names], expected)
