@@ -6,11 +6,20 @@ the optimizer is told whether the step after it must be skipped (``do_skip=True`
 the same logical batch follow, keep accumulating clipped gradients) or taken (``do_skip=False``:
 the last chunk). An empty logical batch still yields one empty physical batch with
 ``do_skip=False``, so its step (noise only) is taken and accounted.
+
+A signal belongs to its chunk. When the next chunk is handed out and a previous chunk's signal
+was not consumed by ``step()``, the loop skipped that step: a skipped mid-batch step is
+harmless (its signal is dropped), but a logical batch whose last chunk got no ``step()`` would
+merge into the next one, or (an empty batch skipped with ``continue``) leave a Poisson step
+unaccounted, so it is refused. A loop that ends in the middle of a logical batch (``break``, an
+exception) drops that batch's clipped gradients (never released: no noise, no record) instead
+of leaving them to join the next step.
 """
 
 import math
+import warnings
 from collections import deque
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
@@ -83,9 +92,55 @@ class PhysicalBatchLoader(DataLoader):
     def __iter__(self):
         splitter = self.batch_sampler
         splitter.skip_flags.clear()
-        for batch in super().__iter__():
-            self.optimizer.signal_skip_step(do_skip=splitter.skip_flags.popleft())
-            yield batch
+        dp_optimizer = _dp_optimizer_of(self.optimizer)
+        _discard_unfinished(dp_optimizer)  # left by an earlier loop that did not finish
+        finished = False
+        try:
+            for batch in super().__iter__():
+                _check_previous_steps(dp_optimizer)
+                self.optimizer.signal_skip_step(do_skip=splitter.skip_flags.popleft())
+                yield batch
+            _check_previous_steps(dp_optimizer)
+            finished = True
+        finally:
+            if not finished:
+                _discard_unfinished(dp_optimizer)
+
+
+def _dp_optimizer_of(optimizer) -> Optional[object]:
+    """The ``DPOptimizer`` behind ``optimizer`` (itself, or the one a classic engine attached)."""
+    if callable(getattr(optimizer, "discard_unfinished_batch", None)):
+        return optimizer
+    return getattr(getattr(optimizer, "privacy_engine", None), "_dp_optimizer", None)
+
+
+def _check_previous_steps(dp_optimizer) -> None:
+    """Refuse a logical batch whose last chunk got no ``step()`` (module doc)."""
+    if dp_optimizer is None:
+        return
+    if not all(dp_optimizer.take_unconsumed_skip_signals()):
+        dropped = dp_optimizer.discard_unfinished_batch()
+        raise RuntimeError(
+            "BatchMemoryManager: the last physical batch of a logical batch got no "
+            "optimizer.step() (was an empty batch skipped with `continue`?). Every logical batch, "
+            "also an empty one, must end in optimizer.step(): it adds the noise and the "
+            "accountant records it (an empty batch goes through the model and the loss like any "
+            f"other). The clipped gradients of that batch's {dropped} samples were dropped; "
+            "nothing was updated"
+        )
+
+
+def _discard_unfinished(dp_optimizer) -> None:
+    if dp_optimizer is None:
+        return
+    dropped = dp_optimizer.discard_unfinished_batch()
+    if dropped:
+        warnings.warn(
+            f"BatchMemoryManager: a loop ended inside a logical batch; the clipped gradients of "
+            f"its {dropped} samples were dropped (no step was taken for them, so they cost no "
+            "privacy and cannot join the next step)",
+            RuntimeWarning, stacklevel=3,
+        )
 
 
 def _check_arguments(data_loader, max_physical_batch_size, optimizer) -> None:
@@ -124,6 +179,7 @@ class BatchMemoryManager:
         )
 
     def __exit__(self, exc_type, exc_value, traceback) -> bool:
+        _discard_unfinished(_dp_optimizer_of(self.optimizer))  # also if the loop was left early
         return False
 
 

@@ -149,6 +149,23 @@ class DPOptimizer(Optimizer):
         """Queue whether the next ``step()`` only accumulates (``True``) or steps (``False``)."""
         self._skip_signals.append(bool(do_skip))
 
+    def take_unconsumed_skip_signals(self) -> List[bool]:
+        """The signals of :meth:`signal_skip_step` that no ``step()`` consumed (now dropped)."""
+        signals = list(self._skip_signals)
+        self._skip_signals.clear()
+        return signals
+
+    def discard_unfinished_batch(self) -> int:
+        """Drop what a logical batch that never reached its step left behind: the clipped sums
+        of its earlier pieces, the per-sample state of a backward pass not yet clipped, queued
+        skip signals. Nothing of it was released (no noise, no accountant record). Returns
+        the number of samples whose clipped gradients were dropped."""
+        dropped = self._num_accumulated
+        self._summed, self._num_accumulated = {}, 0
+        self._skip_signals.clear()
+        self.grad_source.clear(self.params)
+        return dropped
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``p.grad`` and per-sample gradients; clipped sums of virtual steps are kept."""
         self.grad_source.clear(self.params)

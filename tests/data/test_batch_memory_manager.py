@@ -188,3 +188,89 @@ def test_training_through_batch_memory_manager_equals_logical_dp_sgd():
     assert len(real_steps) == steps
     torch.testing.assert_close(linear.weight.detach(), w, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(linear.bias.detach(), b, rtol=1e-9, atol=1e-9)
+
+
+# ------------------------------------------------ loops that leave a logical batch unfinished
+def private_linear(n=16, seed=3):
+    """``(dataset, linear, grad-sample model, DPOptimizer with σ = 0, real-step counter)``."""
+    from opacus_dp.grad_sample import GradSampleModule
+    from opacus_dp.optim import DPOptimizer
+
+    torch.manual_seed(seed)
+    dataset = TensorDataset(torch.randn(n, 3, dtype=torch.float64), torch.randn(n, 1, dtype=torch.float64))
+    linear = nn.Linear(3, 1).double()
+    model = GradSampleModule(linear, loss_reduction="sum")
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), noise_multiplier=0.0,
+                            max_grad_norm=0.3, expected_batch_size=0.4 * n)
+    real_steps = []
+    optimizer.attach_step_hook(lambda opt: real_steps.append(1))
+    return dataset, linear, model, optimizer, real_steps
+
+
+def train_chunk(model, optimizer, x, y):
+    ((model(x) - y) ** 2).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_loop_left_inside_a_logical_batch_leaves_nothing_for_the_next_step():
+    """``break`` after the first chunk of a logical batch: its clipped gradients are dropped
+    (with a warning), so the next loop's first step is exactly the oracle's step on its own
+    logical batch, not merged with the unfinished one."""
+    dataset, linear, model, optimizer, real_steps = private_linear()
+    loader = DPDataLoader(dataset, sample_rate=0.4, steps=3, generator=seeded(5))
+    first = next(iter(DPDataLoader(TensorDataset(torch.arange(16)), sample_rate=0.4, steps=3,
+                                   generator=seeded(5))))[0]
+    assert len(first) > 2, "the seed must give a first logical batch of several chunks"
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=optimizer) as physical:
+            for x, y in physical:
+                train_chunk(model, optimizer, x, y)
+                break
+    assert real_steps == []
+    w0, b0 = linear.weight.detach().clone(), linear.bias.detach().clone()
+    loader = DPDataLoader(dataset, sample_rate=0.4, steps=1, generator=seeded(6))
+    batch = next(iter(DPDataLoader(TensorDataset(torch.arange(16)), sample_rate=0.4, steps=1,
+                                   generator=seeded(6))))[0].tolist()
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=optimizer) as physical:
+        for x, y in physical:
+            train_chunk(model, optimizer, x, y)
+    w, b = oracle_dp_sgd(w0, b0, dataset, [batch], 0.3, 0.4 * 16, 0.5)
+    assert real_steps == [1]
+    torch.testing.assert_close(linear.weight.detach(), w, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(linear.bias.detach(), b, rtol=1e-9, atol=1e-9)
+
+
+def test_skipping_the_step_of_an_empty_logical_batch_is_refused():
+    """``if len(x) == 0: continue`` leaves a Poisson step untaken (unaccounted) and would shift
+    every later step boundary: the next chunk is refused, naming the cause."""
+    dataset, linear, model, optimizer, _ = private_linear(n=4)
+    loader = DPDataLoader(dataset, sample_rate=0.05, steps=40, generator=seeded(0))
+    with pytest.raises(RuntimeError, match="empty batch skipped"):
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=optimizer) as physical:
+            for x, y in physical:
+                if len(x) == 0:
+                    continue
+                train_chunk(model, optimizer, x, y)
+
+
+def test_a_skipped_step_inside_a_logical_batch_only_drops_its_signal():
+    """No ``step()`` after a chunk that is not the last of its logical batch: its signal is
+    dropped, the per-sample gradients of its backward pass join the next ``step()`` of the same
+    logical batch, and the training equals the oracle's logical DP-SGD."""
+    dataset, linear, model, optimizer, real_steps = private_linear()
+    w0, b0 = linear.weight.detach().clone(), linear.bias.detach().clone()
+    loader = DPDataLoader(dataset, sample_rate=0.4, steps=3, generator=seeded(5))
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=optimizer) as physical:
+        for chunk, (x, y) in enumerate(physical):
+            ((model(x) - y) ** 2).sum().backward()
+            if chunk != 0:  # the first chunk's step is left out (its backward is not)
+                optimizer.step()
+                optimizer.zero_grad()
+    twin = DPDataLoader(TensorDataset(torch.arange(16)), sample_rate=0.4, steps=3, generator=seeded(5))
+    batches = [b[0].tolist() for b in twin]
+    assert len(batches[0]) > 2
+    w, b = oracle_dp_sgd(w0, b0, dataset, batches, 0.3, 0.4 * 16, 0.5)
+    assert len(real_steps) == 3
+    torch.testing.assert_close(linear.weight.detach(), w, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(linear.bias.detach(), b, rtol=1e-9, atol=1e-9)
