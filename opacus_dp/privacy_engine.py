@@ -151,6 +151,9 @@ class PrivacyEngine:
         if len(self.accountant) > 0:
             warnings.warn("make_private_with_epsilon: privacy already spent by this engine is not "
                           "included in the calibration; the final epsilon will be higher", UserWarning)
+        from opacus_dp.accountants.validation import warn_if_delta_not_small
+
+        warn_if_delta_not_small(target_delta, len(data_loader.dataset))
         sample_rate = _sample_rate_of(data_loader)
         sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
                                      sample_rate=sample_rate, steps=_planned_steps(data_loader, epochs),

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.accountants import RDPAccountant
+from opacus_dp.accountants.validation import warn_if_delta_not_small
 from opacus_dp.engine_setup import (
     GRAD_SAMPLE_MODES,
     check_choice,
@@ -80,6 +81,7 @@ class ClassicPrivacyEngine(PrivacyEngine):
         self.clipping = "per_layer" if isinstance(max_grad_norm, (list, tuple)) else "flat"
         self._max_grad_norm = max_grad_norm
         if noise_multiplier is None:
+            warn_if_delta_not_small(target_delta, self.sample_size)
             noise_multiplier = calibrate_noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=target_delta,
                 sample_rate=self.sample_rate, epochs=epochs, alphas=self.alphas)

@@ -6,6 +6,7 @@ says what a valid value looks like; each returns the value as a plain Python num
 
 import math
 import numbers
+import warnings
 
 
 def _as_real(value, name: str) -> float:
@@ -38,6 +39,18 @@ def check_delta(delta, name: str = "delta") -> float:
     if not 0.0 < d < 1.0:
         raise ValueError(f"{name} must lie in the open interval (0, 1), got {delta!r}")
     return d
+
+
+def warn_if_delta_not_small(delta: float, num_records: int, name: str = "target_delta") -> None:
+    """Warn when ``δ ≥ 1/N``: releasing one random record in the clear is then (0, δ)-DP, so
+    the guarantee says little; δ ≪ 1/N is the usual choice (Dwork & Roth 2014, §2.3)."""
+    if num_records > 0 and delta >= 1.0 / num_records:
+        warnings.warn(
+            f"{name}={delta!r} is not below 1/N = 1/{num_records}: a mechanism that publishes one "
+            f"random record in the clear satisfies (0, {delta!r})-DP, so this guarantee says "
+            f"little; choose {name} much smaller than 1/N (e.g. 1e-5 or 1/(10 N))",
+            UserWarning, stacklevel=3,
+        )
 
 
 def check_steps(steps, name: str = "steps") -> int:

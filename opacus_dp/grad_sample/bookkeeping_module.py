@@ -37,6 +37,7 @@ from opacus_dp.grad_sample.bookkeeping_pass import shared_layers
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.support import describe, has_trainable_parameters
 from opacus_dp.grad_sample.weight_grad_skipping import skip_weight_grads as install_skipping
+from opacus_dp.optim.clipping import check_finite_norms
 
 
 def _refuse_data_parallel(module: nn.Module) -> None:
@@ -133,12 +134,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
         norms = [sq.clamp(min=0).sqrt() for sq in self._bookkeeper.sq_norms(params)]
         names = {p: n for n, p in self._module.named_parameters()}
         for p, n in zip(params, norms):
-            if not bool(torch.isfinite(n).all()):
-                raise ValueError(
-                    f"non-finite (NaN or inf) per-sample gradient in parameter "
-                    f"{names.get(p, tuple(p.shape))}: check the loss and inputs of this batch "
-                    "(no update was made)"
-                )
+            check_finite_norms(n, str(names.get(p, tuple(p.shape))))
         return norms
 
     def _norms_without_passes(self, params) -> List[torch.Tensor]:

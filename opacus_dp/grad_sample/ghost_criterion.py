@@ -29,6 +29,22 @@ import torch
 from opacus_dp.optim.clipping import PerLayerClipper
 
 
+def _backward_keeping_graph(value: torch.Tensor) -> None:
+    """``value.backward(retain_graph=True)``, with the way out named when the graph cannot be
+    kept (a ``torch.compile``d backward with donated buffers refuses ``retain_graph``)."""
+    try:
+        value.backward(retain_graph=True)
+    except RuntimeError as error:
+        if "donated buffer" not in str(error):
+            raise
+        raise RuntimeError(
+            "grad_sample_mode='ghost' runs two backward passes through the same graph "
+            "(retain_graph=True), which this torch.compile'd model's backward does not allow "
+            "(donated buffers). Use grad_sample_mode='bk' (one backward pass, the same clipped "
+            "update), or set torch._functorch.config.donated_buffer = False before compiling"
+        ) from error
+
+
 class GhostLoss:
     """A scalar loss whose :meth:`backward` is the two-pass backward (module doc)."""
 
@@ -44,7 +60,7 @@ class GhostLoss:
         params = self.optimizer.params
         passes = module.num_passes
         with module.norms_pass():
-            self.value.backward(retain_graph=True)
+            _backward_keeping_graph(self.value)
         if module.num_passes == passes:
             return  # no layer call reached the loss (an empty batch): nothing to sum
         factors = self.optimizer.clipper.clip_factors(module.last_per_sample_norms(params))

@@ -19,6 +19,7 @@ outputs never reach the loss, and evaluation passes leave no stale state behind
 outputs they wrap).
 """
 
+import contextlib
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -34,6 +35,7 @@ from opacus_dp.grad_sample.layer_call import LayerCall, layer_batch_dim, separat
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
 from opacus_dp.grad_sample.support import (
+    autocast_in_effect,
     describe,
     has_trainable_parameters,
     own_parameters,
@@ -57,6 +59,20 @@ def _master_grad_samples(
         return grad_samples
     by_id = {id(getattr(layer, n)): p for n, p in master._parameters.items() if p is not None}
     return {by_id[id(t)]: gs for t, gs in grad_samples.items()}
+
+
+def _autocast_of(layer: nn.Module) -> Optional[Tuple[str, torch.dtype]]:
+    """``(device type, dtype)`` of the autocast in effect for ``layer``'s device, or None."""
+    param = next(layer.parameters(recurse=False), None)
+    device_type = param.device.type if param is not None else "cpu"
+    dtype = autocast_in_effect(device_type)
+    return None if dtype is None else (device_type, dtype)
+
+
+def _same_autocast(state: Optional[Tuple[str, torch.dtype]]):
+    if state is None:
+        return contextlib.nullcontext()
+    return torch.autocast(state[0], dtype=state[1])
 
 
 def _hook_output_grad(output: torch.Tensor, hook) -> None:
@@ -201,6 +217,7 @@ class GradSampleModule(nn.Module):
             call.statistics = reader(layer, output)
         if self._sampler_for(layer) is None:
             self._check_fallback_inputs(path, master, call)
+            call.autocast = _autocast_of(master)
         chunk = data_parallel.chunk_of(layer, master, describe_layer=describe(path, master),
                                        uses_registered_sampler=self._sampler_for(layer) is not None)
 
@@ -295,7 +312,8 @@ class GradSampleModule(nn.Module):
         args, kwargs = call.batch_first_inputs()
         _RECOMPUTING.active = True
         try:
-            return functorch_grad_sample(layer, list(args), backprops, kwargs, call.batch_dim)
+            with _same_autocast(call.autocast):  # the recomputed forward casts as the call did
+                return functorch_grad_sample(layer, list(args), backprops, kwargs, call.batch_dim)
         finally:
             _RECOMPUTING.active = False
 

@@ -75,6 +75,7 @@ class LayerCall:
     statistics: Optional[Tuple[torch.Tensor, ...]] = None  # a statistics reader's (registry)
     versions: Tuple[int, ...] = ()  # of the tensor arguments at the call (modification_guard)
     outer_task: int = -1  # graph task running at the call (a checkpoint's recomputation), or -1
+    autocast: Optional[Tuple[str, torch.dtype]] = None  # (device type, dtype) if autocast was on
     outside_graph: Tuple[bool, ...] = ()  # per positional arg: not from autograd (e.g. data)
 
     def release(self) -> None:

@@ -103,3 +103,15 @@ def unsupported_modules(root: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]
         reason = unsupported_reason(module)
         if reason is not None:
             yield path, module, reason
+
+
+def autocast_in_effect(device_type: str) -> Optional[torch.dtype]:
+    """The dtype ``torch.autocast`` casts to on ``device_type`` right now, or None if off."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type)
+    except TypeError:  # torch < 2.4: per-device functions
+        cpu = device_type == "cpu"
+        enabled = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
+        dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
+    return dtype if enabled else None

@@ -46,6 +46,17 @@ def per_sample_norms(grads: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(flat, dim=1, dtype=sum_dtype(grads.dtype))
 
 
+def check_finite_norms(norms: torch.Tensor, name: str) -> torch.Tensor:
+    """``norms`` if all are finite, else a ``ValueError`` naming the parameter ``name``."""
+    if not bool(torch.isfinite(norms).all()):
+        raise ValueError(
+            f"non-finite (NaN or inf) per-sample gradient norm in parameter {name}: a NaN or inf "
+            f"gradient, or one so large that its squared norm overflows {norms.dtype} — check the "
+            "loss and inputs of this batch, or scale the loss down (no update was made)"
+        )
+    return norms
+
+
 def weighted_sum(factors: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     """``Σ_i f_i g_i`` of per-sample gradients ``(B, ...)``, in :func:`sum_dtype` of theirs, with
     IEEE float32 products (:mod:`~opacus_dp.optim.float32_products`)."""

@@ -34,7 +34,8 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from opacus_dp.optim.clipping import (
-    Clipper, FlatClipper, PerLayerClipper, make_clipper, per_sample_norms, sum_dtype, weighted_sum)
+    Clipper, FlatClipper, PerLayerClipper, check_finite_norms, make_clipper, per_sample_norms, sum_dtype,
+    weighted_sum)
 from opacus_dp.optim.grad_source import AttributeGradSource
 from opacus_dp.optim.noise import GaussianNoise, check_noise_multiplier, noise_std
 from opacus_dp.optim.reduction import LocalReducer
@@ -93,7 +94,8 @@ class DPOptimizer(Optimizer):
         self.clipper.check_num_params(len(self.params))
         noise_std(self.noise_multiplier, self.clipper)  # validates σ against C = inf
         self.loss_reduction = loss_reduction
-        self.expected_batch_size = _check_expected_batch_size(expected_batch_size, loss_reduction)
+        _check_expected_batch_size(expected_batch_size, loss_reduction)
+        self.expected_batch_size = expected_batch_size
         self.noise = GaussianNoise(generator=generator, secure_mode=secure_mode)
         self.reducer = reducer if reducer is not None else LocalReducer()
         self.grad_source = grad_source if grad_source is not None else AttributeGradSource()
@@ -135,6 +137,15 @@ class DPOptimizer(Optimizer):
         result = self._inner_step()
         self._run_hooks(self._step_hooks)
         return loss if loss is not None else result
+
+    @property
+    def expected_batch_size(self) -> Optional[float]:
+        """``E|B|`` (per process), the divisor of the ``mean`` reduction; checked when set."""
+        return self._expected_batch_size
+
+    @expected_batch_size.setter
+    def expected_batch_size(self, value) -> None:
+        self._expected_batch_size = _check_expected_batch_size(value, self.loss_reduction)
 
     def virtual_step(self) -> None:
         """Clip and accumulate the current per-sample gradients; no parameter update.
@@ -312,12 +323,7 @@ class DPOptimizer(Optimizer):
         return self._check_finite(p, per_sample_norms(g))
 
     def _check_finite(self, p, norms: torch.Tensor) -> torch.Tensor:
-        if not bool(torch.isfinite(norms).all()):
-            raise ValueError(
-                f"non-finite (NaN or inf) per-sample gradient in parameter {self._name(p)}: "
-                "check the loss and inputs of this batch (no update was made)"
-            )
-        return norms
+        return check_finite_norms(norms, self._name(p))
 
     def _name(self, p) -> str:
         if p in self.param_names:

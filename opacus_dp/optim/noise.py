@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from opacus_dp.accountants import validation
 from opacus_dp.optim.clipping import Clipper
 
 SECURE_NUM_DRAWS = 4  # sum of 4 N(0, s²) divided by 2 is N(0, s²)
@@ -46,13 +47,9 @@ def noise_std(noise_multiplier: float, clipper: Clipper) -> float:
 
 
 def check_noise_multiplier(noise_multiplier) -> float:
-    """``noise_multiplier`` as float if finite and ≥ 0, else ValueError/TypeError."""
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)):
-        raise TypeError(f"noise_multiplier must be a number ≥ 0, got {noise_multiplier!r}")
-    value = float(noise_multiplier)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"noise_multiplier must be finite and ≥ 0, got {noise_multiplier!r}")
-    return value
+    """``noise_multiplier`` as float if a finite real number ≥ 0 (NumPy scalars included), else
+    ValueError/TypeError (the accountants' check, so both accept the same values)."""
+    return validation.check_noise_multiplier(noise_multiplier)
 
 
 def seed_from_global_rng() -> int:

@@ -110,3 +110,39 @@ def test_empty_batch_step_in_ghost_mode_adds_only_noise():
     optimizer.step()
     assert len(engine.accountant) == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class _DonatingBackward(torch.autograd.Function):
+    """Identity whose backward fails as a ``torch.compile``d backward with donated buffers
+    does under ``retain_graph=True`` (the message torch raises there)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("This backward function was compiled with non-empty donated buffers "
+                           "which requires create_graph=False and retain_graph=False.")
+
+
+class Donating(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(7, 4), nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        return self.head(_DonatingBackward.apply(self.emb(tokens)).mean(1))
+
+
+def test_a_backward_that_cannot_keep_its_graph_names_the_way_out():
+    """The two passes need ``retain_graph=True``; a compiled backward that refuses it gets an
+    error naming ``grad_sample_mode='bk'`` (and nothing is updated)."""
+    torch.manual_seed(0)
+    model = Donating()
+    before = [p.detach().clone() for p in model.parameters()]
+    module, optimizer, criterion, loader = private(model, "flat", 1.0)
+    tokens, target = next(iter(loader))
+    with pytest.raises(RuntimeError, match="grad_sample_mode='bk'"):
+        criterion(module(tokens), target).backward()
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))

@@ -177,3 +177,38 @@ def test_outputs_derived_from_other_outputs_are_not_double_counted(loss_reductio
     x = torch.randn(4, 5, 3, dtype=torch.double)
     expected = oracle_grad_samples(model, (x,))
     assert_grad_samples_close(gsm_grad_samples(model, (x,), loss_reduction=loss_reduction), expected)
+
+
+class CustomLinear(nn.Module):
+    """A layer without a registered sampler (the torch.func fallback), a matrix product."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d_out, d_in) * 0.3)
+
+    def forward(self, x):
+        return F.linear(x, self.w)
+
+
+def test_fallback_recomputes_under_the_forward_passes_autocast():
+    """A forward under ``torch.autocast`` (bfloat16 products): the fallback's recomputation runs
+    under the same autocast (otherwise a bfloat16 input meets a float32 weight and fails), and
+    each per-sample gradient equals the per-sample autograd oracle run under the same autocast,
+    to bfloat16's rounding (2⁻⁸ relative, so 2e-2 of the gradient's largest entry)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), CustomLinear(8, 3))
+    x = torch.randn(6, 5)
+    gsm = GradSampleModule(model, loss_reduction="sum")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gsm(x)
+    out.float().pow(2).sum().backward()
+    got = model[2].w.grad_sample
+    rows = []
+    for i in range(len(x)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out_i = model(x[i:i + 1])
+        rows.append(torch.autograd.grad(out_i.float().pow(2).sum(), model[2].w)[0])
+    expected = torch.stack(rows)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    gsm.close()

@@ -1,0 +1,81 @@
+"""Arguments and settings that used to pass silently: each is now refused with its name, or
+warned about, before any step.
+
+* ``optimizer.expected_batch_size`` set after ``make_private`` to 0 (the ``mean`` reduction
+  would divide by it and write ±inf into the weights);
+* δ not below ``1/N`` in ``make_private_with_epsilon`` and the classic engine's σ calibration
+  (publishing one random record in the clear is then (0, δ)-DP);
+* σ given as a NumPy scalar: accepted by the optimizer as by the accountants, and the noise
+  std is σ·C (checked on the update of a model whose gradients are all zero).
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from opacus_dp import PrivacyEngine
+from opacus_dp.privacy_engine_classic import PrivacyEngine as ClassicPrivacyEngine
+from tests.engine.helpers import sample_std, small_loader, small_model, std_tolerance
+
+
+def private(noise_multiplier=1.0, n=24):
+    model = small_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine(accountant="rdp")
+    return engine, *engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=small_loader(n=n),
+        noise_multiplier=noise_multiplier, max_grad_norm=1.0, poisson_sampling=False)
+
+
+@pytest.mark.parametrize("bad", [0, -2, float("nan"), "8"])
+def test_expected_batch_size_set_after_make_private_is_checked(bad):
+    _, _, optimizer, _ = private()
+    with pytest.raises((ValueError, TypeError), match="expected_batch_size"):
+        optimizer.expected_batch_size = bad
+
+
+@pytest.mark.parametrize("delta, warns", [(0.05, True), (1 / 24, True), (1e-5, False)])
+def test_delta_not_below_one_over_n_warns_in_make_private_with_epsilon(delta, warns):
+    model = small_model()
+    engine = PrivacyEngine(accountant="rdp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=small_loader(n=24),
+            target_epsilon=2.0, target_delta=delta, epochs=1, max_grad_norm=1.0)
+    flagged = [w for w in caught if "1/N = 1/24" in str(w.message)]
+    assert bool(flagged) == warns
+
+
+def test_delta_not_below_one_over_n_warns_in_the_classic_calibration():
+    with pytest.warns(UserWarning, match="target_delta=0.5 is not below 1/N = 1/100"):
+        ClassicPrivacyEngine(nn.Linear(4, 2), batch_size=10, sample_size=100, target_epsilon=1.0,
+                             epochs=1, target_delta=0.5, max_grad_norm=1.0)
+
+
+def test_numpy_noise_multiplier_is_accepted_and_noises_by_its_value():
+    """σ = np.float32(0.5) on zero inputs of a bias-free model (every gradient 0): the update is
+    pure noise of std σ·C / E|B| per coordinate (sample std over the weight's 20 000 entries)."""
+    torch.manual_seed(0)
+    model = nn.Linear(400, 50, bias=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine(accountant="rdp")
+    data = TensorDataset(torch.zeros(8, 400), torch.zeros(8, 50))
+    module, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(data, batch_size=8), noise_multiplier=np.float32(0.5), max_grad_norm=2.0,
+        poisson_sampling=False)
+    before = model.weight.detach().clone()
+    x, y = next(iter(loader))
+    ((module(x) - y) ** 2).sum().backward()
+    optimizer.step()
+    update = before - model.weight.detach()
+    expected = 0.5 * 2.0 / optimizer.expected_batch_size
+    assert abs(sample_std(update) / expected - 1) < std_tolerance(update.numel())
+    assert engine.accountant.history[0][0] == pytest.approx(0.5)
