@@ -7,7 +7,8 @@ Saved entries (a dict written with ``torch.save``):
 * ``privacy_accountant_state_dict`` — the full privacy history (every (σ, q, steps) record);
 * ``optimizer_state_dict`` — the wrapped optimizer's own state (momentum, Adam moments, ...);
 * ``noise_generator_state`` / ``sampler_generator_state`` — generator states, so that a seeded
-  resumed run draws the same noise and the same Poisson batches as an uninterrupted one;
+  resumed run draws the same noise and the same Poisson batches as an uninterrupted one (also
+  when saved mid-epoch if the loader has no worker processes, which sample batches ahead);
 * ``<name>_state_dict`` for the optional schedulers.
 """
 

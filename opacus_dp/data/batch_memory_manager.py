@@ -23,7 +23,7 @@ from typing import Iterator, List, Optional
 
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
-from opacus_dp.data.data_loader import worker_settings
+from opacus_dp.data.data_loader import SamplingGeneratorKept, worker_seed_generator, worker_settings
 from opacus_dp.data.samplers import check_positive_int
 
 
@@ -69,7 +69,7 @@ class BatchSplittingSampler(Sampler[List[int]]):
         return math.ceil(steps * max(1.0, expected / self.max_batch_size))
 
 
-class PhysicalBatchLoader(DataLoader):
+class PhysicalBatchLoader(SamplingGeneratorKept, DataLoader):
     """DataLoader over the physical chunks; signals ``optimizer.signal_skip_step`` per chunk.
 
     The signal is sent when a chunk is handed to the caller (not when its indices are drawn),
@@ -88,6 +88,8 @@ class PhysicalBatchLoader(DataLoader):
             in_order=True,
             **worker_settings(data_loader),
         )
+        self._seed_generator = getattr(data_loader, "_seed_generator", None) \
+            or worker_seed_generator(data_loader.generator)
 
     def __iter__(self):
         splitter = self.batch_sampler

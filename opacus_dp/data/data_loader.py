@@ -4,6 +4,7 @@ import copy
 import warnings
 from typing import Callable, Optional
 
+import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 
 from opacus_dp.data.collate import EmptyBatchCollate, unwrap_collate
@@ -37,7 +38,33 @@ def _check_map_style(dataset, where: str) -> None:
         )
 
 
-class DPDataLoader(DataLoader):
+def worker_seed_generator(generator) -> torch.Generator:
+    """A generator for the iterators' base seeds (worker seeds), derived from ``generator``'s
+    initial seed without drawing from it (a fresh one from torch's global RNG if it has none)."""
+    initial = getattr(generator, "initial_seed", None)
+    if not callable(initial):
+        return generator_from_global_rng()
+    return torch.Generator().manual_seed((initial() * 0x9E3779B97F4A7C15 + 1) % 2**63)
+
+
+class SamplingGeneratorKept:
+    """Mixin of the DP loaders: a new iterator draws its base seed (for the worker seeds) from
+    ``self._seed_generator``, not from ``loader.generator``, which only the batch sampler draws
+    from. So iterating does not advance the sampling generator: a run resumed mid-epoch from a
+    saved ``loader.generator`` state draws the batches the uninterrupted run would have drawn
+    (``DataLoader`` itself takes the base seed from ``loader.generator``)."""
+
+    _seed_generator: Optional[torch.Generator] = None
+
+    def __iter__(self):
+        sampling, self.generator = self.generator, self._seed_generator
+        try:
+            return super().__iter__()
+        finally:
+            self.generator = sampling
+
+
+class DPDataLoader(SamplingGeneratorKept, DataLoader):
     """DataLoader whose batches are Poisson samples: each example is in each batch w.p. ``sample_rate``.
 
     ``len(loader)`` is the number of steps per pass (default ``round(1/q)``), the expected batch
@@ -93,6 +120,7 @@ class DPDataLoader(DataLoader):
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
         )
+        self._seed_generator = worker_seed_generator(generator)
 
     def _make_batch_sampler(self, num_samples: int, generator, steps):
         if self.distributed:

@@ -111,10 +111,9 @@ def test_numpy_fields_and_unsupported_fields():
 def test_non_empty_batches_are_the_sampled_examples():
     ds = tensor_dataset(20)
     loader = DPDataLoader(ds, sample_rate=0.3, generator=seeded(3), steps=5)
-    # oracle: the same generator state drives (i) one int64 seed draw made by DataLoader.__iter__
-    # and (ii) the Poisson batch sampler
+    # oracle: the same generator state drives the Poisson batch sampler alone (iterating the
+    # loader draws its workers' base seed from a generator of its own)
     oracle_generator = seeded(3)
-    torch.empty((), dtype=torch.int64).random_(generator=oracle_generator)
     oracle_sampler = UniformWithReplacementSampler(num_samples=20, sample_rate=0.3, generator=oracle_generator, steps=5)
     oracle_indices = list(oracle_sampler)
     for (x, y, mask), indices in zip(loader, oracle_indices):
@@ -229,3 +228,33 @@ def test_distributed_loader_in_single_process_group():
         assert len(list(loader)) == 2
     finally:
         dist.destroy_process_group()
+
+
+def _indices(loader, count):
+    """The first ``count`` batches of ``loader`` as index lists (new iterators as needed)."""
+    out = []
+    while len(out) < count:
+        for (x,) in loader:
+            out.append(x.long().tolist())
+            if len(out) == count:
+                break
+    return out
+
+
+@pytest.mark.parametrize("num_workers, split", [(0, 1), (0, 3), (0, 4), (2, 4)])
+def test_resuming_from_a_saved_sampling_state_mid_epoch_draws_the_same_batches(split, num_workers):
+    """A run stopped after ``split`` batches (mid-epoch for 1 and 3 of the 4 steps per pass),
+    resumed in a new loader from the saved ``loader.generator`` state, draws exactly the
+    batches of the uninterrupted run: creating an iterator must not draw from the sampling
+    generator (a DataLoader takes its worker base seed from ``loader.generator``). With worker
+    processes the loader samples batches ahead (prefetching), so only epoch boundaries are
+    exact there."""
+    data = TensorDataset(torch.arange(20).float())
+    make = lambda seed: DPDataLoader(data, sample_rate=0.25, generator=seeded(seed),  # noqa: E731
+                                     num_workers=num_workers)
+    reference = _indices(make(0), 8)
+    first_loader = make(0)
+    first = _indices(first_loader, split)
+    resumed_loader = make(123)
+    resumed_loader.generator.set_state(first_loader.generator.get_state())
+    assert first + _indices(resumed_loader, 8 - split) == reference

@@ -36,7 +36,6 @@ def test_two_ranks_share_one_poisson_draw():
     # examples whose permuted position j satisfies U_j < q, U drawn as by a single-process sampler
     torch.manual_seed(0)
     generator = DPDataLoader(TensorDataset(torch.arange(N)), sample_rate=Q).generator
-    torch.empty((), dtype=torch.int64).random_(generator=generator)  # DataLoader.__iter__'s seed draw
     positions = list(UniformWithReplacementSampler(num_samples=N, sample_rate=Q, generator=generator, steps=STEPS))
     order = [None] * N
     for r in range(2):
