@@ -92,6 +92,7 @@ class DPOptimizer(Optimizer):
             clipping = "per_layer" if isinstance(max_grad_norm, (list, tuple)) else "flat"
         self.clipper: Clipper = make_clipper(clipping, max_grad_norm)
         self.clipper.check_num_params(len(self.params))
+        self._bound_index = {p: i for i, p in enumerate(self.params)}  # per-layer bound of each tensor
         noise_std(self.noise_multiplier, self.clipper)  # validates σ against C = inf
         self.loss_reduction = loss_reduction
         _check_expected_batch_size(expected_batch_size, loss_reduction)
@@ -99,7 +100,6 @@ class DPOptimizer(Optimizer):
         self.noise = GaussianNoise(generator=generator, secure_mode=secure_mode)
         self.reducer = reducer if reducer is not None else LocalReducer()
         self.grad_source = grad_source if grad_source is not None else AttributeGradSource()
-        self._param_index: Optional[Dict[torch.Tensor, int]] = None
         if hasattr(self.grad_source, "set_factor_function"):
             self.grad_source.set_factor_function(self._own_norm_factors)
         self.param_names = dict(param_names or {})
@@ -181,14 +181,12 @@ class DPOptimizer(Optimizer):
         """Clear ``p.grad`` and per-sample gradients; clipped sums of virtual steps are kept."""
         self.grad_source.clear(self.params)
         self._inner_zero_grad(set_to_none)
-        self._param_index = None
 
     # -------------------------------------------------------------- the pieces of a step
     def clip_and_accumulate(self) -> None:
         """``S_l += Σ_i f_il · g_il`` for the per-sample gradients of the last backward."""
         params = self.params
         if hasattr(self.grad_source, "clipped_sums"):
-            self._param_index = None
             self._clip_and_accumulate_from_norms(params)
             return
         grad_samples = self.grad_source.pop(params)
@@ -200,7 +198,7 @@ class DPOptimizer(Optimizer):
             )
         batch_size = self._check_grad_samples(params, grad_samples)
         norms = [self._per_sample_norms(p, grad_samples.get(p), batch_size) for p in params]
-        factors = self.clipper.clip_factors(norms)
+        factors = self._clip_factors(params, norms)
         for p, factor in zip(params, factors):
             g = grad_samples.get(p)
             if g is None:
@@ -214,7 +212,7 @@ class DPOptimizer(Optimizer):
         :mod:`opacus_dp.grad_sample.bookkeeping_module`): it returns the per-sample norms
         and, given the factors, ``Σ_i f_il · g_il`` without materialised per-sample gradients."""
         norms = [self._check_finite(p, n) for p, n in zip(params, self.grad_source.per_sample_norms(params))]
-        factors = self.clipper.clip_factors(norms)
+        factors = self._clip_factors(params, norms)
         for p, clipped in zip(params, self.grad_source.clipped_sums(params, factors)):
             if clipped is not None:
                 clipped = clipped.to(sum_dtype(p.dtype))
@@ -225,12 +223,27 @@ class DPOptimizer(Optimizer):
         """Clip factors of ``p`` from its own per-sample norms where the clipper allows it
         (per-layer clipping), else None: lets a norms-only grad source finish a layer's
         clipped sum during the backward pass instead of keeping its inputs until the step."""
-        if not isinstance(self.clipper, PerLayerClipper):
+        if not isinstance(self.clipper, PerLayerClipper) or p not in self._bound_index:
             return None
-        if self._param_index is None:  # rebuilt after each zero_grad / step (params may be frozen)
-            self._param_index = {q: i for i, q in enumerate(self.params)}
-        index = self._param_index.get(p)
-        return None if index is None else self.clipper.factor(index, norms)
+        return self.clipper.factor(self._bound_index[p], norms)
+
+    def _clip_factors(self, params: List[torch.Tensor], norms: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The clipper's factors; per-layer bounds go by tensor, not by position among the
+        tensors trainable now (a tensor frozen since the bounds were given keeps its bound
+        unused, and the sensitivity still counts it: conservative)."""
+        if not isinstance(self.clipper, PerLayerClipper):
+            return self.clipper.clip_factors(norms)
+        return [self.clipper.factor(self._bound_of(p), n) for p, n in zip(params, norms)]
+
+    def _bound_of(self, p: torch.Tensor) -> int:
+        index = self._bound_index.get(p)
+        if index is None:
+            raise ValueError(
+                f"parameter {self._name(p)} has no per-layer clipping bound: it was not trainable "
+                "when the bounds were given; set optimizer.max_grad_norms to one bound per "
+                "trainable tensor (in the order of optimizer.param_groups); nothing was updated"
+            )
+        return index
 
     def _accumulate_or_discard(self, check_size: bool) -> None:
         """:meth:`clip_and_accumulate`; if it (or the batch size check) fails, the clipped sums
@@ -379,6 +392,7 @@ class DPOptimizer(Optimizer):
         clipper = PerLayerClipper(values)
         clipper.check_num_params(len(self.params))
         self.clipper = clipper
+        self._bound_index = {p: i for i, p in enumerate(self.params)}
 
     @property
     def secure_mode(self) -> bool:
