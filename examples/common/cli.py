@@ -24,8 +24,11 @@ def add_privacy_args(parser: argparse.ArgumentParser, *, sigma: float, max_grad_
                        help="accountant (modern API, default prv; the classic API uses rdp)")
     group.add_argument("--api", default="modern", choices=["modern", "classic"],
                        help="modern: make_private (Opacus 1.x); classic: PrivacyEngine(model, ...).attach")
-    group.add_argument("--grad-sample-mode", default="hooks",
-                       help="how per-sample gradients are computed (hooks, functorch)")
+    group.add_argument("--grad-sample-mode", default="hooks", choices=["hooks", "functorch", "bk", "auto"],
+                       help="how per-sample clipped gradients are computed: hooks (materialised), "
+                            "functorch (torch.func), bk (book-keeping, norms without materialising), "
+                            "auto (picks one); 'ghost' is not offered: its criterion's two-pass "
+                            "backward does not fit these loops, and bk gives the same update in one")
     group.add_argument("--disable-dp", action="store_true", help="train without privacy (baseline)")
     group.add_argument("--secure-rng", action="store_true",
                        help="OS-seeded noise and sampling (slower; for final models)")

@@ -38,6 +38,7 @@ class TrainingRun:
     engine: Optional[object] = None
     physical_limit: Optional[int] = None
     sample_rate: Optional[float] = None
+    grad_sample_mode: Optional[str] = None  # the engine's, as it was built
 
     @property
     def private(self) -> bool:
@@ -68,6 +69,7 @@ class TrainingRun:
             "history": [list(record) for record in self.engine.accountant.history],
             "steps": len(self.engine.accountant), "delta": self.delta,
             "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+            "grad_sample_mode": self.grad_sample_mode,
         }
         if self.api == "classic":
             summary["alphas"] = list(self.engine.alphas)
@@ -120,7 +122,8 @@ def _classic(args, model, optimizer, loader, sigma: Optional[float], device):
         target_epsilon=args.target_epsilon if calibrate else None,
         epochs=args.epochs if calibrate else None, max_grad_norm=args.max_grad_norm,
         secure_rng=args.secure_rng, target_delta=args.delta, poisson=True,
-        max_epsilon=args.max_epsilon, noise_generator=_noise_generator(args, device))
+        max_epsilon=args.max_epsilon, noise_generator=_noise_generator(args, device),
+        grad_sample_mode=args.grad_sample_mode)
     engine.attach(optimizer)
     return model, optimizer, loader, engine
 
@@ -145,8 +148,9 @@ def prepare_training(args: argparse.Namespace, model: nn.Module, optimizer: torc
     else:
         model, optimizer, loader, engine = _classic(args, model, optimizer, loader, noise_multiplier,
                                                     setup.device)
+    mode = engine.grad_sample_mode if args.api == "classic" else args.grad_sample_mode
     return TrainingRun(model, optimizer, loader, api=args.api, delta=args.delta, engine=engine,
-                       physical_limit=physical_batch_limit(args), sample_rate=q)
+                       physical_limit=physical_batch_limit(args), sample_rate=q, grad_sample_mode=mode)
 
 
 def _split(batch, limit: int) -> list:

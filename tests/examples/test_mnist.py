@@ -59,13 +59,20 @@ def _weights(path):
 
 
 def test_per_sample_gradient_routes_agree(data_root, tmp_path, capsys):
-    """Hooks, the torch.func fallback and nn.DataParallel give the same private training."""
-    runs = {"hooks": [], "functorch": ["--grad-sample-mode", "functorch"],
-            "data_parallel": ["--data-parallel"]}
+    """Hooks, the torch.func fallback, book-keeping and nn.DataParallel give the same private
+    training; so do the classic API's hooks and book-keeping (its --grad-sample-mode is used)."""
+    runs = {"hooks": [], "functorch": ["--grad-sample-mode", "functorch"], "bk": ["--grad-sample-mode", "bk"],
+            "data_parallel": ["--data-parallel"], "classic": ["--api", "classic"],
+            "classic_bk": ["--api", "classic", "--grad-sample-mode", "bk"]}
     for name, extra in runs.items():
         run_example("mnist", _argv(data_root, tmp_path / name, "--batch-size", 12, *extra), capsys)
+    for name, mode in (("classic", "hooks"), ("classic_bk", "bk"), ("bk", "bk")):
+        assert read_json(tmp_path / name / "mnist.json")["privacy"]["grad_sample_mode"] == mode
+    classic = _weights(tmp_path / "classic" / "mnist.pt")
+    for key, value in _weights(tmp_path / "classic_bk" / "mnist.pt").items():
+        assert torch.allclose(value, classic[key], rtol=0, atol=1e-5), ("classic_bk", key)
     reference = _weights(tmp_path / "hooks" / "mnist.pt")
-    for name in ("functorch", "data_parallel"):
+    for name in ("functorch", "bk", "data_parallel"):
         weights = _weights(tmp_path / name / "mnist.pt")
         for key, value in reference.items():
             assert torch.allclose(weights[key], value, rtol=0, atol=1e-5), (name, key)
@@ -96,3 +103,11 @@ def test_missing_data_says_where_it_looked(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert str(tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte") in capsys.readouterr().err
 
+
+def test_ghost_mode_is_refused_by_the_examples_with_the_alternative(data_root, tmp_path, capsys):
+    """The examples' loops cannot use the ghost criterion's two-pass backward: the flag is
+    refused by the argument parser, whose help names bk instead."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_example("mnist", _argv(data_root, tmp_path, "--grad-sample-mode", "ghost"), capsys)
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'ghost'" in capsys.readouterr().err
