@@ -19,7 +19,6 @@ outputs never reach the loss, and evaluation passes leave no stale state behind
 outputs they wrap).
 """
 
-import contextlib
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -31,14 +30,15 @@ from torch.utils._pytree import tree_leaves
 from opacus_dp.distributed import data_parallel
 from opacus_dp.errors import UnsupportedModuleError
 from opacus_dp.grad_sample.functorch import functorch_grad_sample
-from opacus_dp.grad_sample.layer_call import LayerCall, layer_batch_dim, separate_outputs
+from opacus_dp.grad_sample.layer_call import LayerCall, hook_output_grad, layer_batch_dim, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
 from opacus_dp.grad_sample.support import (
-    autocast_in_effect,
+    autocast_of,
     describe,
     has_trainable_parameters,
     own_parameters,
+    same_autocast,
     unsupported_modules,
 )
 
@@ -59,48 +59,6 @@ def _master_grad_samples(
         return grad_samples
     by_id = {id(getattr(layer, n)): p for n, p in master._parameters.items() if p is not None}
     return {by_id[id(t)]: gs for t, gs in grad_samples.items()}
-
-
-def _autocast_of(layer: nn.Module) -> Optional[Tuple[str, torch.dtype]]:
-    """``(device type, dtype)`` of the autocast in effect for ``layer``'s device, or None."""
-    param = next(layer.parameters(recurse=False), None)
-    device_type = param.device.type if param is not None else "cpu"
-    dtype = autocast_in_effect(device_type)
-    return None if dtype is None else (device_type, dtype)
-
-
-def _same_autocast(state: Optional[Tuple[str, torch.dtype]]):
-    if state is None:
-        return contextlib.nullcontext()
-    return torch.autocast(state[0], dtype=state[1])
-
-
-def _hook_output_grad(output: torch.Tensor, hook) -> None:
-    """Call ``hook(dLoss/d output)`` once per backward pass, also after in-place operations.
-
-    An in-place operation on a *view* (e.g. ``y += h`` or ``relu_`` on the output of
-    ``F.linear`` for 3-D inputs, which reshapes a 2-D product) gives the view a new autograd
-    node, and a hook registered on the view never fires. Such an output that reshapes its whole
-    base is hooked on the node that produced the base: its gradient is the output's, reshaped,
-    and still the gradient of the values the layer returned.
-    """
-    base = output._base if output._is_view() else None
-    if base is None or base.grad_fn is None or not _reshapes_whole(output, base):
-        output.register_hook(hook)
-        return
-    shape, index = output.shape, base.output_nr
-
-    def prehook(grad_outputs):
-        grad = grad_outputs[index]
-        if grad is not None:
-            hook(grad.reshape(shape))
-
-    base.grad_fn.register_prehook(prehook)
-
-
-def _reshapes_whole(view: torch.Tensor, base: torch.Tensor) -> bool:
-    return (view.numel() == base.numel() and view.storage_offset() == base.storage_offset()
-            and view.is_contiguous() and base.is_contiguous())
 
 
 class GradSampleModule(nn.Module):
@@ -217,7 +175,7 @@ class GradSampleModule(nn.Module):
             call.statistics = reader(layer, output)
         if self._sampler_for(layer) is None:
             self._check_fallback_inputs(path, master, call)
-            call.autocast = _autocast_of(master)
+            call.autocast = autocast_of(master)
         chunk = data_parallel.chunk_of(layer, master, describe_layer=describe(path, master),
                                        uses_registered_sampler=self._sampler_for(layer) is not None)
 
@@ -230,7 +188,7 @@ class GradSampleModule(nn.Module):
             # A plain tensor hook: register_multi_grad_hook's closure refers to the output's
             # autograd node, a cycle the garbage collector frees only one graph node per pass,
             # which kept whole graphs (and the recorded inputs) alive after backward.
-            _hook_output_grad(outputs[hooked[0]], lambda grad: on_output_grads([grad]))
+            hook_output_grad(outputs[hooked[0]], lambda grad: on_output_grads([grad]))
         else:
             torch.autograd.graph.register_multi_grad_hook(
                 [outputs[i] for i in hooked], on_output_grads
@@ -312,7 +270,7 @@ class GradSampleModule(nn.Module):
         args, kwargs = call.batch_first_inputs()
         _RECOMPUTING.active = True
         try:
-            with _same_autocast(call.autocast):  # the recomputed forward casts as the call did
+            with same_autocast(call.autocast):  # the recomputed forward casts as the call did
                 return functorch_grad_sample(layer, list(args), backprops, kwargs, call.batch_dim)
         finally:
             _RECOMPUTING.active = False

@@ -199,3 +199,31 @@ def separate_outputs(output: Any) -> Tuple[Optional[Any], List[torch.Tensor], Li
     for slot in slots:
         leaves[slot] = clones.get(id(leaves[slot]), leaves[slot])
     return tree_unflatten(leaves, spec), [leaves[s] for s in slots], hooked
+
+
+def hook_output_grad(output: torch.Tensor, hook) -> None:
+    """Call ``hook(dLoss/d output)`` once per backward pass, also after in-place operations.
+
+    An in-place operation on a *view* (e.g. ``y += h`` or ``relu_`` on the output of
+    ``F.linear`` for 3-D inputs, which reshapes a 2-D product) gives the view a new autograd
+    node, and a hook registered on the view never fires. Such an output that reshapes its whole
+    base is hooked on the node that produced the base: its gradient is the output's, reshaped,
+    and still the gradient of the values the layer returned.
+    """
+    base = output._base if output._is_view() else None
+    if base is None or base.grad_fn is None or not _reshapes_whole(output, base):
+        output.register_hook(hook)
+        return
+    shape, index = output.shape, base.output_nr
+
+    def prehook(grad_outputs):
+        grad = grad_outputs[index]
+        if grad is not None:
+            hook(grad.reshape(shape))
+
+    base.grad_fn.register_prehook(prehook)
+
+
+def _reshapes_whole(view: torch.Tensor, base: torch.Tensor) -> bool:
+    return (view.numel() == base.numel() and view.storage_offset() == base.storage_offset()
+            and view.is_contiguous() and base.is_contiguous())

@@ -8,6 +8,7 @@ depends on sample ``i`` alone and whose forward does not change parameters in pl
 the layers below violate that and are refused.
 """
 
+import contextlib
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -115,3 +116,18 @@ def autocast_in_effect(device_type: str) -> Optional[torch.dtype]:
         enabled = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
         dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
     return dtype if enabled else None
+
+
+def autocast_of(layer: nn.Module) -> Optional[Tuple[str, torch.dtype]]:
+    """``(device type, dtype)`` of the autocast in effect for ``layer``'s device, or None."""
+    param = next(layer.parameters(recurse=False), None)
+    device_type = param.device.type if param is not None else "cpu"
+    dtype = autocast_in_effect(device_type)
+    return None if dtype is None else (device_type, dtype)
+
+
+def same_autocast(state: Optional[Tuple[str, torch.dtype]]):
+    """A context entering the autocast ``state`` of :func:`autocast_of` (nothing for None)."""
+    if state is None:
+        return contextlib.nullcontext()
+    return torch.autocast(state[0], dtype=state[1])
