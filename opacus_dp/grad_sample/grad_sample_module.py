@@ -214,6 +214,14 @@ class GradSampleModule(nn.Module):
 
     def _check_fallback_inputs(self, path, master, call: LayerCall) -> None:
         args, kwargs = call.batch_first_inputs()
+        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves((list(args), kwargs))):
+            raise ValueError(
+                f"{describe(path, master)} gets per-sample gradients from the generic torch.func "
+                f"fallback but was called without tensor arguments, so its output does not come "
+                f"from the samples (its first dimension, {call.batch_size}, would be taken for the "
+                f"batch). Compute the parameter's use inside the module that receives the batch, "
+                f"or register a grad sampler for {type(master).__name__}."
+            )
         for position, leaf in enumerate(tree_leaves((list(args), kwargs))):
             if isinstance(leaf, torch.Tensor) and (
                 leaf.dim() == 0 or leaf.shape[0] != call.batch_size

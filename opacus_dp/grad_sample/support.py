@@ -14,6 +14,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
 
 
 def trainable(param) -> bool:
@@ -64,8 +65,24 @@ def _embedding_reason(module: nn.Module) -> Optional[str]:
     return None
 
 
+PARAMETRIZATION_REASON = (
+    "its weights come from torch.nn.utils.parametrize (weight_norm, spectral_norm, orthogonal, "
+    "...): the parametrization computes a weight from its original parameters without a batch, "
+    "so no per-sample gradient of those parameters can be formed; remove it "
+    "(torch.nn.utils.parametrize.remove_parametrizations) or train without it"
+)
+
+
+def is_parametrization(module: nn.Module) -> bool:
+    """True for a module with ``torch.nn.utils.parametrize`` parametrizations, or for the
+    ``ParametrizationList`` holding their original parameters."""
+    return parametrize.is_parametrized(module) or isinstance(module, parametrize.ParametrizationList)
+
+
 def unsupported_reason(module: nn.Module) -> Optional[str]:
     """Why per-sample gradients of ``module`` cannot be computed, or None if they can."""
+    if is_parametrization(module):
+        return PARAMETRIZATION_REASON
     if isinstance(module, _BatchNorm):
         return (
             "batch normalisation mixes the samples of a batch; replace it with GroupNorm "
@@ -99,7 +116,8 @@ def unsupported_modules(root: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]
     parameters and no correct per-sample gradients, and (frozen or not) those that rewrite
     their parameters from the data (:func:`rewrites_parameters_from_data`)."""
     for path, module in root.named_modules():
-        if not (has_trainable_parameters(module) or rewrites_parameters_from_data(module)):
+        if not (has_trainable_parameters(module) or rewrites_parameters_from_data(module)
+                or (is_parametrization(module) and any(p.requires_grad for p in module.parameters()))):
             continue
         reason = unsupported_reason(module)
         if reason is not None:

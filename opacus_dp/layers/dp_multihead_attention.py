@@ -90,6 +90,11 @@ def _report_torch_keys(module, incompatible_keys):
 class DPMultiheadAttention(nn.Module):
     """Drop-in for ``nn.MultiheadAttention`` (same arguments, outputs and state dict)."""
 
+    # torch's Transformer layers read this first to choose their fused inference path, which
+    # would use packed in-projection tensors and bypass this module; None turns that path off
+    # (``in_proj_weight`` still raises, naming the q/k/v projections).
+    in_proj_bias = None
+
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None):

@@ -139,7 +139,8 @@ def recurrent_to_dp(module: nn.RNNBase) -> nn.Module:
         settings["proj_size"] = module.proj_size
     if isinstance(module, nn.RNN):
         settings["nonlinearity"] = module.nonlinearity
-    replacement = _dp_layer_class(name)(module.input_size, module.hidden_size, **settings)
+    replacement = _dp_layer_class(name)(module.input_size, module.hidden_size, **settings,
+                                        **_factory(module))
     return _transfer(module, replacement)
 
 
@@ -155,5 +156,6 @@ def multihead_attention_to_dp(module: nn.MultiheadAttention) -> nn.Module:
         kdim=module.kdim,
         vdim=module.vdim,
         batch_first=module.batch_first,
+        **_factory(module),
     )
     return _transfer(module, replacement)

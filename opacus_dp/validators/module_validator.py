@@ -44,6 +44,17 @@ def _custom_errors(validator: Callable, module: nn.Module, path: str) -> List[Un
     return errors
 
 
+def _disable_fused_encoder_paths(model: nn.Module) -> None:
+    """``nn.TransformerEncoder`` decides at construction to run its fused (nested-tensor)
+    inference path, which reads ``nn.MultiheadAttention``'s packed in-projection; once its
+    attention is replaced, that path must be off (the layers then call the DP attention)."""
+    for sub_module in model.modules():
+        if isinstance(sub_module, nn.TransformerEncoder) and any(
+                not isinstance(getattr(layer, "self_attn", None), nn.MultiheadAttention)
+                for layer in sub_module.layers):
+            sub_module.use_nested_tensor = False
+
+
 class ModuleValidator:
     """Namespace for ``validate`` / ``is_valid`` / ``fix`` / ``fix_and_validate`` (Opacus 1.x API).
 
@@ -114,6 +125,7 @@ class ModuleValidator:
                 return replacement
             _set_submodule(fixed, name, replacement)
             replaced.append(name)
+        _disable_fused_encoder_paths(fixed)
         return fixed
 
     @classmethod

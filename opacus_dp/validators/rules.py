@@ -14,7 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import UninitializedParameter
 
-from opacus_dp.grad_sample.support import has_trainable_parameters
+from opacus_dp.grad_sample.support import PARAMETRIZATION_REASON, has_trainable_parameters, is_parametrization
 from opacus_dp.validators.errors import (
     IllegalModuleConfigurationError,
     ShouldReplaceModuleError,
@@ -100,6 +100,16 @@ def check_uninitialized(module: nn.Module) -> Optional[Problem]:
     )
 
 
+def check_parametrization(module: nn.Module) -> Optional[Problem]:
+    """``torch.nn.utils.parametrize``: a weight computed from original parameters with no batch
+    (the per-sample gradients of the originals cannot be formed)."""
+    if not is_parametrization(module) or not any(p.requires_grad for p in module.parameters()):
+        return None
+    return Problem(PARAMETRIZATION_REASON.split(": ", 1)[0] + " with trainable originals",
+                   "remove it with torch.nn.utils.parametrize.remove_parametrizations, or train "
+                   "without it", UnsupportedModuleError)
+
+
 def check_embedding_options(module: nn.Module) -> Optional[Problem]:
     """``max_norm`` rewrites the looked-up rows in place (no noise, even when frozen);
     ``sparse=True`` gradients have no per-sample form."""
@@ -127,6 +137,7 @@ MODULE_RULES: List[Callable[[nn.Module], Optional[Problem]]] = [
     check_multihead_attention,
     check_uninitialized,
     check_embedding_options,
+    check_parametrization,
 ]
 
 

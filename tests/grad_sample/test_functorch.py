@@ -212,3 +212,34 @@ def test_fallback_recomputes_under_the_forward_passes_autocast():
     assert got.dtype == torch.float32 and got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
     gsm.close()
+
+
+class LearnedOffset(nn.Module):
+    """Called without inputs: returns its parameter (a learned tensor added to the batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.offset = nn.Parameter(torch.randn(5, 3))
+
+    def forward(self):
+        return self.offset
+
+
+def test_fallback_layer_called_without_tensor_inputs_is_refused():
+    """Its output does not come from the samples: the fallback would take the output's first
+    dimension (5 here, with a batch of 4) for the batch and clip rows of the parameter."""
+    torch.manual_seed(0)
+    offset, head = LearnedOffset(), nn.Linear(3, 2)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.offset, self.head = offset, head
+
+        def forward(self, x):
+            return self.head(x + self.offset().sum(0))
+
+    gsm = GradSampleModule(Model())
+    with pytest.raises(ValueError, match=r"offset \(LearnedOffset\).*without tensor arguments"):
+        gsm(torch.randn(4, 3))
+    gsm.close()

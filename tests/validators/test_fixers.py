@@ -158,3 +158,37 @@ def test_attention_with_frozen_fused_projection_is_refused_clearly():
     attention.in_proj_weight.requires_grad_(True)
     fixed = ModuleValidator.fix(nn.Sequential(attention))[0]
     assert not fixed.out_proj.weight.requires_grad and fixed.out_proj.bias.requires_grad
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_fixed_batch_first_transformer_runs_in_eval_mode_with_the_same_outputs(stacked):
+    """torch's Transformer layers pick a fused inference path from their attention's packed
+    in-projection; after the fix that path is off and the DP attention computes the same
+    outputs (eval mode, with and without grad, with a key padding mask)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True) if stacked else layer
+    model.eval()
+    fixed = ModuleValidator.fix(model).eval()
+    assert ModuleValidator.validate(fixed) == []
+    x = torch.randn(3, 5, 16)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[0, 3:] = True
+    kwargs = {"src_key_padding_mask": mask}
+    torch.testing.assert_close(fixed(x), model(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        got, expected = fixed(x, **kwargs), model(x, **kwargs)
+    torch.testing.assert_close(got[~mask], expected[~mask], rtol=1e-5, atol=1e-5)
+
+
+def test_fix_keeps_float64_weights_exact():
+    """The DP replacements are built in the source's dtype: a float64 LSTM / attention gives
+    bit-identical outputs after the fix (no round trip through float32)."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 6, num_layers=2, bidirectional=True).double()
+    attention = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    for p in attention.parameters():
+        nn.init.normal_(p)
+    x, q = torch.randn(5, 3, 4, dtype=torch.float64), torch.randn(2, 3, 8, dtype=torch.float64)
+    assert torch.equal(ModuleValidator.fix(lstm)(x)[0], lstm(x)[0])
+    assert torch.equal(ModuleValidator.fix(attention)(q, q, q)[0], attention(q, q, q)[0])

@@ -201,3 +201,45 @@ def test_calibration_counts_every_step_despite_round_off():
 
     assert planned_steps(sample_rate=1 / 75, epochs=3) == 225
     assert planned_steps(sample_rate=0.35, epochs=1) == 3
+
+
+def _parametrized(kind):
+    from torch.nn.utils import parametrizations
+
+    layer = nn.Linear(6, 4)
+    make = {"weight_norm": parametrizations.weight_norm, "spectral_norm": parametrizations.spectral_norm,
+            "orthogonal": parametrizations.orthogonal}[kind]
+    return nn.Sequential(make(layer), nn.Tanh(), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_parametrized_weights_are_refused_by_validation_and_make_private(kind):
+    """A parametrization computes the weight from its originals without a batch: the fallback
+    would take the weight's rows for samples and clip them (one sample's change moved the
+    update by 10 C). Validation names the layer; make_private refuses in every mode."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opacus_dp import PrivacyEngine
+    from opacus_dp.errors import UnsupportedModuleError as EngineUnsupported
+    from opacus_dp.validators import ModuleValidator
+
+    model = _parametrized(kind)
+    messages = [str(e) for e in ModuleValidator.validate(model)]
+    assert any(m.startswith("model.0 (ParametrizedLinear)") and "parametrize" in m for m in messages)
+    for mode in ("hooks", "functorch", "bk", "ghost", "auto"):
+        with pytest.raises(EngineUnsupported, match=r"0 \(ParametrizedLinear\).*remove_parametrizations"):
+            PrivacyEngine().make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                data_loader=DataLoader(TensorDataset(torch.randn(4, 6)), batch_size=4),
+                noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode,
+                criterion=nn.MSELoss() if mode == "ghost" else None)
+
+
+def test_removed_parametrization_validates_clean():
+    from torch.nn.utils import parametrize
+
+    from opacus_dp.validators import ModuleValidator
+
+    model = _parametrized("weight_norm")
+    parametrize.remove_parametrizations(model[0], "weight")
+    assert ModuleValidator.validate(model) == []
