@@ -129,7 +129,6 @@ class BookkeepingGradSampleModule(GradSampleModule):
         """``‖g_i‖₂`` of every param, shape ``(B,)`` (B summed over unconsumed passes)."""
         if self._bookkeeper.num_passes == 0:
             return self._norms_without_passes(params)
-        self._bookkeeper.check_kept_calls()
         self._check_unrecorded_grads(params)
         norms = [sq.clamp(min=0).sqrt() for sq in self._bookkeeper.sq_norms(params)]
         names = {p: n for n, p in self._module.named_parameters()}

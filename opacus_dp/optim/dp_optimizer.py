@@ -95,8 +95,7 @@ class DPOptimizer(Optimizer):
         self._bound_index = {p: i for i, p in enumerate(self.params)}  # per-layer bound of each tensor
         noise_std(self.noise_multiplier, self.clipper)  # validates σ against C = inf
         self.loss_reduction = loss_reduction
-        _check_expected_batch_size(expected_batch_size, loss_reduction)
-        self.expected_batch_size = expected_batch_size
+        self.expected_batch_size = expected_batch_size  # checked by the setter
         self.noise = GaussianNoise(generator=generator, secure_mode=secure_mode)
         self.reducer = reducer if reducer is not None else LocalReducer()
         self.grad_source = grad_source if grad_source is not None else AttributeGradSource()
