@@ -65,11 +65,12 @@ def _embedding_reason(module: nn.Module) -> Optional[str]:
     return None
 
 
+PARAMETRIZATION_CAUSE = ("its weights come from torch.nn.utils.parametrize (weight_norm, spectral_norm, "
+                         "orthogonal, ...)")
+PARAMETRIZATION_FIX = "remove it with torch.nn.utils.parametrize.remove_parametrizations, or train without it"
 PARAMETRIZATION_REASON = (
-    "its weights come from torch.nn.utils.parametrize (weight_norm, spectral_norm, orthogonal, "
-    "...): the parametrization computes a weight from its original parameters without a batch, "
-    "so no per-sample gradient of those parameters can be formed; remove it "
-    "(torch.nn.utils.parametrize.remove_parametrizations) or train without it"
+    f"{PARAMETRIZATION_CAUSE}: the parametrization computes a weight from its original parameters "
+    f"without a batch, so no per-sample gradient of those parameters can be formed; {PARAMETRIZATION_FIX}"
 )
 
 

@@ -14,7 +14,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import UninitializedParameter
 
-from opacus_dp.grad_sample.support import PARAMETRIZATION_REASON, has_trainable_parameters, is_parametrization
+from opacus_dp.grad_sample.support import (
+    PARAMETRIZATION_CAUSE, PARAMETRIZATION_FIX, has_trainable_parameters, is_parametrization)
 from opacus_dp.validators.errors import (
     IllegalModuleConfigurationError,
     ShouldReplaceModuleError,
@@ -105,9 +106,8 @@ def check_parametrization(module: nn.Module) -> Optional[Problem]:
     (the per-sample gradients of the originals cannot be formed)."""
     if not is_parametrization(module) or not any(p.requires_grad for p in module.parameters()):
         return None
-    return Problem(PARAMETRIZATION_REASON.split(": ", 1)[0] + " with trainable originals",
-                   "remove it with torch.nn.utils.parametrize.remove_parametrizations, or train "
-                   "without it", UnsupportedModuleError)
+    return Problem(f"{PARAMETRIZATION_CAUSE} with trainable originals", PARAMETRIZATION_FIX,
+                   UnsupportedModuleError)
 
 
 def check_embedding_options(module: nn.Module) -> Optional[Problem]:
