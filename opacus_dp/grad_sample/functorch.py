@@ -52,6 +52,22 @@ def _trainable_tensors(layer: nn.Module) -> Dict[str, torch.Tensor]:
     return {n: t for n, t in own.items() if t is not None and t.requires_grad}
 
 
+def _explicit_cell_state(layer: nn.Module, activations: List[Any], kwargs: Dict[str, Any]):
+    """An ``nn.RNNCell``/``GRUCell``/``LSTMCell`` called without a state (``hx`` omitted or
+    None) starts from zeros; that state, created inside ``vmap``, would be unbatched and
+    torch's fused cell kernels refuse it. Pass the zeros explicitly, batched like the input."""
+    if not isinstance(layer, nn.RNNCellBase) or not activations:
+        return activations, kwargs
+    given = activations[1] if len(activations) > 1 else kwargs.get("hx")
+    x = activations[0]
+    if given is not None or not isinstance(x, torch.Tensor) or x.dim() != 2:
+        return activations, kwargs
+    zeros = x.new_zeros(x.shape[0], layer.hidden_size)
+    state = (zeros, zeros.clone()) if isinstance(layer, nn.LSTMCell) else zeros
+    rest = {k: v for k, v in kwargs.items() if k != "hx"}
+    return [x, state, *activations[2:]], rest
+
+
 def functorch_grad_sample(
     layer: nn.Module,
     activations: List[Any],
@@ -71,7 +87,8 @@ def functorch_grad_sample(
         backprops = [backprops]
     output_slots = [i for i, g in enumerate(backprops) if g is not None]
     sample_backprops = [backprops[i] for i in output_slots]
-    leaves, spec = tree_flatten((list(activations), dict(kwargs or {})))
+    activations, kwargs = _explicit_cell_state(layer, list(activations), dict(kwargs or {}))
+    leaves, spec = tree_flatten((activations, kwargs))
     tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     sample_tensors = [leaves[i] for i in tensor_slots]
     objective = _per_sample_objective(layer, leaves, spec, tensor_slots, output_slots, batch_dim)

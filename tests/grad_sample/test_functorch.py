@@ -243,3 +243,28 @@ def test_fallback_layer_called_without_tensor_inputs_is_refused():
     with pytest.raises(ValueError, match=r"offset \(LearnedOffset\).*without tensor arguments"):
         gsm(torch.randn(4, 3))
     gsm.close()
+
+
+class CellLoop(nn.Module):
+    """A torch recurrent cell unrolled by hand, its state left to the cell at the first step."""
+
+    def __init__(self, cell, state_as_keyword):
+        super().__init__()
+        self.cell, self.state_as_keyword = cell, state_as_keyword
+        self.head = nn.Linear(cell.hidden_size, 2)
+
+    def forward(self, x):
+        state = None
+        for t in range(x.shape[1]):
+            state = self.cell(x[:, t], hx=state) if self.state_as_keyword else self.cell(x[:, t], state)
+        hidden = state[0] if isinstance(state, tuple) else state
+        return self.head(hidden)
+
+
+@pytest.mark.parametrize("make_cell", [nn.RNNCell, nn.GRUCell, nn.LSTMCell])
+@pytest.mark.parametrize("state_as_keyword", [False, True])
+def test_torch_cells_started_without_a_state(make_cell, state_as_keyword):
+    model = CellLoop(make_cell(3, 4), state_as_keyword).double()
+    x = torch.randn(5, 3, 3, dtype=torch.double)
+    expected = oracle_grad_samples(model, (x,))
+    assert_grad_samples_close(gsm_grad_samples(model, (x,)), expected)
