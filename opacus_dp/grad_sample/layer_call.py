@@ -109,6 +109,9 @@ class LayerCall:
             batch_size,
         )
         call.versions = versions_of(call._tensors())
+        if track_producers:  # per tensor leaf here, in ``_tensors()`` order
+            call.outside_graph = tuple(not v.requires_grad for v in tree_leaves((list(args), kwargs))
+                                       if isinstance(v, torch.Tensor))
         return call
 
     def _tensors(self) -> List[torch.Tensor]:
@@ -155,8 +158,11 @@ class LayerCall:
         counter does not see (``.data``, a NumPy view), and the clipped sum must be built from
         the values the norms came from. Those inputs are usually small (the first layer's)."""
         activations = self.lean_activations(layer, activations)
-        if not any(self.outside_graph) or self.kwargs or len(activations) != len(self.args):
+        if not any(self.outside_graph):
             return activations
+        if self.kwargs or len(activations) != len(self.args):  # matched by identity
+            outside = {id(t) for t, o in zip(self._tensors(), self.outside_graph) if o}
+            return [v.clone() if _recorded_in(v, outside) else v for v in activations]
         return [v.clone() if outside and isinstance(v, torch.Tensor) else v
                 for v, outside in zip(activations, self.outside_graph)]
 
@@ -173,6 +179,13 @@ class LayerCall:
             swapped = lean(recorded, producer, self.batch_dim, holders)
             result.append(value if swapped is None else swapped)
         return result
+
+
+def _recorded_in(value: Any, ids: set) -> bool:
+    """Whether ``value`` is one of the recorded tensors ``ids`` or a batch-first view of one."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    return id(value) in ids or (value._is_view() and id(value._base) in ids)
 
 
 def separate_outputs(output: Any) -> Tuple[Optional[Any], List[torch.Tensor], List[int]]:

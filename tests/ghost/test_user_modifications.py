@@ -287,6 +287,31 @@ def test_data_buffer_refilled_before_step_is_harmless(mode, plain_backward, refi
     assert_update_matches(names, before, model, expected)
 
 
+class KeywordBody(Body):
+    """``Body`` with its first layer called by keyword (``layer(input=x)``)."""
+
+    def forward(self, x):
+        feats = self.body[1](self.body[0](input=x))
+        return self.head(feats), feats
+
+
+@pytest.mark.parametrize("refill", ["data", "numpy"])
+@pytest.mark.parametrize("mode, plain_backward", KEEPING_MODES)
+def test_data_buffer_passed_by_keyword_and_refilled_before_step_is_harmless(
+        mode, plain_backward, refill):
+    """The copy of a kept data batch does not depend on how the layer was called."""
+    torch.manual_seed(0)
+    model, x = KeywordBody(), data(3, D_KEEP)
+    names, rows = oracle_rows(model, x)
+    bound = 0.5 * min(median_bound(rows, "flat"), 1.0)
+    _, gsm, optimizer, criterion, _ = private(
+        model, DataLoader(TensorDataset(x), batch_size=3), mode, bound, reduction="sum")
+    before = snapshot(model)
+    buffer_loop(gsm, criterion, x, plain_backward, refill)
+    optimizer.step()
+    assert_update_matches(names, before, model, oracle_update(rows, bound, "flat", 1))
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("loop", sorted(LOOPS))
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
