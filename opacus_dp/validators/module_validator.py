@@ -112,10 +112,13 @@ class ModuleValidator:
             raise ValueError("num_groups and replace_bn_with_in=True are mutually exclusive: choose one norm")
         fixed = copy.deepcopy(module)
         replaced: List[str] = []
-        for name, sub_module in list(fixed.named_modules()):
+        replacements: Dict[int, Optional[nn.Module]] = {}  # a module used at several paths: one replacement
+        for name, sub_module in list(fixed.named_modules(remove_duplicate=False)):
             if any(name.startswith(prefix + ".") for prefix in replaced):
                 continue  # inside a module that has already been replaced
-            replacement = cls._replacement(sub_module, name, num_groups, replace_bn_with_in)
+            if id(sub_module) not in replacements:
+                replacements[id(sub_module)] = cls._replacement(sub_module, name, num_groups, replace_bn_with_in)
+            replacement = replacements[id(sub_module)]
             if replacement is None:
                 continue
             logger.info(

@@ -126,6 +126,33 @@ def test_fix_returns_a_fixed_copy_and_leaves_the_original():
     torch.testing.assert_close(fixed[0][0].weight, model[0][0].weight)
 
 
+class SharedLayers(nn.Module):
+    """One BatchNorm and one LSTM object, each reachable at two paths and called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lstm = nn.BatchNorm1d(4), nn.LSTM(4, 4, batch_first=True)
+        self.again = nn.ModuleDict({"norm": self.norm, "lstm": self.lstm})
+
+    def forward(self, x):
+        h = self.again["norm"](self.norm(x.transpose(1, 2))).transpose(1, 2)
+        return self.again["lstm"](self.lstm(h)[0])[0]
+
+
+def test_fix_replaces_a_module_at_every_path_and_keeps_it_shared():
+    model = SharedLayers().eval()
+    fixed = ModuleValidator.fix(model).eval()
+    assert fixed.again["lstm"] is fixed.lstm and type(fixed.lstm).__name__ == "DPLSTM"
+    assert fixed.again["norm"] is fixed.norm and isinstance(fixed.norm, nn.GroupNorm)
+    assert ModuleValidator.validate(fixed) == []
+    assert sum(1 for _ in fixed.parameters()) == sum(1 for _ in fixed.norm.parameters()) + sum(
+        1 for _ in fixed.lstm.parameters())
+    no_norms = SharedLayers().eval()
+    no_norms.norm = no_norms.again["norm"] = nn.Identity()
+    x = torch.randn(2, 3, 4)
+    torch.testing.assert_close(ModuleValidator.fix(no_norms)(x), no_norms(x))
+
+
 def test_fixed_model_is_valid_for_the_reference_library_too():
     from opacus.validators import ModuleValidator as ReferenceValidator
 
