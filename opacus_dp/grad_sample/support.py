@@ -49,6 +49,11 @@ def has_trainable_parameters(module: nn.Module) -> bool:
     return any(p.requires_grad for _, p in own_parameters(module))
 
 
+def trains_anything(module: nn.Module) -> bool:
+    """True when ``module`` or one of its submodules has a parameter with ``requires_grad``."""
+    return any(p.requires_grad for p in module.parameters())
+
+
 def describe(path: str, module: nn.Module) -> str:
     """``model.features.3 (BatchNorm2d)``-style name of a submodule for messages."""
     return f"{path or '<root module>'} ({type(module).__name__})"
@@ -118,7 +123,7 @@ def unsupported_modules(root: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]
     their parameters from the data (:func:`rewrites_parameters_from_data`)."""
     for path, module in root.named_modules():
         if not (has_trainable_parameters(module) or rewrites_parameters_from_data(module)
-                or (is_parametrization(module) and any(p.requires_grad for p in module.parameters()))):
+                or (is_parametrization(module) and trains_anything(module))):
             continue
         reason = unsupported_reason(module)
         if reason is not None:

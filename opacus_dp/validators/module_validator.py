@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from opacus_dp.grad_sample.support import has_trainable_parameters
+from opacus_dp.grad_sample.support import has_trainable_parameters, trains_anything
 from opacus_dp.validators import fixers
 from opacus_dp.validators.errors import UnsupportedModuleError, combined_error
 from opacus_dp.validators.rules import (
@@ -160,7 +160,7 @@ def _builtin_replacement(module: nn.Module, num_groups, replace_bn_with_in) -> O
         return fixers.instancenorm_without_running_stats(module)
     if type(module) in RNN_REPLACEMENTS and has_trainable_parameters(module):
         return fixers.recurrent_to_dp(module)
-    if type(module) is nn.MultiheadAttention and has_trainable_parameters(module):
+    if type(module) is nn.MultiheadAttention and trains_anything(module):
         return fixers.multihead_attention_to_dp(module)
     return None
 

@@ -15,7 +15,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import UninitializedParameter
 
 from opacus_dp.grad_sample.support import (
-    PARAMETRIZATION_CAUSE, PARAMETRIZATION_FIX, has_trainable_parameters, is_parametrization)
+    PARAMETRIZATION_CAUSE, PARAMETRIZATION_FIX, has_trainable_parameters, is_parametrization, trains_anything)
 from opacus_dp.validators.errors import (
     IllegalModuleConfigurationError,
     ShouldReplaceModuleError,
@@ -82,7 +82,7 @@ def check_recurrent(module: nn.Module) -> Optional[Problem]:
 
 def check_multihead_attention(module: nn.Module) -> Optional[Problem]:
     """nn.MultiheadAttention uses its weights inside one fused functional call."""
-    if not isinstance(module, nn.MultiheadAttention) or not has_trainable_parameters(module):
+    if not isinstance(module, nn.MultiheadAttention) or not trains_anything(module):
         return None
     return Problem(
         "its projections run inside one fused functional call that gives no per-sample gradients",
@@ -104,7 +104,7 @@ def check_uninitialized(module: nn.Module) -> Optional[Problem]:
 def check_parametrization(module: nn.Module) -> Optional[Problem]:
     """``torch.nn.utils.parametrize``: a weight computed from original parameters with no batch
     (the per-sample gradients of the originals cannot be formed)."""
-    if not is_parametrization(module) or not any(p.requires_grad for p in module.parameters()):
+    if not is_parametrization(module) or not trains_anything(module):
         return None
     return Problem(f"{PARAMETRIZATION_CAUSE} with trainable originals", PARAMETRIZATION_FIX,
                    UnsupportedModuleError)
@@ -143,7 +143,7 @@ MODULE_RULES: List[Callable[[nn.Module], Optional[Problem]]] = [
 
 def no_trainable_parameters_error(model: nn.Module, root_name: str) -> Optional[UnsupportedModuleError]:
     """An error when no parameter of ``model`` requires a gradient."""
-    if any(p.requires_grad for p in model.parameters()):
+    if trains_anything(model):
         return None
     return IllegalModuleConfigurationError(
         f"{root_name} ({type(model).__name__}) has no trainable parameters: nothing to train privately; "

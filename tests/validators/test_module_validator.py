@@ -84,6 +84,16 @@ def test_frozen_recurrent_and_attention_layers_are_fine_but_frozen_batchnorm_is_
     assert str(error).startswith("model.3 (BatchNorm1d)")
 
 
+def test_attention_with_only_its_output_projection_trainable_is_flagged():
+    """torch's attention applies ``out_proj``'s weights inside its fused call, not through
+    the ``out_proj`` module: a trainable ``out_proj`` alone still needs the replacement."""
+    attention = nn.MultiheadAttention(4, 2)
+    attention.in_proj_weight.requires_grad_(False)
+    attention.in_proj_bias.requires_grad_(False)
+    (error,) = ModuleValidator.validate(nn.Sequential(attention))
+    assert str(error).startswith("model.0 (MultiheadAttention)") and "DPMultiheadAttention" in str(error)
+
+
 def test_eval_mode_is_not_an_error():
     model = nn.Sequential(nn.Linear(3, 2)).eval()
     assert ModuleValidator.is_valid(model)
