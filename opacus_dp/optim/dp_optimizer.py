@@ -87,13 +87,11 @@ class DPOptimizer(Optimizer):
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("optimizer is already a DPOptimizer: wrap the original optimizer")
         self.original_optimizer = optimizer
-        self.noise_multiplier = check_noise_multiplier(noise_multiplier)
+        self.noise_multiplier = noise_multiplier  # checked by the setter
         if clipping is None:
             clipping = "per_layer" if isinstance(max_grad_norm, (list, tuple)) else "flat"
-        self.clipper: Clipper = make_clipper(clipping, max_grad_norm)
-        self.clipper.check_num_params(len(self.params))
+        self._set_clipper(make_clipper(clipping, max_grad_norm))
         self._bound_index = {p: i for i, p in enumerate(self.params)}  # per-layer bound of each tensor
-        noise_std(self.noise_multiplier, self.clipper)  # validates σ against C = inf
         self.loss_reduction = loss_reduction
         self.expected_batch_size = expected_batch_size  # checked by the setter
         self.noise = GaussianNoise(generator=generator, secure_mode=secure_mode)
@@ -369,6 +367,24 @@ class DPOptimizer(Optimizer):
         return [p for g in self.original_optimizer.param_groups for p in g["params"] if p.requires_grad]
 
     @property
+    def noise_multiplier(self) -> float:
+        """σ, read at every step (noise std σ · the clipper's sensitivity; the accountant
+        records the σ of each step). Checked when set, as a scheduler may change it."""
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value) -> None:
+        value = check_noise_multiplier(value)
+        if hasattr(self, "clipper"):
+            noise_std(value, self.clipper)
+        self._noise_multiplier = value
+
+    def _set_clipper(self, clipper: Clipper) -> None:
+        clipper.check_num_params(len(self.params))
+        noise_std(self.noise_multiplier, clipper)  # an infinite bound cannot be noised
+        self.clipper = clipper
+
+    @property
     def max_grad_norm(self) -> float:
         """C for flat clipping; ‖(C_l)‖₂ for per-layer clipping."""
         return self.clipper.sensitivity
@@ -377,7 +393,7 @@ class DPOptimizer(Optimizer):
     def max_grad_norm(self, value: float) -> None:
         if not isinstance(self.clipper, FlatClipper):
             raise ValueError("max_grad_norm can only be changed for flat clipping; set max_grad_norms")
-        self.clipper = FlatClipper(value)
+        self._set_clipper(FlatClipper(value))
 
     @property
     def max_grad_norms(self) -> List[float]:
@@ -388,9 +404,7 @@ class DPOptimizer(Optimizer):
 
     @max_grad_norms.setter
     def max_grad_norms(self, values: Sequence[float]) -> None:
-        clipper = PerLayerClipper(values)
-        clipper.check_num_params(len(self.params))
-        self.clipper = clipper
+        self._set_clipper(PerLayerClipper(values))
         self._bound_index = {p: i for i, p in enumerate(self.params)}
 
     @property

@@ -251,3 +251,41 @@ def test_lr_scheduler_drives_wrapped_optimizer():
         opt.step()
         scheduler.step()
     assert opt.param_groups[0]["lr"] == opt.original_optimizer.param_groups[0]["lr"] == 0.25
+
+
+def zero_gradient_optimizer(sigma, bound, batch=8):
+    weight = nn.Parameter(torch.zeros(300, 200))
+    opt = DPOptimizer(torch.optim.SGD([weight], lr=1.0), noise_multiplier=sigma, max_grad_norm=bound,
+                      expected_batch_size=batch, generator=torch.Generator().manual_seed(5))
+    return weight, opt
+
+
+def test_noise_multiplier_and_bound_changed_between_steps_set_the_next_steps_noise():
+    """A noise or clipping schedule sets ``optimizer.noise_multiplier`` / ``max_grad_norm``
+    between steps: the next step's noise std is the new σ · C / B (60 000 coordinates)."""
+    weight, opt = zero_gradient_optimizer(1.0, 0.5)
+    for sigma, bound in [(1.0, 0.5), (3.0, 0.5), (3.0, 2.0)]:
+        opt.noise_multiplier, opt.max_grad_norm = sigma, bound
+        weight.grad_sample = torch.zeros(8, 300, 200)
+        opt.step()
+        assert abs(float(weight.grad.std()) / (sigma * bound / 8) - 1) < 0.03
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), None, "1.0"])
+def test_bad_noise_multiplier_is_refused_when_set_not_at_the_step(value):
+    weight, opt = zero_gradient_optimizer(1.0, 0.5)
+    with pytest.raises((ValueError, TypeError), match="noise_multiplier"):
+        opt.noise_multiplier = value
+    assert opt.noise_multiplier == 1.0
+
+
+def test_infinite_bound_with_noise_is_refused_when_set():
+    weight, opt = zero_gradient_optimizer(1.0, 0.5)
+    with pytest.raises(ValueError, match="infinite"):
+        opt.max_grad_norm = math.inf
+    assert opt.max_grad_norm == 0.5
+    opt.noise_multiplier = 0.0
+    opt.max_grad_norm = math.inf  # no noise: an unbounded clipper is allowed
+    with pytest.raises(ValueError, match="infinite"):
+        opt.noise_multiplier = 1.0
