@@ -1,0 +1,20 @@
+"""Noise-multiplier and clipping-bound schedules (the classes of Opacus's ``opacus.schedulers``)."""
+
+from opacus_dp.schedulers.grad_clip_scheduler import (
+    ExponentialGradClip,
+    LambdaGradClip,
+    StepGradClip,
+    _GradClipScheduler,
+)
+from opacus_dp.schedulers.noise_scheduler import ExponentialNoise, LambdaNoise, StepNoise, _NoiseScheduler
+
+__all__ = [
+    "_GradClipScheduler",
+    "ExponentialGradClip",
+    "LambdaGradClip",
+    "StepGradClip",
+    "_NoiseScheduler",
+    "ExponentialNoise",
+    "LambdaNoise",
+    "StepNoise",
+]
