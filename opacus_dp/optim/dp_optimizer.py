@@ -39,6 +39,7 @@ from opacus_dp.optim.clipping import (
 from opacus_dp.optim.grad_source import AttributeGradSource
 from opacus_dp.optim.noise import GaussianNoise, check_noise_multiplier, noise_std
 from opacus_dp.optim.reduction import LocalReducer
+from opacus_dp.optim.wrapped_optimizer import WrappedOptimizerMixin
 
 
 def _check_expected_batch_size(expected_batch_size, loss_reduction: str):
@@ -52,7 +53,7 @@ def _check_expected_batch_size(expected_batch_size, loss_reduction: str):
     return expected_batch_size
 
 
-class DPOptimizer(Optimizer):
+class DPOptimizer(WrappedOptimizerMixin, Optimizer):
     """Differentially private wrapper of ``optimizer`` (SGD, Adam, AdamW, RMSprop, ...).
 
     Args:
@@ -414,40 +415,6 @@ class DPOptimizer(Optimizer):
     @property
     def generator(self) -> Optional[torch.Generator]:
         return self.noise.generator
-
-    @property
-    def param_groups(self):
-        return self.original_optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.original_optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.original_optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.original_optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self.original_optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.original_optimizer.defaults = value
-
-    def add_param_group(self, param_group: dict) -> None:
-        self.original_optimizer.add_param_group(param_group)
-
-    def state_dict(self):
-        """The wrapped optimizer's state dict (loadable into the plain optimizer)."""
-        return self.original_optimizer.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.original_optimizer.load_state_dict(state_dict)
 
     def noise_state_dict(self) -> dict:
         """State of the noise generator, for reproducible resumption."""
