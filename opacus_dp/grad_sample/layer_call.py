@@ -19,16 +19,23 @@ from opacus_dp.grad_sample.recomputed_inputs import lean, producer_of
 _SIGNATURES: Dict[type, inspect.Signature] = {}
 
 
+# torch layers whose inputs always have the batch first, whatever the model's layout:
+# bags are rows; convolutions and the channel norms take (N, C, *); cells take (N, H).
+BATCH_FIRST_LAYERS = (nn.EmbeddingBag, nn.modules.conv._ConvNd, nn.GroupNorm,
+                      nn.modules.instancenorm._InstanceNorm, nn.RNNCellBase)
+
+
 def layer_batch_dim(layer: nn.Module, batch_first: bool) -> int:
     """Dimension of the batch in ``layer``'s inputs and outputs.
 
-    ``0`` when the layer type declares ``_dp_batch_dim = 0`` (e.g. DP RNN cells) or is an
-    ``nn.EmbeddingBag`` (bags are always rows), else ``0`` if ``batch_first`` else ``1``.
+    ``0`` when the layer type declares ``_dp_batch_dim = 0`` (e.g. DP RNN cells) or is one of
+    ``BATCH_FIRST_LAYERS``, else ``0`` if ``batch_first`` else ``1`` (the model's layout, for
+    layers that act on the last dimension, such as ``Linear`` on ``(T, B, d)``).
     """
     declared = getattr(type(layer), "_dp_batch_dim", None)
     if declared is not None:
         return int(declared)
-    if isinstance(layer, nn.EmbeddingBag):
+    if isinstance(layer, BATCH_FIRST_LAYERS):
         return 0
     return 0 if batch_first else 1
 
