@@ -103,9 +103,21 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
 def _in_sum_dtype(activations: list, backprops: torch.Tensor):
     """Half-precision inputs and output gradients as float32 (exactly), so that a ghost layer's
     norms and its clipped sum both come from float32 products and agree to float32 rounding
-    (half-precision products would leave a clipped sample up to ~2⁻⁸ above the bound)."""
+    (half-precision products would leave a clipped sample up to ~2⁻⁸ above the bound).
+
+    Under autocast a ``Linear``/``Conv`` computes in half precision from float32 inputs: the
+    output gradient is half precision, and the weight gradient is that of the *rounded* inputs.
+    Inputs more precise than the output gradient are therefore rounded to its dtype first, so
+    norms and sums are those of the gradient autograd forms, whichever path (merged calls,
+    two-pass sums) reaches them."""
+    half = backprops.dtype in (torch.float16, torch.bfloat16)
+
     def lift(t):
-        return t.to(sum_dtype(t.dtype)) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return t
+        if half and t.dtype != backprops.dtype:
+            t = t.to(backprops.dtype)
+        return t.to(sum_dtype(t.dtype))
     return [lift(a) for a in activations], lift(backprops)
 
 
