@@ -10,6 +10,10 @@ left out of the bag entirely:
 * ``max``:  dL_i/dW[v, d] = g_i[d] if v is the index of the first element of bag ``i``
   attaining ``max_e W[x_e, d]``, else 0.
 
+With ``scale_grad_by_freq=True`` (``sum``/``mean``) each element's term is also divided by the
+number of elements of bag ``i`` with the same index (frequencies counted inside the sample, as
+a batch of that bag alone would do; torch counts them over the whole batch).
+
 Empty bags give zero gradients.
 """
 
@@ -52,6 +56,10 @@ def element_weights(layer, elements, bags, num_bags, per_sample_weights, dtype):
         kept = (weights != 0).to(dtype) if layer.padding_idx is not None else torch.ones_like(weights)
         sizes = torch.zeros(num_bags, dtype=dtype, device=elements.device).index_add_(0, bags, kept)
         weights = weights / sizes.clamp(min=1)[bags]
+    if layer.scale_grad_by_freq:  # 1 / (occurrences of the index in its own bag)
+        _, inverse, counts = torch.unique(bags * layer.num_embeddings + elements,
+                                          return_inverse=True, return_counts=True)
+        weights = weights / counts[inverse].to(dtype)
     return weights
 
 

@@ -197,14 +197,15 @@ def test_embedding_bag_2d_input(batch, per_bag, mode, padding_idx):
 @SETTINGS
 @given(lengths=st.lists(st.integers(0, 4), min_size=1, max_size=4),
        mode=st.sampled_from(["sum", "mean", "max"]), padding=st.booleans(), use_weights=st.booleans(),
-       include_last_offset=st.booleans(), seed=st.integers(0, 1000))
+       include_last_offset=st.booleans(), seed=st.integers(0, 1000), by_freq=st.booleans())
 def test_embedding_bag_offsets_against_materialised_gradients(lengths, mode, padding, use_weights,
-                                                              include_last_offset, seed):
+                                                              include_last_offset, seed, by_freq):
     """Bags from offsets (empty bags, padding, per-sample weights) against the grad sampler,
     itself checked against autograd in tests/grad_sample/test_embedding_bag.py."""
     torch.manual_seed(seed)
     layer = nn.EmbeddingBag(6, 3, mode=mode, padding_idx=2 if padding else None,
-                            include_last_offset=include_last_offset).double()
+                            include_last_offset=include_last_offset,
+                            scale_grad_by_freq=by_freq and mode != "max").double()
     indices = torch.randint(0, 6, (sum(lengths),))
     starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     offsets = starts if include_last_offset else starts[:-1]

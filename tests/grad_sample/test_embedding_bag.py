@@ -43,15 +43,18 @@ def bag_samples(bags, weights):
     include_last_offset=st.booleans(),
     loss_reduction=st.sampled_from(["mean", "sum"]),
     seed=st.integers(0, 1000),
+    by_freq=st.booleans(),
 )
 def test_offsets_input_matches_oracle(
-    lengths, mode, padding, weighted, include_last_offset, loss_reduction, seed
+    lengths, mode, padding, weighted, include_last_offset, loss_reduction, seed, by_freq
 ):
+    """(``scale_grad_by_freq``: the oracle's bag alone counts the frequencies in the sample.)"""
     torch.manual_seed(seed)
     weighted = weighted and mode == "sum"
+    by_freq = by_freq and mode != "max"  # torch refuses it with max
     layer = nn.EmbeddingBag(
         6, 3, mode=mode, padding_idx=2 if padding else None,
-        include_last_offset=include_last_offset,
+        include_last_offset=include_last_offset, scale_grad_by_freq=by_freq,
     ).double()
     bags = [torch.randint(0, 6, (n,)) for n in lengths]
     weights = [torch.randn(n, dtype=torch.double) for n in lengths] if weighted else None
@@ -60,20 +63,22 @@ def test_offsets_input_matches_oracle(
     kwargs = {"offsets": offsets}
     if weighted:
         kwargs["per_sample_weights"] = torch.cat(weights)
-    oracle_layer = nn.EmbeddingBag(6, 3, mode=mode, padding_idx=layer.padding_idx).double()
+    oracle_layer = nn.EmbeddingBag(6, 3, mode=mode, padding_idx=layer.padding_idx,
+                                   scale_grad_by_freq=by_freq).double()
     oracle_layer.load_state_dict(layer.state_dict())
     expected = oracle_from_samples(oracle_layer, bag_samples(bags, weights))
     actual = run_gsm(layer, (torch.cat(bags),), kwargs, len(lengths), loss_reduction)
     assert_grad_samples_close(actual, expected)
 
 
-@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("mode, by_freq", [("sum", False), ("mean", False), ("max", False),
+                                           ("sum", True), ("mean", True)])
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
-def test_2d_input_matches_oracle(mode, loss_reduction):
-    layer = nn.EmbeddingBag(5, 3, mode=mode, padding_idx=4).double()
-    x = torch.tensor([[0, 1, 1], [4, 4, 4], [2, 4, 3], [3, 3, 0]])
+def test_2d_input_matches_oracle(mode, by_freq, loss_reduction):
+    layer = nn.EmbeddingBag(5, 3, mode=mode, padding_idx=4, scale_grad_by_freq=by_freq).double()
+    x = torch.tensor([[0, 1, 1], [4, 4, 4], [2, 4, 3], [3, 3, 0], [1, 1, 1]])
     expected = oracle_grad_samples(layer, (x,))
-    assert_grad_samples_close(run_gsm(layer, (x,), {}, 4, loss_reduction), expected)
+    assert_grad_samples_close(run_gsm(layer, (x,), {}, 5, loss_reduction), expected)
 
 
 def test_2d_input_with_per_sample_weights_positional():
