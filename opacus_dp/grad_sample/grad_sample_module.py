@@ -73,7 +73,8 @@ class GradSampleModule(nn.Module):
         strict: raise ``UnsupportedModuleError`` at construction if a submodule with
             trainable parameters cannot get per-sample gradients; otherwise such
             submodules are left without hooks.
-        force_functorch: use the ``torch.func`` fallback for every layer.
+        force_functorch: use the ``torch.func`` fallback for every layer but
+            ``nn.EmbeddingBag`` (its bags, cut by ``offsets``, are not rows of a tensor).
 
     Accumulation: per-sample gradients of all calls made for one backward pass (loops,
     RNN time steps, tied weights, several forwards added into one loss) are summed;
@@ -236,7 +237,9 @@ class GradSampleModule(nn.Module):
                 )
 
     def _sampler_for(self, layer: nn.Module):
-        return None if self.force_functorch else find_sampler(GRAD_SAMPLERS, layer)
+        if self.force_functorch and not isinstance(layer, nn.EmbeddingBag):
+            return None
+        return find_sampler(GRAD_SAMPLERS, layer)
 
     def _on_backward(self, path, master, layer, call, hooked, n_outputs, grads, chunk=0) -> None:
         """Gradient hook body: per-sample gradients of one call, added to the table."""

@@ -119,3 +119,14 @@ def test_empty_batch_of_bags():
     out.sum().backward()
     assert layer.weight.grad_sample.shape == (0, 5, 2)
     gsm.close()
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_offsets_input_in_functorch_mode_uses_the_bag_sampler(mode):
+    """The fallback cannot cut bags out of a 1-D input: ``force_functorch`` keeps the bag sampler."""
+    layer = nn.EmbeddingBag(6, 3, mode=mode).double()
+    bags = [torch.tensor([0, 1, 1]), torch.tensor([5]), torch.tensor([2, 3])]
+    kwargs = {"offsets": torch.tensor([0, 3, 4])}
+    expected = oracle_from_samples(layer, bag_samples(bags, None))
+    actual = gsm_grad_samples(layer, (torch.cat(bags),), kwargs, batch_size=3, force_functorch=True)
+    assert_grad_samples_close(actual, expected)
