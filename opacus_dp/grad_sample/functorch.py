@@ -96,3 +96,26 @@ def functorch_grad_sample(
         {n: p.detach() for n, p in params.items()}, sample_tensors, sample_backprops
     )
     return {params[n]: per_sample[n] for n in params}
+
+
+_KNOWN_FAILURES = (  # (words of torch's error, what the layer did, the way out)
+    ("random operation", "calls a random operation (e.g. dropout) in its forward pass, which the "
+     "fallback's per-sample recomputation cannot reproduce",
+     "apply the random operation outside this module (in its parent), or register a grad sampler for it"),
+    ("mutate a captured tensor", "writes in place to a tensor it does not compute from its inputs (e.g. "
+     "updates a buffer) in its forward pass",
+     "keep such state outside the private model (a buffer updated from the batch would be released "
+     "without noise), or register a grad sampler for it"),
+)
+
+
+def explained_fallback_error(error: RuntimeError, layer_name: str) -> Exception:
+    """A ``ValueError`` naming the layer, what it did and the fix, for the ``torch.func`` failures
+    a layer's forward pass causes; other errors are returned unchanged."""
+    text = str(error).lower()
+    for words, cause, fix in _KNOWN_FAILURES:
+        if words in text:
+            return ValueError(f"{layer_name} gets per-sample gradients from the generic torch.func "
+                              f"fallback but {cause}; {fix}")
+    return error
+

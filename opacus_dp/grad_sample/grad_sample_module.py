@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from opacus_dp.distributed import data_parallel
 from opacus_dp.errors import UnsupportedModuleError
-from opacus_dp.grad_sample.functorch import functorch_grad_sample
+from opacus_dp.grad_sample.functorch import explained_fallback_error, functorch_grad_sample
 from opacus_dp.grad_sample.layer_call import LayerCall, hook_output_grad, layer_batch_dim, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
@@ -283,8 +283,15 @@ class GradSampleModule(nn.Module):
         try:
             with same_autocast(call.autocast):  # the recomputed forward casts as the call did
                 return functorch_grad_sample(layer, list(args), backprops, kwargs, call.batch_dim)
+        except RuntimeError as error:
+            raise explained_fallback_error(error, self._describe_layer(layer)) from error
         finally:
             _RECOMPUTING.active = False
+
+    def _describe_layer(self, layer: nn.Module) -> str:
+        """``layer``'s path for a message (its type alone for a ``DataParallel`` replica)."""
+        path = next((p for p, m in self._module.named_modules() if m is layer), None)
+        return describe(path, layer) if path is not None else type(layer).__name__
 
     # ------------------------------------------------------------- public API
     def forward(self, *args, **kwargs):

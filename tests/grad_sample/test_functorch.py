@@ -126,8 +126,28 @@ class Noisy(nn.Module):
 
 
 def test_random_forward_is_refused_not_silently_wrong():
-    gsm = GradSampleModule(Noisy())
-    with pytest.raises(RuntimeError, match="randomness"):
+    gsm = GradSampleModule(nn.Sequential(Noisy()))
+    with pytest.raises(ValueError, match=r"0 \(Noisy\).*random operation.*outside this module"):
+        gsm(torch.randn(4, 3)).sum().backward()
+    gsm.close()
+
+
+class RunningScale(nn.Module):
+    """Own parameter, and a buffer updated from the batch in the forward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        self.scale.mul_(0.9).add_(0.1 * x.detach().abs().mean(0))
+        return x * self.w / self.scale
+
+
+def test_buffer_written_by_a_fallback_layer_is_refused_by_name():
+    gsm = GradSampleModule(nn.Sequential(RunningScale()))
+    with pytest.raises(ValueError, match=r"0 \(RunningScale\).*writes in place.*buffer"):
         gsm(torch.randn(4, 3)).sum().backward()
     gsm.close()
 
