@@ -8,10 +8,18 @@ Saved entries (a dict written with ``torch.save``):
 * ``optimizer_state_dict`` — the wrapped optimizer's own state (momentum, Adam moments, ...);
 * ``noise_generator_state`` / ``sampler_generator_state`` — generator states, so that a seeded
   resumed run draws the same noise and the same Poisson batches as an uninterrupted one (also
-  when saved mid-epoch if the loader has no worker processes, which sample batches ahead);
+  when saved mid-epoch if the loader has no worker processes, which sample batches ahead). In
+  secure mode neither is saved nor loaded: the sampling generator is seeded once per run from
+  the OS, and its state would let anyone holding the checkpoint replay which records formed
+  every batch (the noise generator is reseeded every step anyway);
 * ``<name>_state_dict`` for the optional schedulers.
+
+Loading checks the accountant entry (present, and loadable into the given accountant) and the
+model's state before anything is changed: a refused checkpoint leaves model and accountant as
+they were (never trained weights with a fresh privacy history).
 """
 
+import copy
 import warnings
 from typing import Dict, Optional
 
@@ -42,8 +50,10 @@ def _sampler_generator(data_loader) -> Optional[torch.Generator]:
 
 def save(path, *, module: nn.Module, optimizer=None, accountant=None, data_loader=None,
          schedulers: Optional[Dict[str, object]] = None, checkpoint_dict=None,
-         module_state_dict_kwargs=None, torch_save_kwargs=None) -> dict:
+         module_state_dict_kwargs=None, torch_save_kwargs=None, secure_mode: bool = False) -> dict:
     """Write the checkpoint described in the module doc to ``path``; return the dict."""
+    if secure_mode:
+        data_loader = None  # its generator state would reveal every batch (module doc)
     state = dict(checkpoint_dict or {})
     state["module_state_dict"] = unwrap_model(module).state_dict(**(module_state_dict_kwargs or {}))
     if accountant is not None:
@@ -64,28 +74,22 @@ def save(path, *, module: nn.Module, optimizer=None, accountant=None, data_loade
 
 def load(path, *, module: nn.Module, optimizer=None, accountant=None, data_loader=None,
          schedulers: Optional[Dict[str, object]] = None, map_location=None,
-         module_load_dict_kwargs=None, torch_load_kwargs=None) -> dict:
+         module_load_dict_kwargs=None, torch_load_kwargs=None, secure_mode: bool = False) -> dict:
     """Restore a checkpoint written by :func:`save`; return the entries not consumed."""
     load_kwargs = dict(torch_load_kwargs or {})
     load_kwargs.setdefault("weights_only", False)
     if map_location is not None:
         load_kwargs["map_location"] = map_location
     state = torch.load(path, **load_kwargs)
-    if accountant is not None and "privacy_accountant_state_dict" not in state:
-        raise ValueError(
-            f"checkpoint {path} has no privacy accountant state: resuming from it would count "
-            "epsilon from zero for a model that may already have used the data (nothing was "
-            "loaded). Use a checkpoint written by save_checkpoint, or, for weights that never "
-            "saw private data, call module.load_state_dict(...) yourself"
-        )
+    _check_accountant_entry(path, state, accountant)
     target = unwrap_model(module)
-    target.load_state_dict(_strip_wrapper_prefixes(state.pop("module_state_dict"), target.state_dict()),
-                           **(module_load_dict_kwargs or {}))
+    _load_module(target, _strip_wrapper_prefixes(state.pop("module_state_dict"), target.state_dict()),
+                 module_load_dict_kwargs or {})
     if accountant is not None:
         accountant.load_state_dict(state.pop("privacy_accountant_state_dict"))
     _load_optimizer(state, optimizer)
     generator_state = state.pop("sampler_generator_state", None)
-    generator = _sampler_generator(data_loader)
+    generator = None if secure_mode else _sampler_generator(data_loader)
     if generator_state is not None and generator is not None:
         generator.set_state(generator_state)
     for name, scheduler in (schedulers or {}).items():
@@ -93,6 +97,35 @@ def load(path, *, module: nn.Module, optimizer=None, accountant=None, data_loade
         if scheduler is not None and saved is not None:
             scheduler.load_state_dict(saved)
     return state
+
+
+def _check_accountant_entry(path, state: dict, accountant) -> None:
+    """Raise, before anything is loaded, if the checkpoint's privacy history is missing or does
+    not load into ``accountant`` (tried on a copy)."""
+    if accountant is None:
+        return
+    if "privacy_accountant_state_dict" not in state:
+        raise ValueError(
+            f"checkpoint {path} has no privacy accountant state: resuming from it would count "
+            "epsilon from zero for a model that may already have used the data (nothing was "
+            "loaded). Use a checkpoint written by save_checkpoint, or, for weights that never "
+            "saw private data, call module.load_state_dict(...) yourself"
+        )
+    try:
+        copy.deepcopy(accountant).load_state_dict(state["privacy_accountant_state_dict"])
+    except (ValueError, TypeError, KeyError) as error:
+        raise ValueError(f"checkpoint {path}: its privacy history does not load into this engine's "
+                         f"accountant ({error}); nothing was loaded") from error
+
+
+def _load_module(target: nn.Module, module_state: dict, kwargs: dict) -> None:
+    """``target.load_state_dict``, restoring ``target`` if it fails part-way."""
+    saved = copy.deepcopy(target.state_dict())
+    try:
+        target.load_state_dict(module_state, **kwargs)
+    except Exception:
+        target.load_state_dict(saved)
+        raise
 
 
 def _load_optimizer(state: dict, optimizer) -> None:

@@ -254,7 +254,7 @@ class PrivacyEngine:
             data_loader=data_loader if data_loader is not None else self._data_loader,
             schedulers={"noise_scheduler": noise_scheduler, "grad_clip_scheduler": grad_clip_scheduler},
             checkpoint_dict=checkpoint_dict, module_state_dict_kwargs=module_state_dict_kwargs,
-            torch_save_kwargs=torch_save_kwargs,
+            torch_save_kwargs=torch_save_kwargs, secure_mode=self.secure_mode,
         )
 
     def load_checkpoint(self, *, path, module: nn.Module, optimizer=None, noise_scheduler=None,
@@ -266,7 +266,7 @@ class PrivacyEngine:
             data_loader=data_loader if data_loader is not None else self._data_loader,
             schedulers={"noise_scheduler": noise_scheduler, "grad_clip_scheduler": grad_clip_scheduler},
             map_location=map_location, module_load_dict_kwargs=module_load_dict_kwargs,
-            torch_load_kwargs=torch_load_kwargs,
+            torch_load_kwargs=torch_load_kwargs, secure_mode=self.secure_mode,
         )
 
 

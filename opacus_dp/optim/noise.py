@@ -22,6 +22,7 @@ Two sources of randomness:
 
 import math
 import secrets
+import warnings
 from typing import Optional
 
 import torch
@@ -108,10 +109,14 @@ class GaussianNoise:
         return {"secure_mode": False, "device": str(gen.device), "state": gen.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the generator saved by :meth:`state_dict`."""
-        if state.get("secure_mode") or self.secure_mode:
-            if bool(state.get("secure_mode")) != self.secure_mode:
-                raise ValueError("cannot restore noise state across secure_mode settings")
+        """Restore the generator saved by :meth:`state_dict`. In secure mode nothing is restored
+        (every step reseeds from the OS); a state saved in secure mode holds no generator, so a
+        run that is not secure keeps its own seed (with a warning: not reproducible)."""
+        if self.secure_mode:
+            return
+        if state.get("secure_mode"):
+            warnings.warn("the noise generator state was saved in secure mode (no state): this run "
+                          "keeps its own noise seed, so it does not reproduce the saved run", UserWarning)
             return
         device = torch.device(state["device"])
         if self.generator is None or self.generator.device != device:

@@ -61,9 +61,50 @@ def test_checkpoint_of_another_accountant_is_refused(tmp_path):
     train(gsm, optimizer, loader, 1)
     path = tmp_path / "rdp.pt"
     engine.save_checkpoint(path=path, module=gsm, optimizer=optimizer)
-    engine2, gsm2, optimizer2, _ = make_private(tiny_model(), engine_kwargs=dict(accountant="prv"))
+    model2 = tiny_model(seed=3)
+    engine2, gsm2, optimizer2, loader2 = make_private(model2, engine_kwargs=dict(accountant="prv"))
+    train(gsm2, optimizer2, loader2, 1)
+    before = [p.detach().clone() for p in model2.parameters()]
     with pytest.raises(ValueError, match="rdp"):
         engine2.load_checkpoint(path=path, module=gsm2, optimizer=optimizer2)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(model2.parameters(), before)), \
+        "a refused checkpoint must not load the (privately trained) weights"
+    assert len(engine2.accountant.history) == 1
+
+
+def test_checkpoint_of_another_model_leaves_model_and_history_unchanged(tmp_path):
+    engine, gsm, optimizer, loader = make_private(tiny_model(), engine_kwargs=dict(accountant="rdp"))
+    train(gsm, optimizer, loader, 2)
+    path = tmp_path / "run.pt"
+    engine.save_checkpoint(path=path, module=gsm, optimizer=optimizer)
+    state = torch.load(path, weights_only=False)
+    name = sorted(state["module_state_dict"])[-1]
+    state["module_state_dict"][name] = torch.zeros(7)  # a model of another shape
+    torch.save(state, path)
+    model2 = tiny_model(seed=3)
+    engine2, gsm2, optimizer2, _ = make_private(model2, engine_kwargs=dict(accountant="rdp"))
+    before = [p.detach().clone() for p in model2.parameters()]
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        engine2.load_checkpoint(path=path, module=gsm2, optimizer=optimizer2)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(model2.parameters(), before))
+    assert engine2.accountant.history == []
+
+
+def test_secure_mode_checkpoint_keeps_the_sampling_generator_secret(tmp_path):
+    """The secure sampling generator is seeded once per run: its state would let a checkpoint's
+    reader replay every batch. It is neither saved nor replaced by a loaded state."""
+    engine, gsm, optimizer, loader = make_private(tiny_model(), engine_kwargs=dict(secure_mode=True))
+    train(gsm, optimizer, loader, 2)
+    path = tmp_path / "secure.pt"
+    engine.save_checkpoint(path=path, module=gsm, optimizer=optimizer)
+    assert "sampler_generator_state" not in torch.load(path, weights_only=False)
+    plain, gsm_p, optimizer_p, loader_p = make_private(tiny_model())
+    plain_path = tmp_path / "plain.pt"
+    plain.save_checkpoint(path=plain_path, module=gsm_p, optimizer=optimizer_p)
+    engine2, gsm2, optimizer2, loader2 = make_private(tiny_model(), engine_kwargs=dict(secure_mode=True))
+    secret = loader2.generator.get_state()
+    engine2.load_checkpoint(path=plain_path, module=gsm2, optimizer=optimizer2)
+    assert torch.equal(loader2.generator.get_state(), secret)
 
 
 def test_budget_guard_after_resume_stops_at_the_same_total(tmp_path):
