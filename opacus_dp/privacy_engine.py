@@ -185,6 +185,8 @@ class PrivacyEngine:
         )
         if not poisson_sampling:  # fixed-size batches: a step may not combine more than one
             dp_optimizer.max_batch_size = _fixed_batch_size(loader)
+        else:  # Poisson batches: a step's pieces (virtual_step) must come from one batch
+            dp_optimizer.sampled_batch_count = lambda: loader.batches_delivered
         self._connect(module, dp_optimizer, sample_rate)
         return loader, dp_optimizer
 

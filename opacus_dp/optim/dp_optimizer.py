@@ -112,6 +112,10 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         self.accumulated_iterations = 1
         self.count_iterations = True
         self.max_batch_size: Optional[int] = None
+        # the Poisson loader's delivered-batch count (set by the engine): pieces of one step
+        # must come from one sampled batch
+        self.sampled_batch_count: Optional[Callable[[], int]] = None
+        self._pending_batch: Optional[int] = None
 
     # ----------------------------------------------------------------- the private step
     def step(self, closure: Optional[Callable[[], float]] = None):
@@ -151,6 +155,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         Everything accumulated until the next ``step()`` is ONE logical batch for the
         accountant (one record): use it to cut a logical batch into physical pieces, never
         to merge several sampled batches (that under-reports ε; draw larger batches instead).
+        With the Poisson loader of ``make_private`` pieces from two of its batches are refused.
         """
         self._accumulate_or_discard(check_size=False)
 
@@ -247,12 +252,30 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         """:meth:`clip_and_accumulate`; if it (or the batch size check) fails, the clipped sums
         of the unfinished logical batch are dropped, so they can never join the next one."""
         try:
+            self._check_same_sampled_batch()
             self.clip_and_accumulate()
             if check_size:
                 self._check_max_batch_size()
         except Exception:
-            self._summed, self._num_accumulated = {}, 0
+            self._summed, self._num_accumulated, self._pending_batch = {}, 0, None
             raise
+
+    def _check_same_sampled_batch(self) -> None:
+        """Refuse pieces of one step (``virtual_step``) taken from two Poisson batches: a sample
+        drawn in both would count twice while the accountant records one batch at rate q."""
+        if self.sampled_batch_count is None:
+            return
+        current = self.sampled_batch_count()
+        pending = self._pending_batch if (self._summed or self._num_accumulated) else None
+        self._pending_batch = current
+        if pending is not None and pending != current:
+            raise ValueError(
+                "optimizer.virtual_step() kept the clipped gradients of one Poisson batch and this "
+                "step adds those of the next batch of the data loader: a sample drawn in both would "
+                "count twice where the accountant records one batch of rate q. Call "
+                "optimizer.step() after every batch of the loader (raise its batch size for larger "
+                "batches; BatchMemoryManager splits a batch too large for memory). The unfinished "
+                "batch's clipped gradients were dropped; nothing was updated")
 
     def _check_max_batch_size(self) -> None:
         if self.max_batch_size is None:

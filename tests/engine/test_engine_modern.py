@@ -129,6 +129,54 @@ def test_batch_memory_manager_equals_one_logical_step(mode):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def _poisson_run(mode):
+    torch.manual_seed(5)
+    model = small_model()
+    engine = PrivacyEngine(accountant="rdp")
+    gsm, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.3),
+        data_loader=small_loader(n=24, batch_size=6), noise_multiplier=0.0, max_grad_norm=0.3,
+        grad_sample_mode=mode)
+    return model, engine, gsm, opt, loader
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_virtual_step_across_two_poisson_batches_is_refused(mode):
+    """Two sampled batches merged into one step: a sample drawn in both would count twice while
+    one batch of rate q is recorded. Refused at the merging step; nothing updated or recorded."""
+    model, engine, gsm, opt, loader = _poisson_run(mode)
+    batches = iter(loader)
+    xb, yb = next(batches)
+    nn.functional.cross_entropy(gsm(xb), yb).backward()
+    opt.virtual_step()
+    before = [p.detach().clone() for p in model.parameters()]
+    xb, yb = next(batches)
+    nn.functional.cross_entropy(gsm(xb), yb).backward()
+    with pytest.raises(ValueError, match="next batch of the data loader"):
+        opt.step()
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+    assert len(engine.accountant) == 0
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_virtual_steps_over_pieces_of_one_poisson_batch_equal_one_step(mode):
+    def run(pieces):
+        model, engine, gsm, opt, loader = _poisson_run(mode)
+        for xb, yb in loader:
+            parts = torch.arange(len(xb)).tensor_split(pieces)
+            for number, index in enumerate(parts, 1):
+                opt.zero_grad()
+                nn.functional.cross_entropy(gsm(xb[index]), yb[index]).backward()
+                opt.step() if number == len(parts) else opt.virtual_step()
+        return [p.detach() for p in model.parameters()], engine.accountant.history
+
+    whole, history_whole = run(1)
+    split, history_split = run(3)
+    assert history_whole == history_split and history_whole[0][2] == 4
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_make_private_with_epsilon_meets_target():
     model = small_model()
     engine = PrivacyEngine(accountant="rdp")
