@@ -13,9 +13,16 @@ then divides by ``expected_batch_size · world_size`` (mean reduction).
 so the averaged update carries noise of std ``σ·C / B_global`` exactly once (the same as
 one process training on the union of the batches), and ``all_reduce`` hands every rank
 the same bytes, so all ranks apply bit-identical updates.
+
+Every step also checks that the ranks still agree on the settings the optimizer passes as
+``agreed`` (σ, the clipping bounds, the number of batches merged into the step, ...), which a
+scheduler or a branch on the rank may have changed on one rank after the setup check: rank
+``r`` writes its values into row ``r`` of a ``(W, m)`` table of zeros appended to the bucket,
+so the same all-reduce delivers every rank's values exactly (a sum with zeros), and a
+disagreement raises the same error on every rank (no rank is left waiting in a collective).
 """
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,13 +50,19 @@ class AllReduceReducer:
         self.num_all_reduces = 0
 
     @torch.no_grad()
-    def reduce(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Replace every tensor, in place, by its sum over all ranks; return ``tensors``.
+    def reduce(self, tensors: List[torch.Tensor],
+               agreed: Optional[Dict[str, float]] = None) -> List[torch.Tensor]:
+        """Replace every tensor, in place, by its sum over all ranks; return ``tensors``;
+        raise on every rank if the ranks disagree on ``agreed`` (module doc).
 
         Every rank must pass tensors of the same shapes in the same order (the same model).
         """
-        for same_kind in _grouped(tensors).values():
-            flat = torch.cat([t.reshape(-1) for t in same_kind])
+        names = sorted(agreed or {})
+        for index, same_kind in enumerate(_grouped(tensors).values()):
+            parts = [t.reshape(-1) for t in same_kind]
+            if index == 0 and names:
+                parts.append(self._agreement_rows([agreed[n] for n in names], same_kind[0]).reshape(-1))
+            flat = torch.cat(parts)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
             self.bytes_reduced += flat.numel() * flat.element_size()
             self.num_all_reduces += 1
@@ -57,7 +70,14 @@ class AllReduceReducer:
             for t in same_kind:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+            if index == 0 and names:
+                _check_agreement(names, flat[offset:].view(self.world_size, len(names)))
         return tensors
+
+    def _agreement_rows(self, values: List[float], like: torch.Tensor) -> torch.Tensor:
+        rows = like.new_zeros(self.world_size, len(values))
+        rows[self.rank] = torch.tensor(values, dtype=torch.float64).to(like.dtype)
+        return rows
 
     def __repr__(self) -> str:
         return (
@@ -73,3 +93,16 @@ def _grouped(tensors: List[torch.Tensor]) -> Dict[Tuple, List[torch.Tensor]]:
             raise TypeError(f"AllReduceReducer.reduce expects tensors, got {type(t).__name__}")
         groups.setdefault((t.dtype, t.device), []).append(t)
     return groups
+
+
+def _check_agreement(names: List[str], table: torch.Tensor) -> None:
+    """Raise if a column of ``table`` (one row per rank) is not constant."""
+    for column, name in enumerate(names):
+        values = table[:, column]
+        if not bool((values == values[0]).all()):
+            per_rank = {rank: float(v) for rank, v in enumerate(values.tolist())}
+            raise ValueError(
+                f"{name} differs between ranks at this step ({per_rank}): every process must use "
+                "the same settings (step schedulers on every rank, not only on rank 0; run the same "
+                "number of backward passes per step everywhere). Nothing was updated")
+

@@ -134,11 +134,18 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         sums = self._take_summed_grads()
         if self.reducer.adds_noise:
             sums = self.add_noise(sums)
-        sums = self.reducer.reduce(sums)
+        sums = self.reducer.reduce(sums, agreed=self._step_settings())
         self._set_grads(self.scale_grad(sums))
         result = self._inner_step()
         self._run_hooks(self._step_hooks)
         return loss if loss is not None else result
+
+    def _step_settings(self) -> Dict[str, float]:
+        """What every process must share at this step (checked by a distributed reducer)."""
+        return {"noise_multiplier": self.noise_multiplier,
+                "max_grad_norm (sensitivity)": self.clipper.sensitivity,
+                "sum of clipping bounds": float(sum(self.max_grad_norms)),
+                "batches merged into the step": float(self.accumulated_iterations)}
 
     @property
     def expected_batch_size(self) -> Optional[float]:

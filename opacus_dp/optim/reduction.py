@@ -22,8 +22,8 @@ class LocalReducer:
     world_size = 1
     adds_noise = True
 
-    def reduce(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Identity."""
+    def reduce(self, tensors: List[torch.Tensor], agreed=None) -> List[torch.Tensor]:
+        """Identity (``agreed``: the step's settings other processes would have to share)."""
         return tensors
 
     def __repr__(self):

@@ -105,7 +105,8 @@ def test_one_all_reduce_of_the_clipped_sums_per_step(equivalence, privacy):
     numel = sum(p.numel() for p in r["start"])
     steps = len(r["batches"])
     assert r["all_reduces"] == steps
-    assert r["reducer_bytes"] == steps * numel * 8  # float64, once per logical step
+    agreement = WORLD * 4  # the step's settings, one row per rank (distributed/reducers.py)
+    assert r["reducer_bytes"] == steps * (numel + agreement) * 8  # float64, once per logical step
     assert privacy[0]["noise_ddp"]["ddp_grads_stayed_local"], "DDP must not all-reduce unclipped grads"
 
 
@@ -205,6 +206,9 @@ def test_checkpoint_written_by_rank_zero_resumes_everywhere(privacy):
     ("noise_multiplier", "noise_multiplier differs between ranks"),
     ("unwrapped", "not wrapped for distributed training"),
     ("loader_world_size", "num_replicas=3"),
+    ("sigma_changed_on_one_rank", "noise_multiplier differs between ranks at this step"),
+    ("bound_changed_on_one_rank", "max_grad_norm (sensitivity) differs between ranks at this step"),
+    ("uneven_accumulation", "batches merged into the step differs between ranks"),
 ])
 def test_misconfigurations_are_refused_on_every_rank(privacy, case, words):
     for rank in range(WORLD):

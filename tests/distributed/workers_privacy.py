@@ -187,6 +187,28 @@ def error_runs(rank, world_size):
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=loader, noise_multiplier=sigma, max_grad_norm=1.0, poisson_sampling=poisson)
 
+    def changed_in_training(change, passes=(1, 1)):
+        """Set up alike on every rank, then ``change(optimizer)`` on rank 0 only, or run
+        ``passes[rank]`` backward passes before the step; train two steps."""
+        model = wrap(make_model(1), "dpddp")
+        engine = _engine(accountant="rdp")
+        _, optimizer, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=4, sampler=DistributedSampler(data)),
+            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+        batches = iter(loader)
+        for _ in range(2):
+            for _ in range(passes[rank]):
+                x, y = next(batches)
+                nn.CrossEntropyLoss()(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if rank == 0:
+                change(optimizer)
+
+    def set_attribute(name, value):
+        return lambda optimizer: setattr(optimizer, name, value)
+
     wrong_world = DataLoader(data, batch_size=4,
                              sampler=DistributedSampler(data, num_replicas=world_size + 1, rank=rank))
     with warnings.catch_warnings():
@@ -197,6 +219,12 @@ def error_runs(rank, world_size):
             "unwrapped": _error_of(lambda: modern(make_model(1))),
             "loader_world_size": _error_of(
                 lambda: modern(wrap(make_model(1), "dpddp"), loader=wrong_world, poisson=False)),
+            "sigma_changed_on_one_rank": _error_of(
+                lambda: changed_in_training(set_attribute("noise_multiplier", 0.5))),
+            "bound_changed_on_one_rank": _error_of(
+                lambda: changed_in_training(set_attribute("max_grad_norm", 0.1))),
+            "uneven_accumulation": _error_of(
+                lambda: changed_in_training(lambda optimizer: None, passes=(2, 1))),
         }
 
 
