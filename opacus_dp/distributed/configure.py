@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from opacus_dp.distributed.checks import check_same_on_all_ranks, process_group_active
-from opacus_dp.distributed.ddp_hooks import install_local_gradients_hook
+from opacus_dp.distributed.ddp_hooks import detach_ddp_synchronisation, install_local_gradients_hook
 from opacus_dp.distributed.dpddp import DifferentiallyPrivateDistributedDataParallel
 from opacus_dp.distributed.reducers import AllReduceReducer
 
@@ -143,6 +143,7 @@ def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[f
     _check_mean_divisor(optimizer)
     if isinstance(wrapper, DistributedDataParallel):
         install_local_gradients_hook(wrapper)
+        detach_ddp_synchronisation(wrapper)
     optimizer.reducer = AllReduceReducer(process_group=group)
 
 

@@ -6,6 +6,16 @@ during every backward pass. In DP-SGD those averages are useless (the optimizer 
 registers :func:`local_gradients_hook`: each bucket's future resolves immediately to the
 rank's own gradients, and the single reduction of the step is done by the optimizer's
 :class:`~opacus_dp.distributed.reducers.AllReduceReducer` on the clipped sums.
+
+DDP also runs collectives inside ``forward`` (a broadcast of the buffers, a one-time rebuild of
+its buckets), one per forward call. DP-SGD ranks do not make the same number of forward calls
+per step (``BatchMemoryManager`` cuts each rank's own Poisson batch into as many pieces as it
+needs, down to none), so those collectives would meet the optimizer's all-reduce on another
+rank and block. :func:`detach_ddp_synchronisation` turns DDP's own gradient synchronisation
+off for good (as inside ``no_sync()``), which also stops the forward-time collectives: the
+parameters stay identical because every rank applies the same all-reduced update, and the
+buffers were broadcast when DDP wrapped the model (buffers changed from the data, such as
+BatchNorm's statistics, are refused by the validator anyway).
 """
 
 import torch
@@ -49,3 +59,10 @@ def install_local_gradients_hook(ddp: DistributedDataParallel) -> None:
             f"({e}); call make_private/attach right after wrapping the model, before any "
             "backward pass, and do not register another comm hook"
         ) from e
+
+
+def detach_ddp_synchronisation(ddp: DistributedDataParallel) -> None:
+    """Stop ``ddp``'s own collectives in forward and backward (module doc)."""
+    ddp.require_backward_grad_sync = False
+    ddp.require_forward_param_sync = False
+

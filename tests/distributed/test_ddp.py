@@ -90,6 +90,23 @@ def test_sigma_zero_equals_one_process_on_the_concatenated_batch(equivalence, ap
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "dpddp"])
+def test_batch_memory_manager_with_uneven_piece_counts_and_a_buffer(equivalence, wrapper):
+    """Ranks cut their own Poisson batches into different numbers of pieces (forward calls),
+    and the model has a buffer: DDP's forward-time collectives (buffer broadcast, bucket
+    rebuild) would pair with another rank's all-reduce and block; the run must finish and
+    equal one process on the concatenated batches."""
+    key = ("buffered", wrapper)
+    r0, r1 = equivalence[0][key], equivalence[1][key]
+    counts = [[len(step) for step in r["batches"]] for r in (r0, r1)]
+    assert counts[0] != counts[1], f"the piece counts should differ between ranks: {counts}"
+    assert_bit_identical(r0["final"], r1["final"])
+    expected, clipped_any = replay(equivalence, key, FLAT_C)
+    assert clipped_any
+    for got, want in zip(r0["final"], expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "dpddp"])
 def test_empty_local_batch_takes_part_in_the_step(equivalence, wrapper):
     key = ("empty", wrapper)
     r0, r1 = equivalence[0][key], equivalence[1][key]

@@ -37,6 +37,18 @@ def make_model(seed: int, features: int = N_FEATURES) -> nn.Module:
     return nn.Sequential(nn.Linear(features, 8), nn.ReLU(), nn.Linear(8, N_CLASSES)).double()
 
 
+class WithBuffer(nn.Module):
+    """``model`` behind a constant buffer (DDP broadcasts buffers in every forward by default)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.register_buffer("scale", torch.ones(1, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.model(x * self.scale)
+
+
 def wrap(model: nn.Module, wrapper: str) -> nn.Module:
     if wrapper == "ddp":
         return DistributedDataParallel(model)
@@ -60,9 +72,10 @@ def _clipping_args(clipping: str, num_tensors: int):
 
 
 # --------------------------------------------------------------------------- σ = 0 runs
-def train_modern(rank, world_size, wrapper, clipping, steps=3, sigma=0.0, physical=2):
+def train_modern(rank, world_size, wrapper, clipping, steps=3, sigma=0.0, physical=2, buffered=False):
     """make_private + distributed Poisson loader + BatchMemoryManager (virtual steps)."""
-    model = wrap(make_model(seed=100 + rank), wrapper)
+    model = make_model(seed=100 + rank)
+    model = wrap(WithBuffer(model) if buffered else model, wrapper)
     start = params_of(model)
     data = dataset()
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
@@ -138,6 +151,9 @@ def equivalence_job(rank, world_size):
         for clipping in ("flat", "per_layer"):
             results[("modern", wrapper, clipping)] = train_modern(rank, world_size, wrapper, clipping)
             results[("classic", wrapper, clipping)] = train_classic(rank, world_size, wrapper, clipping)
+    for wrapper in ("ddp", "dpddp"):  # one-sample pieces: the ranks' piece counts differ
+        results[("buffered", wrapper)] = train_modern(rank, world_size, wrapper, "flat", steps=4,
+                                                      physical=1, buffered=True)
     empty = [[2, 1], [0, 0], [3, 0]] if rank == 1 else [[1, 2], [2, 2], [0, 0]]
     for wrapper in ("ddp", "dpddp"):
         results[("empty", wrapper)] = train_classic(rank, world_size, wrapper, "flat", sizes=empty)
