@@ -196,8 +196,12 @@ class PrivacyEngine:
         self.dataset = data_loader.dataset
         generator = secure_generator() if self.secure_mode else None
         if poisson_sampling:
-            return DPDataLoader.from_data_loader(data_loader, generator=generator,
-                                                 distributed=distributed, batch_first=batch_first)
+            loader = DPDataLoader.from_data_loader(data_loader, generator=generator,
+                                                   distributed=distributed, batch_first=batch_first)
+            if distributed:
+                from opacus_dp.distributed.checks import share_generator_state
+                share_generator_state(loader.generator)  # one global Poisson stream
+            return loader
         check_sampling(data_loader, poisson_expected=False)
         if generator is not None:
             return switch_generator(data_loader=data_loader, generator=generator)

@@ -84,3 +84,16 @@ def parameters_in_sync(module: nn.Module, group=None) -> bool:
     same = torch.tensor([1.0 if torch.equal(local, reference) else 0.0], device=device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
     return bool(same.item() == 1.0)
+
+
+def share_generator_state(generator: torch.Generator, src: int = 0, group=None) -> None:
+    """Give every rank ``src``'s state of ``generator`` (a CPU generator).
+
+    Used for the distributed Poisson sampler: with one shared sampling stream the ranks' local
+    batches (disjoint positions of one global mask) form exactly one global Poisson batch, and
+    the state a checkpoint saves on any one rank resumes the sampling of every rank.
+    """
+    state = generator.get_state().to(collective_device(group))
+    dist.broadcast(state, src=src, group=group)
+    generator.set_state(state.cpu())
+

@@ -214,6 +214,8 @@ def test_checkpoint_written_by_rank_zero_resumes_everywhere(privacy):
     assert_bit_identical(c0["loaded"], c0["saved"])
     assert_bit_identical(c1["loaded"], c0["saved"])
     assert_bit_identical(c0["resumed"], c1["resumed"])
+    assert_bit_identical(c0["resumed"], c0["uninterrupted"])  # the same batches on every rank
+    assert_bit_identical(c1["resumed"], c1["uninterrupted"])
     assert c0["history"] == c1["history"] and c0["history"][0][2] == 3
     assert c0["epsilon"] == c1["epsilon"]
 

@@ -110,7 +110,8 @@ def sampler_run(rank, world_size, total=200, rate=0.1):
 
 
 def checkpoint_run(rank, world_size, path):
-    """Rank 0 saves after two steps; every rank resumes from the file and takes a third."""
+    """Rank 0 saves after two steps; every rank resumes from the file and takes a third; the
+    same run uninterrupted for comparison (the ranks are seeded differently)."""
     def build(seed):
         model = wrap(make_model(seed=seed), "ddp")
         data = dataset()
@@ -130,6 +131,9 @@ def checkpoint_run(rank, world_size, path):
                 return
 
     engine, gsm, optimizer, dp_loader = build(seed=600 + rank)
+    train(gsm, optimizer, dp_loader, 3)
+    uninterrupted = params_of(gsm)
+    engine, gsm, optimizer, dp_loader = build(seed=600 + rank)
     train(gsm, optimizer, dp_loader, 2)
     saved = params_of(gsm)
     if rank == 0:
@@ -139,7 +143,7 @@ def checkpoint_run(rank, world_size, path):
     engine2.load_checkpoint(path=path, module=gsm2, optimizer=optimizer2)
     loaded = params_of(gsm2)
     train(gsm2, optimizer2, dp_loader2, 1)
-    return {"saved": saved, "loaded": loaded, "resumed": params_of(gsm2),
+    return {"saved": saved, "loaded": loaded, "resumed": params_of(gsm2), "uninterrupted": uninterrupted,
             "history": list(engine2.accountant.history), "epsilon": engine2.get_epsilon(DELTA)}
 
 
