@@ -4,11 +4,18 @@ The guard runs before a step changes anything (it is a pre-step hook of the DPOp
 It never touches the live accountant: prospective ε values are computed on a copy with
 extra steps appended to its privacy history.
 
-Computing ε can be expensive (PRV). For a constant schedule ``(σ, q)`` the guard computes
-once, by exponential search then bisection over ``k``, the largest number ``k_max`` of further
-steps with ``ε(history + k·(σ, q)) ≤ max_epsilon`` (ε is non-decreasing in ``k``), and then only
-compares step counters. The cache is recomputed whenever σ or q change or the accountant's
-history changes in any other way (e.g. ``load_state_dict``).
+Computing ε can be expensive (PRV), so for a constant schedule ``(σ, q)`` the guard searches
+once (exponential search, then bisection over ``k``) for the largest number ``k_safe`` of further
+steps with ``ε(history + k·(σ, q)) ≤ (1 − SAFETY_MARGIN)·max_epsilon`` and allows those steps by
+comparing step counters only.  Every step beyond ``k_safe`` is verified exactly: it is allowed
+only if ``ε(history + 1 step)``, the ε the accountant will report after it, is ≤ ``max_epsilon``.
+
+The fast path assumes that ε is non-decreasing in ``k`` up to a relative jitter below
+``SAFETY_MARGIN``.  The true ε is monotone, but a numerical accountant need not be exactly: the
+PRV accountant changes composition method at δ = T·10⁻¹⁴ and its ε can drop by ~10⁻⁴ relative
+there.  Near the budget, where such a drop could hide a step above ``max_epsilon``, the exact
+check decides.  The cache is recomputed whenever σ or q change or the accountant's history
+changes in any other way (e.g. ``load_state_dict``).
 """
 
 import copy
@@ -18,6 +25,7 @@ from typing import Callable, List, Optional, Tuple
 from opacus_dp.errors import PrivacyBudgetExceededError
 
 MAX_SEARCHED_STEPS = 2**40  # beyond this the budget counts as unlimited for the schedule
+SAFETY_MARGIN = 1e-3  # relative; steps with ε above (1 − margin)·max_epsilon are checked exactly
 
 History = List[Tuple[float, float, int]]
 
@@ -87,7 +95,8 @@ class BudgetGuard:
         self.delta = float(delta)
         self._sample_rate = sample_rate
         self.epsilon_of = epsilon_of or (lambda acc: acc.get_epsilon(self.delta))
-        self._cache = None  # (σ, q, base history, k_max)
+        self._cache = None  # (σ, q, base history, k_safe)
+        self._exact_cache = None  # (σ, q, base history, k_max) of remaining_steps
         self.evaluations = 0  # number of ε computations, for cost tests
 
     def sample_rate(self) -> float:
@@ -99,11 +108,16 @@ class BudgetGuard:
         self.check(float(optimizer.noise_multiplier), recorded_sample_rate(self.sample_rate(), optimizer))
 
     def check(self, noise_multiplier: float, sample_rate: float) -> None:
-        """Raise :class:`PrivacyBudgetExceededError` if one more ``(σ, q)`` step exceeds the budget."""
-        remaining = self.remaining_steps(noise_multiplier, sample_rate)
-        if remaining >= 1:
+        """Raise :class:`PrivacyBudgetExceededError` if one more ``(σ, q)`` step exceeds the budget.
+
+        Fast path: the step is among the ``k_safe`` steps found well inside the budget.
+        Otherwise the candidate is verified exactly: ε(history + this step) ≤ max_epsilon.
+        """
+        if self._cached_steps("_cache", noise_multiplier, sample_rate, self._safe_steps) >= 1:
             return
         eps_next = self._epsilon_after(noise_multiplier, sample_rate, 1)
+        if eps_next <= self.max_epsilon:
+            return
         raise PrivacyBudgetExceededError(
             f"privacy budget exhausted: one more step (noise_multiplier={noise_multiplier}, "
             f"sample_rate={sample_rate}) would raise epsilon to {eps_next:.4g} > "
@@ -112,38 +126,59 @@ class BudgetGuard:
         )
 
     def remaining_steps(self, noise_multiplier: float, sample_rate: float) -> int:
-        """Number of further ``(σ, q)`` steps allowed by the budget (cached, see module doc)."""
+        """Largest ``k`` with ε(history + k·(σ, q)) ≤ max_epsilon, found by search (cached).
+
+        For an accountant whose ε is non-decreasing in ``k`` this is the number of further steps
+        :meth:`check` allows."""
+        return self._cached_steps("_exact_cache", noise_multiplier, sample_rate, self._max_steps)
+
+    def _cached_steps(self, slot: str, noise_multiplier: float, sample_rate: float, search) -> int:
+        """``search(σ, q)`` for the current history, minus the steps taken since it was cached."""
         now = _normalized(self.accountant.history)
-        if self._cache is not None:
-            sigma, q, base, k_max = self._cache
+        cache = getattr(self, slot)
+        if cache is not None:
+            sigma, q, base, k = cache
             if (sigma, q) == (noise_multiplier, sample_rate):
                 done = steps_added(base, now, noise_multiplier, sample_rate)
                 if done is not None:
-                    return max(k_max - done, 0)
-        k_max = self._max_steps(noise_multiplier, sample_rate)
-        self._cache = (noise_multiplier, sample_rate, now, k_max)
-        return k_max
+                    return max(k - done, 0)
+        k = search(noise_multiplier, sample_rate)
+        setattr(self, slot, (noise_multiplier, sample_rate, now, k))
+        return k
 
     def _epsilon_after(self, noise_multiplier, sample_rate, steps) -> float:
         self.evaluations += 1
         prospective = with_extra_steps(self.accountant, noise_multiplier, sample_rate, steps)
         return float(self.epsilon_of(prospective))
 
-    def _fits(self, noise_multiplier, sample_rate, steps) -> bool:
-        return self._epsilon_after(noise_multiplier, sample_rate, steps) <= self.max_epsilon
+    def _safe_steps(self, noise_multiplier: float, sample_rate: float) -> int:
+        """Largest ``k`` with ε(history + k steps) ≤ (1 − SAFETY_MARGIN)·max_epsilon (0 if none)."""
+        limit = (1 - SAFETY_MARGIN) * self.max_epsilon
+        return self._largest_fitting(noise_multiplier, sample_rate, limit, 0)
 
     def _max_steps(self, noise_multiplier: float, sample_rate: float) -> int:
-        """Largest ``k`` with ε(history + k steps) ≤ max_epsilon (0 if none)."""
-        if not self._fits(noise_multiplier, sample_rate, 1):
-            return 0
-        lo, hi = 1, 2
-        while self._fits(noise_multiplier, sample_rate, hi):
-            lo, hi = hi, hi * 2
-            if hi > MAX_SEARCHED_STEPS:
+        """Largest ``k`` with ε(history + k steps) ≤ max_epsilon (0 if none), searched upwards
+        from the safe count."""
+        start = self._cached_steps("_cache", noise_multiplier, sample_rate, self._safe_steps)
+        return self._largest_fitting(noise_multiplier, sample_rate, self.max_epsilon, start)
+
+    def _largest_fitting(self, noise_multiplier: float, sample_rate: float, limit: float, lo: int) -> int:
+        """Largest ``k ≥ lo`` with ε(history + k steps) ≤ ``limit``, given that ``lo`` fits
+        (``lo = 0`` always does): galloping search above ``lo``, then bisection."""
+        def fits(steps: int) -> bool:
+            return self._epsilon_after(noise_multiplier, sample_rate, steps) <= limit
+
+        if lo >= MAX_SEARCHED_STEPS:
+            return MAX_SEARCHED_STEPS
+        width = 1
+        while fits(lo + width):
+            lo, width = lo + width, width * 2
+            if lo + width > MAX_SEARCHED_STEPS:
                 return MAX_SEARCHED_STEPS
+        hi = lo + width
         while hi - lo > 1:  # invariant: lo fits, hi does not
             mid = (lo + hi) // 2
-            if self._fits(noise_multiplier, sample_rate, mid):
+            if fits(mid):
                 lo = mid
             else:
                 hi = mid

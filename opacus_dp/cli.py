@@ -22,7 +22,13 @@ from typing import List, Optional
 
 from opacus_dp.accountants import create_accountant, get_noise_multiplier
 from opacus_dp.accountants.registry import available_accountants
-from opacus_dp.accountants.validation import check_delta, check_noise_multiplier, check_sample_rate
+from opacus_dp.accountants.validation import (
+    MAX_STEPS,
+    check_delta,
+    check_noise_multiplier,
+    check_sample_rate,
+    check_steps,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,13 +68,16 @@ def _steps(args, parser, q: float) -> int:
     if args.steps is not None:
         if args.steps < 1:
             parser.error("--steps must be >= 1")
-        return args.steps
+        return check_steps(args.steps, "--steps")
     if not (math.isfinite(args.epochs) and args.epochs > 0):
         parser.error("--epochs must be a positive number")
     if q == 0:
         return 0
     per_epoch = -(-args.dataset_size // args.batch_size) if args.sample_rate is None else math.ceil(1 / q)
-    return math.ceil(args.epochs * per_epoch)
+    steps = math.ceil(args.epochs * per_epoch)
+    if steps > MAX_STEPS:
+        parser.error(f"--epochs {args.epochs:g} gives more than 2**63 - 1 steps")
+    return steps
 
 
 def compute_report(args, parser) -> dict:
@@ -108,6 +117,11 @@ def format_report(report: dict) -> str:
             f"({report['epsilon']:.4g}, {report['delta']:g})-differential privacy "
             f"[{report['accountant']} accountant]."
         )
+        if math.isinf(report["epsilon"]):
+            lines.append(
+                "No finite epsilon holds or could be certified (the privacy loss is too large to "
+                "evaluate): use more noise, fewer steps or a smaller sample rate."
+            )
         alpha = report.get("best_alpha")
         if alpha is not None and not math.isnan(alpha):
             lines.append(f"The optimal RDP order is {alpha:g}.")
@@ -137,6 +151,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         report = compute_report(args, parser)
     except (ValueError, TypeError) as error:
         parser.error(str(error))
+    except (ArithmeticError, RuntimeError) as error:  # numerics out of range: a message, no traceback
+        parser.error(
+            f"the {args.accountant or 'selected'} accountant could not evaluate this run "
+            f"({type(error).__name__}: {error}); the privacy loss is too large to compute — use more "
+            "noise, fewer steps or a smaller sample rate"
+        )
     print(json.dumps(_json_ready(report)) if args.json else format_report(report))
     return 0
 

@@ -53,8 +53,11 @@ def warn_if_delta_not_small(delta: float, num_records: int, name: str = "target_
         )
 
 
+MAX_STEPS = 2**63 - 1  # a step count beyond int64 cannot be turned into a float computation
+
+
 def check_steps(steps, name: str = "steps") -> int:
-    """A number of steps: an integer ≥ 0 (floats with an integral value are accepted)."""
+    """A number of steps: an integer in [0, 2⁶³ − 1] (floats with an integral value are accepted)."""
     if isinstance(steps, bool):
         raise TypeError(f"{name} must be an integer, got {steps!r}")
     if isinstance(steps, numbers.Integral):
@@ -65,6 +68,8 @@ def check_steps(steps, name: str = "steps") -> int:
         raise TypeError(f"{name} must be an integer number of steps, got {steps!r}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {steps!r}")
+    if value > MAX_STEPS:
+        raise ValueError(f"{name} must be at most 2**63 - 1, got {steps!r}")
     return value
 
 

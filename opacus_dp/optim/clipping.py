@@ -12,6 +12,7 @@ Both strategies follow Abadi et al. 2016, "Deep Learning with Differential Priva
 
 import abc
 import math
+import numbers
 from typing import List, Sequence
 
 import torch
@@ -24,10 +25,15 @@ CLIP_EPSILON = 1e-6
 def check_max_grad_norm(value, name: str = "max_grad_norm") -> float:
     """``value`` as float if it is a valid clipping bound (> 0, not NaN), else ValueError.
 
+    Any real number is accepted (``int``, ``float``, NumPy scalars such as ``np.float32``, as
+    for ``noise_multiplier``); ``bool`` and tensors are refused with a TypeError.
     ``+inf`` is accepted (no clipping); it can only be combined with ``noise_multiplier=0``.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a positive real number (int, float or NumPy scalar), got "
+            f"{type(value).__name__} ({value!r}); pass a tensor as float(tensor)"
+        )
     value = float(value)
     if math.isnan(value) or value <= 0:
         raise ValueError(f"{name} must be > 0 (the clipping bound C), got {value!r}")
@@ -119,7 +125,7 @@ class PerLayerClipper(Clipper):
     """
 
     def __init__(self, max_grad_norms: Sequence[float]):
-        if isinstance(max_grad_norms, (int, float)) or not len(max_grad_norms):
+        if isinstance(max_grad_norms, numbers.Real) or not len(max_grad_norms):
             raise ValueError(
                 "max_grad_norm for per-layer clipping must be a non-empty list with one "
                 f"bound per trainable tensor, got {max_grad_norms!r}"

@@ -92,3 +92,23 @@ def subsampled_gaussian_epsilon(sigma, q, delta):
         if f(0.0) > 0:
             result = max(result, optimize.brentq(f, 0.0, 100.0, xtol=1e-13))
     return result
+
+
+def gdp_delta_mp(epsilon, mu):
+    """δ(ε) of μ-GDP, Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2), by the direct formula in multiprecision
+    arithmetic with 60 more digits than ε has, which absorbs the cancellation of e^ε against Φ."""
+    with mpmath.workdps(60 + max(0, int(math.log10(max(epsilon, mu * mu, 1.0))))):
+        e, m = mpmath.mpf(epsilon), mpmath.mpf(mu)
+        return mpmath.ncdf(-e / m + m / 2) - mpmath.exp(e) * mpmath.ncdf(-e / m - m / 2)
+
+
+def gdp_epsilon_mp(mu, delta):
+    """ε(δ) of μ-GDP by bisection on :func:`gdp_delta_mp` (to the last float)."""
+    low, high = 0.0, 1.0
+    while gdp_delta_mp(high, mu) > delta:
+        low, high = high, high * 2
+    while True:
+        mid = (low + high) / 2
+        if mid in (low, high):
+            return high
+        low, high = (mid, high) if gdp_delta_mp(mid, mu) > delta else (low, mid)

@@ -174,3 +174,11 @@ def test_optimizer_hook_records_the_optimizer_noise():
 def test_every_accountant_is_a_privacy_accountant():
     for name in NAMES:
         assert isinstance(create_accountant(name), PrivacyAccountant)
+
+
+@pytest.mark.parametrize("mechanism", ["rdp", "prv", "gdp"])
+def test_step_count_beyond_int64_is_refused_with_its_name(mechanism):
+    """10²⁰ steps cannot be turned into a float computation (it used to raise OverflowError)."""
+    accountant = create_accountant(mechanism)
+    with pytest.raises(ValueError, match=r"history\[0\] num_steps must be at most 2\*\*63 - 1"):
+        accountant.load_state_dict({"history": [(1.0, 0.1, 10**20)], "mechanism": mechanism})

@@ -1,6 +1,7 @@
 """Privacy calculator: flags, text and JSON output, agreement with the accountants."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -108,3 +109,48 @@ def test_module_entry_point_runs():
         capture_output=True, text=True, env=env, timeout=120, check=True,
     )
     assert json.loads(result.stdout)["steps"] == 100
+
+
+def test_negligible_privacy_loss_reports_the_dp_accounting_epsilon(capsys):
+    """σ = 10⁵, q = 10⁻⁵: RDP rounds to ±1e-20 and used to be refused as negative."""
+    from .oracles import dp_accounting_rdp_epsilon
+
+    report = json.loads(
+        run_cli(capsys, "--json", "-r", "1e-5", "-n", "100000", "--steps", "100", "--accountant", "rdp")
+    )
+    expected = dp_accounting_rdp_epsilon([(1e5, 1e-5, 100)], 1e-5, RDPAccountant.DEFAULT_ALPHAS)
+    assert report["epsilon"] == pytest.approx(expected, abs=1e-12)
+
+
+def test_gdp_with_tiny_noise_reports_a_huge_epsilon(capsys):
+    from .oracles import gdp_epsilon_mp
+
+    report = json.loads(run_cli(capsys, "--json", "-r", "0.01", "-n", "0.05", "--steps", "10", "--accountant", "gdp"))
+    mu = 0.01 * (10 * math.expm1(0.05**-2)) ** 0.5
+    assert report["epsilon"] == pytest.approx(gdp_epsilon_mp(mu, 1e-5), rel=1e-9)
+
+
+def test_astronomical_step_count_reports_infinite_epsilon_with_an_explanation(capsys):
+    out = run_cli(capsys, "-r", "0.01", "-n", "1", "--steps", str(10**18))
+    assert "(inf, 1e-05)-differential privacy" in out and "No finite epsilon" in out
+
+
+@pytest.mark.parametrize("argv,message", [(["--steps", str(10**21)], "--steps must be at most"),
+                                          (["-e", "1e300"], "--epochs 1e+300 gives more than")])
+def test_step_counts_beyond_int64_exit_with_a_message(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["-r", "0.01", "-n", "1", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_numerical_failure_exits_with_a_message_not_a_traceback(capsys, monkeypatch):
+    """Any arithmetic failure inside an accountant becomes a one-line error (exit code 2)."""
+    def overflow(self, delta, **options):
+        raise OverflowError("math range error")
+
+    monkeypatch.setattr(PRVAccountant, "get_epsilon", overflow)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["-r", "0.01", "-n", "1", "--steps", "10"])
+    assert exit_info.value.code == 2
+    assert "could not evaluate this run (OverflowError: math range error)" in capsys.readouterr().err

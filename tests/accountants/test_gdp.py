@@ -9,7 +9,7 @@ from scipy import special
 from opacus_dp.accountants import GaussianAccountant
 from opacus_dp.accountants.analysis import gdp
 
-from .oracles import gaussian_delta
+from .oracles import gaussian_delta, gdp_delta_mp, gdp_epsilon_mp
 
 
 @pytest.fixture(autouse=True)
@@ -64,3 +64,22 @@ def test_mixed_segments_compose_as_sum_of_squared_mu():
     mu = math.sqrt(0.01**2 * 400 * math.expm1(1.0) + 0.02**2 * 100 * math.expm1(0.25))
     assert accountant.get_mu() == pytest.approx(mu, rel=1e-12)
     assert accountant.get_epsilon(1e-5) == pytest.approx(gdp.eps_from_mu(mu=mu, delta=1e-5), rel=1e-12)
+
+
+@pytest.mark.parametrize("history", [[(0.1, 1.0, 1)], [(0.05, 0.01, 10)], [(0.2, 0.5, 100)]])
+def test_small_sigma_gives_the_huge_epsilon_of_multiprecision_arithmetic(history):
+    """σ ≤ 0.1 makes μ = q·sqrt(T(e^{1/σ²} − 1)) astronomically large; e^ε used to overflow."""
+    accountant = GaussianAccountant()
+    accountant.history = history
+    mu = accountant.get_mu()
+    assert accountant.get_epsilon(1e-5) == pytest.approx(gdp_epsilon_mp(mu, 1e-5), rel=1e-9)
+
+
+@pytest.mark.parametrize("mu", [1e-3, 0.5, 3.0, 40.0, 1e3, 1e6])
+@pytest.mark.parametrize("ratio", [0.0, 0.3, 0.5, 1.0, 2.0])
+def test_delta_of_mu_gdp_matches_multiprecision_for_every_scale(mu, ratio):
+    """δ(ε) at ε = ratio·μ² + 1 (from δ ≈ 1/2 down to far tails) against the direct formula."""
+    eps = ratio * mu * mu + 1.0
+    expected = float(gdp_delta_mp(eps, mu))
+    if expected > 1e-290:
+        assert gdp.delta_eps_mu(eps=eps, mu=mu) == pytest.approx(expected, rel=1e-9)

@@ -148,3 +148,19 @@ def test_tiny_delta_many_steps_is_tighter_than_rdp_and_refines_from_above():
     fine = prv_epsilon([segment], delta, eps_error=0.005)  # grid 5e-5 refines the 1e-4 grid
     assert fine <= coarse * (1 + 1e-6) < rdp.get_epsilon(delta)
     assert coarse <= fine * 1.01
+
+
+@pytest.mark.parametrize(
+    "segment", [(1.0, 0.1, 10**18), (1.0, 0.01, 10**18), (100.0, 1e-6, 10**14), (1.0, 1.0, 3 * 10**10)]
+)
+def test_histories_beyond_the_grid_give_infinite_epsilon_with_a_warning(segment):
+    """Step counts whose loss does not fit on a grid used to raise OverflowError or ValueError;
+    ε = inf is the conservative answer (never a finite under-estimate)."""
+    with pytest.warns(RuntimeWarning, match="accountant='rdp'"):
+        assert prv_epsilon([segment], 1e-5) == math.inf
+
+
+def test_longest_resolvable_full_batch_run_is_still_an_upper_bound():
+    """10⁹ full-batch steps at σ = 1: the coarse grid stays above the exact Gaussian ε."""
+    exact = gaussian_epsilon(math.sqrt(1e9), 1e-5)
+    assert exact <= prv_epsilon([(1.0, 1.0, 10**9)], 1e-5) < math.inf

@@ -105,3 +105,22 @@ def test_bad_inputs_name_the_argument():
         compute_rdp(1.5, 1.0, 1, [2])
     with pytest.raises(ValueError, match="orders"):
         compute_rdp(0.1, 1.0, 1, [1.0])
+
+
+@pytest.mark.parametrize("q,sigma", [(1e-5, 1e5), (3e-5, 1e6), (1e-3, 1e6)])
+def test_rdp_of_a_negligible_step_is_never_negative(q, sigma):
+    """RDP ≥ 0 always (A_α ≥ 1); for tiny q and huge σ the fractional-order series used to round
+    to about −1e-20 at some orders.  The values stay within the absolute round-off (~1e-17) of
+    log A_α near 0 of a 40-digit quadrature."""
+    rdp = compute_rdp(q, sigma, 1, DEFAULT_ALPHAS)
+    assert np.all(rdp >= 0)
+    assert rdp[DEFAULT_ALPHAS.index(1.5)] == pytest.approx(rdp_by_integration(q, sigma, 1.5), abs=1e-17)
+
+
+def test_rdp_accountant_with_a_negligible_privacy_loss_matches_dp_accounting():
+    from opacus_dp.accountants import RDPAccountant
+
+    accountant = RDPAccountant()
+    accountant.history = [(1e5, 1e-5, 100)]
+    expected = dp_accounting_rdp_epsilon([(1e5, 1e-5, 100)], 1e-5, DEFAULT_ALPHAS)
+    assert accountant.get_epsilon(1e-5) == pytest.approx(expected, abs=1e-12)

@@ -79,3 +79,40 @@ def test_numpy_noise_multiplier_is_accepted_and_noises_by_its_value():
     expected = 0.5 * 2.0 / optimizer.expected_batch_size
     assert abs(sample_std(update) / expected - 1) < std_tolerance(update.numel())
     assert engine.accountant.history[0][0] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("bound", [np.float32(0.5), np.float64(0.5)])
+def test_numpy_max_grad_norm_is_accepted_and_clips_by_its_value(bound):
+    """C = np.float32(0.5), σ = 0, one sample x = (3, 4) with loss w·x: its gradient x (norm 5)
+    is scaled by C / (5 + 1e-6) (Abadi et al.), so SGD with lr 1 moves w by exactly that."""
+    model = nn.Linear(2, 1, bias=False).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine(accountant="rdp")
+        module, optimizer, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(torch.tensor([[3.0, 4.0]], dtype=torch.float64)), batch_size=1),
+            noise_multiplier=0.0, max_grad_norm=bound, poisson_sampling=False)
+    before = model.weight.detach().clone()
+    (x,) = next(iter(loader))
+    module(x).sum().backward()
+    optimizer.step()
+    expected = torch.tensor([[3.0, 4.0]], dtype=torch.float64) * 0.5 / (5.0 + 1e-6)
+    torch.testing.assert_close(before - model.weight.detach(), expected, rtol=1e-7, atol=0)
+    assert optimizer.max_grad_norm == 0.5 and type(optimizer.max_grad_norm) is float
+
+
+def test_numpy_per_layer_bounds_are_accepted():
+    from opacus_dp.optim.clipping import PerLayerClipper, check_max_grad_norm
+
+    clipper = PerLayerClipper([np.float32(3.0), np.int64(4)])
+    assert clipper.max_grad_norms == [3.0, 4.0] and clipper.sensitivity == 5.0
+    assert check_max_grad_norm(np.float64(2.5)) == 2.5
+
+
+@pytest.mark.parametrize("bad", [True, np.bool_(True), torch.tensor(1.0), "1.0"])
+def test_non_real_max_grad_norm_is_refused_with_its_name(bad):
+    from opacus_dp.optim.clipping import check_max_grad_norm
+
+    with pytest.raises(TypeError, match="max_grad_norm must be a positive real number"):
+        check_max_grad_norm(bad)

@@ -133,3 +133,55 @@ def test_classic_engine_budget_guard():
     acc.load_state_dict(engine.accountant.state_dict())
     acc.step(noise_multiplier=1.0, sample_rate=0.25)
     assert acc.get_privacy_spent(delta=1e-5, alphas=alphas)[0] > 8.0
+
+
+def test_guard_never_allows_a_step_above_max_epsilon_across_the_prv_method_switch():
+    """PRV's ε drops by ~1e-4 where it switches to the tilted composition (δ = T·1e-14, here
+    after 10 000 steps): the search used to allow steps 9 999 and 10 000 although the
+    accountant then reported ε above the budget.  Oracle: the accountant's own ε after each step."""
+    sigma, q, max_eps, delta = 1.0, 0.01, 9.3175, 1e-10
+    acc = create_accountant("prv")
+    acc.load_state_dict({"history": [(sigma, q, 9993)], "mechanism": "prv"})
+    guard = BudgetGuard(acc, max_epsilon=max_eps, delta=delta, sample_rate=q)
+    with pytest.raises(PrivacyBudgetExceededError):
+        for _ in range(12):
+            guard.check(sigma, q)
+            acc.step(noise_multiplier=sigma, sample_rate=q)
+            assert acc.get_epsilon(delta) <= max_eps
+    refused = create_accountant("prv")
+    refused.history = [(sigma, q, len(acc) + 1)]
+    assert refused.get_epsilon(delta) > max_eps  # the refused step really exceeds the budget
+
+
+class _DippingAccountant:
+    """ε(T) = T/1000, lowered by 0.0015 from T = 500 on (a non-monotone numerical accountant)."""
+
+    def __init__(self):
+        self.history = []
+
+    def get_epsilon(self, delta):
+        steps = sum(n for _, _, n in self.history)
+        return steps / 1000 - (0.0015 if steps >= 500 else 0.0)
+
+    def step(self, *, noise_multiplier, sample_rate):
+        if self.history:
+            self.history[-1] = (noise_multiplier, sample_rate, self.history[-1][2] + 1)
+        else:
+            self.history.append((noise_multiplier, sample_rate, 1))
+
+    def __len__(self):
+        return sum(n for _, _, n in self.history)
+
+
+def test_guard_checks_every_step_near_the_budget_exactly():
+    """Budget 0.4987: step 498 (ε 0.498) fits, step 499 (0.499) does not, although 500 (0.4985)
+    would; a guard trusting a bisection that lands on 500 lets step 499 through."""
+    acc = _DippingAccountant()
+    acc.history = [(1.0, 0.1, 490)]
+    guard = BudgetGuard(acc, max_epsilon=0.4987, delta=1e-5, sample_rate=0.1)
+    with pytest.raises(PrivacyBudgetExceededError):
+        for _ in range(20):
+            guard.check(1.0, 0.1)
+            acc.step(noise_multiplier=1.0, sample_rate=0.1)
+            assert acc.get_epsilon(1e-5) <= 0.4987
+    assert len(acc) == 498

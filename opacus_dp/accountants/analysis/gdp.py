@@ -44,24 +44,44 @@ def compute_mu_uniform(*, steps: int, noise_multiplier: float, sample_rate: floa
     return math.sqrt(2) * q * math.sqrt(steps * inner)
 
 
+def _log_mills_ratio(x: float) -> float:
+    """log R(x) of the Mills ratio R(x) = Φ(−x)/φ(x) = √(π/2)·erfcx(x/√2), for any real x."""
+    if x > -20.0:  # erfcx(x/√2) is finite and accurate here
+        return math.log(special.erfcx(x / math.sqrt(2))) + 0.5 * math.log(math.pi / 2)
+    return float(special.log_ndtr(-x)) + 0.5 * x * x + 0.5 * math.log(2 * math.pi)
+
+
 def delta_eps_mu(*, eps: float, mu: float) -> float:
-    """δ(ε) of μ-GDP: Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2)."""
+    r"""δ(ε) of μ-GDP: Φ(a) − e^ε Φ(b) with a = −ε/μ + μ/2, b = a − μ.
+
+    Since :math:`b^2 - a^2 = 2\varepsilon`, :math:`e^\varepsilon\varphi(b) = \varphi(a)`, so with
+    the Mills ratio R(x) = Φ(−x)/φ(x) (decreasing, so the bracket is ≥ 0)
+
+    .. math::  \delta(\varepsilon) = \Phi(a)\,\big(1 - R(-b)/R(-a)\big)
+               = -\Phi(a)\,\mathrm{expm1}\big(\log R(-b) - \log R(-a)\big).
+
+    This form never overflows and never subtracts two huge numbers; the direct form overflows
+    in ``e^ε`` (or cancels ``ε`` against ``log Φ(b)``) once μ is of order 10 or more.
+    """
     if mu == 0:
         return 0.0
-    second = math.exp(eps + special.log_ndtr(-eps / mu - mu / 2))
-    return max(0.0, float(special.ndtr(-eps / mu + mu / 2) - second))
+    ratio = _log_mills_ratio(eps / mu + mu / 2) - _log_mills_ratio(eps / mu - mu / 2)
+    return max(0.0, float(special.ndtr(-eps / mu + mu / 2)) * -math.expm1(min(ratio, 0.0)))
 
 
 def eps_from_mu(*, mu: float, delta: float) -> float:
-    """Smallest ε ≥ 0 with δ(ε) ≤ δ for a μ-GDP mechanism."""
+    """Smallest ε ≥ 0 with δ(ε) ≤ δ for a μ-GDP mechanism (``inf`` when no finite float ε
+    bounds it, i.e. μ so large that the search passes the largest float)."""
     delta = check_delta(delta)
     if math.isinf(mu):
         return math.inf
     if delta_eps_mu(eps=0.0, mu=mu) <= delta:
         return 0.0
     high = max(1.0, mu * mu)
-    while delta_eps_mu(eps=high, mu=mu) > delta:
+    while math.isfinite(high) and delta_eps_mu(eps=high, mu=mu) > delta:
         high *= 2
+    if not math.isfinite(high):
+        return math.inf
     return float(optimize.brentq(lambda e: delta_eps_mu(eps=e, mu=mu) - delta, 0.0, high, xtol=1e-12, rtol=1e-12))
 
 

@@ -128,7 +128,14 @@ def _log_a_fractional(q: float, sigma: float, alpha: float) -> float:
 
 
 def _rdp_one_step(q: float, sigma: float, alpha: float) -> float:
-    """RDP of one SGM step at order ``alpha`` (may be ``inf``)."""
+    r"""RDP of one SGM step at order ``alpha`` (may be ``inf``), clamped at 0.
+
+    :math:`A_\alpha \ge 1` by Jensen's inequality (:math:`x \mapsto x^\alpha` is convex and the
+    likelihood ratio has mean 1), so the true RDP is ≥ 0.  For tiny q and large σ,
+    :math:`\log A_\alpha` is of order :math:`\alpha q^2/(2\sigma^2)` (e.g. 7.5·10⁻²¹) and the
+    signed log-sum-exp of the fractional-order series can round it to a slightly negative
+    number (−1.7·10⁻²⁰); such a value is round-off, so it is replaced by 0.
+    """
     if q == 0.0:
         return 0.0
     if sigma == 0.0 or math.isinf(alpha):
@@ -136,8 +143,10 @@ def _rdp_one_step(q: float, sigma: float, alpha: float) -> float:
     if q == 1.0:
         return alpha / (2 * sigma**2)
     if float(alpha).is_integer():
-        return _log_a_integer(q, sigma, int(alpha)) / (alpha - 1)
-    return _log_a_fractional(q, sigma, alpha) / (alpha - 1)
+        log_a = _log_a_integer(q, sigma, int(alpha))
+    else:
+        log_a = _log_a_fractional(q, sigma, alpha)
+    return max(0.0, log_a / (alpha - 1))
 
 
 def compute_rdp(

@@ -6,10 +6,15 @@ run is dominated by the T-fold products of the per-step ``remove`` pairs and of 
 pessimistic (see ``subsampled_gaussian``, ``composition`` and ``tilted_composition``), so the
 result is an upper bound on the true ε.  When the loss grid would need more than
 ``MAX_WINDOW_BINS`` bins (very large ε, or very small σ) the grid step is coarsened, which keeps
-the bound valid but less tight.
+the bound valid but less tight.  Coarsening widens the composed window (each step's loss is
+rounded on the coarser grid), so for extreme histories (about 10¹⁰ steps or more) no grid of step
+≤ ``COARSEST_GRID_STEP`` fits; beyond ``MAX_TOTAL_STEPS`` steps the Chernoff window itself is
+swamped by the round-off of ``T·log E[e^{λL}]``.  ε is then reported as ``inf`` (with a warning),
+which is still an upper bound — never a finite under-estimate.
 """
 
 import math
+import warnings
 from dataclasses import replace
 from typing import List, Sequence, Tuple
 
@@ -24,6 +29,8 @@ from opacus_dp.accountants.analysis.prv.tilted_composition import compose_tilted
 
 MAX_STEP_BINS = 1 << 20
 MAX_WINDOW_BINS = 1 << 20
+COARSEST_GRID_STEP = 10.0  # loss units; coarser grids hit exp overflow near the ±LOSS_CAP range
+MAX_TOTAL_STEPS = 2**44  # T·2⁻⁵² ≤ 0.004: beyond, round-off of T·log E[e^{λL}] voids the window
 _MAX_REFINEMENTS = 6
 _ROUNDOFF_TOLERANCE = 1e-4
 _PLAIN_DELTA_PER_STEP = 1e-14  # below δ = T·1e-14 the plain FFT power is not trusted
@@ -46,18 +53,23 @@ def _step_plds(segments: Sequence[Segment], grid_step: float, direction: str, ta
 
 def _plds_on_fitting_grid(segments: Sequence[Segment], grid_step: float, window_tail: float, step_tail: float):
     """Per direction: (list of (step PLD, steps), composed loss window) on the finest grid
-    (≥ ``grid_step``) whose window fits in ``MAX_WINDOW_BINS`` bins."""
+    (≥ ``grid_step``) whose window fits in ``MAX_WINDOW_BINS`` bins; ``None`` when no grid of
+    step ≤ ``COARSEST_GRID_STEP`` fits within ``_MAX_REFINEMENTS`` coarsenings."""
     grid_step = max(grid_step, _widest_step_range(segments, step_tail) / MAX_STEP_BINS)
     for _ in range(_MAX_REFINEMENTS):
+        if grid_step > COARSEST_GRID_STEP:
+            return None
         per_direction = []
         for direction in DIRECTIONS:
             plds = _step_plds(segments, grid_step, direction, step_tail)
             per_direction.append((plds, chernoff_window(plds, window_tail)))
+        if any(window[0] > window[1] for _, window in per_direction):
+            return None  # Chernoff bounds swamped by round-off of T·log E[e^{λL}]
         bins = max(window_bins(window, grid_step) for _, window in per_direction)
         if bins <= MAX_WINDOW_BINS:
             return per_direction
         grid_step *= 1.05 * bins / MAX_WINDOW_BINS
-    raise RuntimeError("could not fit the privacy loss distribution on a grid; history too extreme")
+    return None
 
 
 def active_segments(history: Sequence[Segment]) -> List[Segment]:
@@ -77,9 +89,24 @@ def compute_epsilon(history: Sequence[Segment], delta: float, grid_step: float, 
     if any(sigma == 0.0 for sigma, _, _ in segments):
         return math.inf
     total_steps = sum(steps for _, _, steps in segments)
+    if total_steps > MAX_TOTAL_STEPS:
+        return _unresolvable(total_steps)
     step_tail = tail_mass / (4 * total_steps)
     per_direction = _plds_on_fitting_grid(segments, grid_step, tail_mass / 4, step_tail)
+    if per_direction is None:
+        return _unresolvable(total_steps)
     return max(_direction_epsilon(plds, window, delta, tail_mass / 4) for plds, window in per_direction)
+
+
+def _unresolvable(total_steps: int) -> float:
+    """ε = ∞ (a valid upper bound) for a history the grid cannot resolve, with a warning."""
+    warnings.warn(
+        f"the prv accountant cannot resolve this history ({total_steps} steps): its privacy loss "
+        "does not fit on a loss grid in double precision, so epsilon is reported as inf (a valid "
+        "but uninformative upper bound); accountant='rdp' gives a finite bound for very long runs",
+        RuntimeWarning, stacklevel=4,
+    )
+    return math.inf
 
 
 def _direction_epsilon(plds, window, delta: float, tail_mass: float) -> float:
