@@ -187,7 +187,10 @@ class PrivacyEngine:
             dp_optimizer.max_batch_size = _fixed_batch_size(loader)
         else:  # Poisson batches: a step's pieces (virtual_step) must come from one batch
             dp_optimizer.sampled_batch_count = lambda: loader.batches_delivered
-        self._connect(module, dp_optimizer, sample_rate)
+        self._connect(module, dp_optimizer, sample_rate)  # all ranks agree from here on
+        if poisson_sampling and world_size > 1:
+            from opacus_dp.distributed.checks import share_generator_state
+            share_generator_state(loader.generator)  # one global Poisson stream
         return loader, dp_optimizer
 
     def _prepare_data_loader(self, data_loader, *, poisson_sampling, distributed, batch_first):
@@ -196,12 +199,8 @@ class PrivacyEngine:
         self.dataset = data_loader.dataset
         generator = secure_generator() if self.secure_mode else None
         if poisson_sampling:
-            loader = DPDataLoader.from_data_loader(data_loader, generator=generator,
-                                                   distributed=distributed, batch_first=batch_first)
-            if distributed:
-                from opacus_dp.distributed.checks import share_generator_state
-                share_generator_state(loader.generator)  # one global Poisson stream
-            return loader
+            return DPDataLoader.from_data_loader(data_loader, generator=generator,
+                                                 distributed=distributed, batch_first=batch_first)
         check_sampling(data_loader, poisson_expected=False)
         if generator is not None:
             return switch_generator(data_loader=data_loader, generator=generator)

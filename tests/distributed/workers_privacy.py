@@ -223,6 +223,8 @@ def error_runs(rank, world_size):
             "unwrapped": _error_of(lambda: modern(make_model(1))),
             "loader_world_size": _error_of(
                 lambda: modern(wrap(make_model(1), "dpddp"), loader=wrong_world, poisson=False)),
+            "poisson_on_one_rank": _error_of(
+                lambda: modern(wrap(make_model(1), "dpddp"), poisson=rank == 0)),
             "sigma_changed_on_one_rank": _error_of(
                 lambda: changed_in_training(set_attribute("noise_multiplier", 0.5))),
             "bound_changed_on_one_rank": _error_of(
