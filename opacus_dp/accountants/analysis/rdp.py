@@ -128,25 +128,29 @@ def _log_a_fractional(q: float, sigma: float, alpha: float) -> float:
 
 
 def _rdp_one_step(q: float, sigma: float, alpha: float) -> float:
-    r"""RDP of one SGM step at order ``alpha`` (may be ``inf``), clamped at 0.
+    r"""RDP of one SGM step at order ``alpha`` (may be ``inf``), never below its true value.
 
-    :math:`A_\alpha \ge 1` by Jensen's inequality (:math:`x \mapsto x^\alpha` is convex and the
-    likelihood ratio has mean 1), so the true RDP is ≥ 0.  For tiny q and large σ,
-    :math:`\log A_\alpha` is of order :math:`\alpha q^2/(2\sigma^2)` (e.g. 7.5·10⁻²¹) and the
-    signed log-sum-exp of the fractional-order series can round it to a slightly negative
-    number (−1.7·10⁻²⁰); such a value is round-off, so it is replaced by 0.
+    For ``0 < q`` and finite σ the true value is > 0 (the two distributions differ) and at most
+    the full-batch Gaussian's :math:`\alpha / (2\sigma^2)` (:math:`A_\alpha` grows with q,
+    Mironov et al. 2019). For tiny q and huge σ, :math:`\log A_\alpha` is of order
+    :math:`\alpha q^2/(2\sigma^2)` (e.g. 7.5·10⁻²¹) and the signed log-sum-exp of the series can
+    round it to zero or below (−1.7·10⁻²⁰). Such a value is replaced by the Gaussian bound: 0 would
+    read as "identical distributions" (ε = 0 at any δ) although (0, δ)-DP fails for δ below the
+    total variation distance.
     """
     if q == 0.0:
         return 0.0
     if sigma == 0.0 or math.isinf(alpha):
         return math.inf
+    gaussian = alpha / (2 * sigma**2)
     if q == 1.0:
-        return alpha / (2 * sigma**2)
+        return gaussian
     if float(alpha).is_integer():
         log_a = _log_a_integer(q, sigma, int(alpha))
     else:
         log_a = _log_a_fractional(q, sigma, alpha)
-    return max(0.0, log_a / (alpha - 1))
+    value = log_a / (alpha - 1)
+    return value if value > 0 else gaussian
 
 
 def compute_rdp(
