@@ -15,7 +15,10 @@ rank and block. :func:`detach_ddp_synchronisation` turns DDP's own gradient sync
 off for good (as inside ``no_sync()``), which also stops the forward-time collectives: the
 parameters stay identical because every rank applies the same all-reduced update, and the
 buffers were broadcast when DDP wrapped the model (buffers changed from the data, such as
-BatchNorm's statistics, are refused by the validator anyway).
+BatchNorm's statistics, are refused by the validator anyway). A DDP built with
+``static_graph=True`` needs its gradient hooks in every backward pass, so it keeps its
+synchronisation: with it, every rank must run the same number of forward passes per step
+(``BatchMemoryManager`` and ``virtual_step`` may not; use DPDDP or a DDP without static_graph).
 """
 
 import torch
@@ -62,7 +65,9 @@ def install_local_gradients_hook(ddp: DistributedDataParallel) -> None:
 
 
 def detach_ddp_synchronisation(ddp: DistributedDataParallel) -> None:
-    """Stop ``ddp``'s own collectives in forward and backward (module doc)."""
+    """Stop ``ddp``'s own collectives in forward and backward (module doc; not for a static graph)."""
+    if getattr(ddp, "static_graph", False):
+        return
     ddp.require_backward_grad_sync = False
     ddp.require_forward_param_sync = False
 

@@ -73,6 +73,7 @@ def assert_bit_identical(a, b):
 
 CONFIGS = [(api, wrapper, clipping) for api in ("modern", "classic")
            for wrapper in ("ddp", "dpddp") for clipping in ("flat", "per_layer")]
+CONFIGS.append(("classic", "ddp_static_graph", "flat"))  # keeps DDP's own synchronisation
 
 
 @pytest.mark.parametrize("api,wrapper,clipping", CONFIGS)

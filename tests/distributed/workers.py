@@ -52,6 +52,8 @@ class WithBuffer(nn.Module):
 def wrap(model: nn.Module, wrapper: str) -> nn.Module:
     if wrapper == "ddp":
         return DistributedDataParallel(model)
+    if wrapper == "ddp_static_graph":
+        return DistributedDataParallel(model, static_graph=True)
     return DifferentiallyPrivateDistributedDataParallel(model)
 
 
@@ -154,6 +156,7 @@ def equivalence_job(rank, world_size):
     for wrapper in ("ddp", "dpddp"):  # one-sample pieces: the ranks' piece counts differ
         results[("buffered", wrapper)] = train_modern(rank, world_size, wrapper, "flat", steps=4,
                                                       physical=1, buffered=True)
+    results[("classic", "ddp_static_graph", "flat")] = train_classic(rank, world_size, "ddp_static_graph", "flat")
     empty = [[2, 1], [0, 0], [3, 0]] if rank == 1 else [[1, 2], [2, 2], [0, 0]]
     for wrapper in ("ddp", "dpddp"):
         results[("empty", wrapper)] = train_classic(rank, world_size, wrapper, "flat", sizes=empty)
