@@ -185,8 +185,8 @@ class PrivacyEngine:
         )
         if not poisson_sampling:  # fixed-size batches: a step may not combine more than one
             dp_optimizer.max_batch_size = _fixed_batch_size(loader)
-        else:  # Poisson batches: a step's pieces (virtual_step) must come from one batch
-            dp_optimizer.sampled_batch_count = lambda: loader.batches_delivered
+        else:  # Poisson batches: one per step, split only by BatchMemoryManager
+            dp_optimizer.poisson_batches = True
         self._connect(module, dp_optimizer, sample_rate)  # all ranks agree from here on
         if poisson_sampling and world_size > 1:
             from opacus_dp.distributed.checks import share_generator_state

@@ -14,6 +14,10 @@ merge into the next one, or (an empty batch skipped with ``continue``) leave a P
 unaccounted, so it is refused. A loop that ends in the middle of a logical batch (``break``, an
 exception) drops that batch's clipped gradients (never released: no noise, no record) instead
 of leaving them to join the next step.
+
+With the Poisson batches of ``make_private`` this is the only way to take several backward
+passes per step: the optimizer refuses ``virtual_step()`` and ``signal_skip_step(True)`` from
+the loop itself, which cannot show that the pieces come from one sampled batch.
 """
 
 import math
@@ -100,13 +104,22 @@ class PhysicalBatchLoader(SamplingGeneratorKept, DataLoader):
         try:
             for batch in super().__iter__():
                 _check_previous_steps(dp_optimizer)
-                self.optimizer.signal_skip_step(do_skip=splitter.skip_flags.popleft())
+                _signal_chunk(self.optimizer, dp_optimizer, splitter.skip_flags.popleft())
                 yield batch
             _check_previous_steps(dp_optimizer)
             finished = True
         finally:
             if not finished:
                 _discard_unfinished(dp_optimizer)
+
+
+def _signal_chunk(optimizer, dp_optimizer, do_skip: bool) -> None:
+    """Tell the optimizer whether the coming ``step()`` ends the logical batch; a DPOptimizer
+    learns that the pieces come from one sampled batch (allowed with Poisson batches)."""
+    if dp_optimizer is not None and callable(getattr(dp_optimizer, "signal_chunk_step", None)):
+        dp_optimizer.signal_chunk_step(do_skip)
+    else:
+        optimizer.signal_skip_step(do_skip=do_skip)
 
 
 def _dp_optimizer_of(optimizer) -> Optional[object]:

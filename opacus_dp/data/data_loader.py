@@ -64,29 +64,6 @@ class SamplingGeneratorKept:
             self.generator = sampling
 
 
-class DeliveredCount:
-    """An iterator of a :class:`DPDataLoader` that counts the batches it hands out, in
-    ``loader.batches_delivered`` (worker processes may sample ahead; this counts what the loop
-    received). The optimizer uses it to tell the pieces of one sampled batch from two batches."""
-
-    def __init__(self, iterator, loader: "DPDataLoader"):
-        self._iterator, self._loader = iterator, loader
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = next(self._iterator)
-        self._loader.batches_delivered += 1
-        return batch
-
-    def __len__(self) -> int:
-        return len(self._iterator)
-
-    def __getattr__(self, name):
-        return getattr(self._iterator, name)
-
-
 class DPDataLoader(SamplingGeneratorKept, DataLoader):
     """DataLoader whose batches are Poisson samples: each example is in each batch w.p. ``sample_rate``.
 
@@ -144,10 +121,6 @@ class DPDataLoader(SamplingGeneratorKept, DataLoader):
             pin_memory_device=pin_memory_device,
         )
         self._seed_generator = worker_seed_generator(generator)
-        self.batches_delivered = 0  # batches handed to the training loop (see ``DeliveredCount``)
-
-    def __iter__(self):
-        return DeliveredCount(super().__iter__(), self)
 
     def _make_batch_sampler(self, num_samples: int, generator, steps):
         if self.distributed:

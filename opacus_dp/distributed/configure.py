@@ -137,7 +137,7 @@ def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[f
             "sum of clipping bounds": _clipping_bounds(optimizer),
             "expected_batch_size": getattr(optimizer, "expected_batch_size", None),
             "loss_reduction(mean=1)": float(getattr(optimizer, "loss_reduction", "mean") == "mean"),
-            "poisson_sampling(yes=1)": float(getattr(optimizer, "sampled_batch_count", None) is not None),
+            "poisson_sampling(yes=1)": float(bool(getattr(optimizer, "poisson_batches", False))),
         },
         group,
     )

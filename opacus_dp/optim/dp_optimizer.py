@@ -112,10 +112,9 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         self.accumulated_iterations = 1
         self.count_iterations = True
         self.max_batch_size: Optional[int] = None
-        # the Poisson loader's delivered-batch count (set by the engine): pieces of one step
-        # must come from one sampled batch
-        self.sampled_batch_count: Optional[Callable[[], int]] = None
-        self._pending_batch: Optional[int] = None
+        # Poisson batches (make_private): one sampled batch per step, split only by
+        # BatchMemoryManager (``signal_chunk_step``); set by the engine
+        self.poisson_batches = False
 
     # ----------------------------------------------------------------- the private step
     def step(self, closure: Optional[Callable[[], float]] = None):
@@ -162,13 +161,32 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         Everything accumulated until the next ``step()`` is ONE logical batch for the
         accountant (one record): use it to cut a logical batch into physical pieces, never
         to merge several sampled batches (that under-reports ε; draw larger batches instead).
-        With the Poisson loader of ``make_private`` pieces from two of its batches are refused.
+        With the Poisson batches of ``make_private`` it is refused (pieces of one batch and of two
+        look alike here): ``BatchMemoryManager`` splits those batches.
         """
+        self._refuse_merging_poisson_batches("optimizer.virtual_step()")
         self._accumulate_or_discard(check_size=False)
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
-        """Queue whether the next ``step()`` only accumulates (``True``) or steps (``False``)."""
+        """Queue whether the next ``step()`` only accumulates (``True``) or steps (``False``);
+        ``True`` is refused with Poisson batches (as :meth:`virtual_step`)."""
+        if do_skip:
+            self._refuse_merging_poisson_batches("optimizer.signal_skip_step(True)")
         self._skip_signals.append(bool(do_skip))
+
+    def signal_chunk_step(self, do_skip: bool) -> None:
+        """:meth:`signal_skip_step` for the pieces of one sampled batch (``BatchMemoryManager``)."""
+        self._skip_signals.append(bool(do_skip))
+
+    def _refuse_merging_poisson_batches(self, call: str) -> None:
+        if self.poisson_batches:
+            raise ValueError(
+                f"{call} with Poisson sampling: the optimizer cannot tell the pieces of one sampled "
+                "batch from two batches, and two batches merged into one step would be recorded as "
+                "one batch of rate q (a sample drawn in both counting twice). Call optimizer.step() "
+                "once per batch of the data loader; to split a batch that does not fit in memory, "
+                "iterate BatchMemoryManager(data_loader=..., max_physical_batch_size=..., "
+                "optimizer=...); for larger batches raise the loader's batch size. Nothing changed")
 
     def take_unconsumed_skip_signals(self) -> List[bool]:
         """The signals of :meth:`signal_skip_step` that no ``step()`` consumed (now dropped)."""
@@ -259,30 +277,12 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         """:meth:`clip_and_accumulate`; if it (or the batch size check) fails, the clipped sums
         of the unfinished logical batch are dropped, so they can never join the next one."""
         try:
-            self._check_same_sampled_batch()
             self.clip_and_accumulate()
             if check_size:
                 self._check_max_batch_size()
         except Exception:
-            self._summed, self._num_accumulated, self._pending_batch = {}, 0, None
+            self._summed, self._num_accumulated = {}, 0
             raise
-
-    def _check_same_sampled_batch(self) -> None:
-        """Refuse pieces of one step (``virtual_step``) taken from two Poisson batches: a sample
-        drawn in both would count twice while the accountant records one batch at rate q."""
-        if self.sampled_batch_count is None:
-            return
-        current = self.sampled_batch_count()
-        pending = self._pending_batch if (self._summed or self._num_accumulated) else None
-        self._pending_batch = current
-        if pending is not None and pending != current:
-            raise ValueError(
-                "optimizer.virtual_step() kept the clipped gradients of one Poisson batch and this "
-                "step adds those of the next batch of the data loader: a sample drawn in both would "
-                "count twice where the accountant records one batch of rate q. Call "
-                "optimizer.step() after every batch of the loader (raise its batch size for larger "
-                "batches; BatchMemoryManager splits a batch too large for memory). The unfinished "
-                "batch's clipped gradients were dropped; nothing was updated")
 
     def _check_max_batch_size(self) -> None:
         if self.max_batch_size is None:
