@@ -14,9 +14,10 @@ Saved entries (a dict written with ``torch.save``):
   every batch (the noise generator is reseeded every step anyway);
 * ``<name>_state_dict`` for the optional schedulers.
 
-Loading checks the accountant entry (present, and loadable into the given accountant) and the
-model's state before anything is changed: a refused checkpoint leaves model and accountant as
-they were (never trained weights with a fresh privacy history).
+Loading checks the accountant entry (present, and loadable into the given accountant) before
+anything is changed, and undoes everything if a later part fails (model, accountant, optimizer,
+sampling generator, schedulers): a refused checkpoint changes nothing (never trained weights
+with a fresh privacy history).
 """
 
 import copy
@@ -83,20 +84,49 @@ def load(path, *, module: nn.Module, optimizer=None, accountant=None, data_loade
     state = torch.load(path, **load_kwargs)
     _check_accountant_entry(path, state, accountant)
     target = unwrap_model(module)
-    _load_module(target, _strip_wrapper_prefixes(state.pop("module_state_dict"), target.state_dict()),
-                 module_load_dict_kwargs or {})
-    if accountant is not None:
-        accountant.load_state_dict(state.pop("privacy_accountant_state_dict"))
-    _load_optimizer(state, optimizer)
-    generator_state = state.pop("sampler_generator_state", None)
     generator = None if secure_mode else _sampler_generator(data_loader)
-    if generator_state is not None and generator is not None:
-        generator.set_state(generator_state)
-    for name, scheduler in (schedulers or {}).items():
-        saved = state.pop(f"{name}_state_dict", None)
-        if scheduler is not None and saved is not None:
-            scheduler.load_state_dict(saved)
+    schedulers = {k: v for k, v in (schedulers or {}).items() if v is not None}
+    before = _Snapshot(target, accountant, optimizer, generator, schedulers)
+    try:
+        target.load_state_dict(_strip_wrapper_prefixes(state.pop("module_state_dict"), target.state_dict()),
+                               **(module_load_dict_kwargs or {}))
+        if accountant is not None:
+            accountant.load_state_dict(state.pop("privacy_accountant_state_dict"))
+        _load_optimizer(state, optimizer)
+        generator_state = state.pop("sampler_generator_state", None)
+        if generator_state is not None and generator is not None:
+            generator.set_state(generator_state)
+        for name, scheduler in schedulers.items():
+            saved = state.pop(f"{name}_state_dict", None)
+            if saved is not None:
+                scheduler.load_state_dict(saved)
+    except Exception:
+        before.restore()
+        raise
     return state
+
+
+class _Snapshot:
+    """What :func:`load` may change, copied before it starts, so that a failure part-way
+    leaves model, accountant, optimizer, sampling generator and schedulers as they were."""
+
+    def __init__(self, module, accountant, optimizer, generator, schedulers):
+        self.parts = [(module, copy.deepcopy(module.state_dict()))]
+        for obj in (accountant, optimizer, *schedulers.values()):
+            if obj is not None:
+                self.parts.append((obj, copy.deepcopy(obj.state_dict())))
+        self.noise = None
+        if optimizer is not None and hasattr(optimizer, "noise_state_dict"):
+            self.noise = (optimizer, copy.deepcopy(optimizer.noise_state_dict()))
+        self.generator = (generator, generator.get_state()) if generator is not None else None
+
+    def restore(self) -> None:
+        for obj, state in self.parts:
+            obj.load_state_dict(state)
+        if self.noise is not None:
+            self.noise[0].load_noise_state_dict(self.noise[1])
+        if self.generator is not None:
+            self.generator[0].set_state(self.generator[1])
 
 
 def _check_accountant_entry(path, state: dict, accountant) -> None:
@@ -116,16 +146,6 @@ def _check_accountant_entry(path, state: dict, accountant) -> None:
     except (ValueError, TypeError, KeyError) as error:
         raise ValueError(f"checkpoint {path}: its privacy history does not load into this engine's "
                          f"accountant ({error}); nothing was loaded") from error
-
-
-def _load_module(target: nn.Module, module_state: dict, kwargs: dict) -> None:
-    """``target.load_state_dict``, restoring ``target`` if it fails part-way."""
-    saved = copy.deepcopy(target.state_dict())
-    try:
-        target.load_state_dict(module_state, **kwargs)
-    except Exception:
-        target.load_state_dict(saved)
-        raise
 
 
 def _load_optimizer(state: dict, optimizer) -> None:

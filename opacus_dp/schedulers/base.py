@@ -64,9 +64,21 @@ class OptimizerValueScheduler:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         state = dict(state_dict)
         value = state.pop("value", None)
+        if value is not None:
+            self._check_same_kind(value)
         self.__dict__.update(state)
         if value is not None:
             self._write(value)
+
+    def _check_same_kind(self, value: Value) -> None:
+        """A saved list of per-layer bounds only fits an optimizer clipping per layer (and a
+        number only one clipping flat): loading would switch the clipping mode silently."""
+        saved = "per-layer" if isinstance(value, (list, tuple)) else "flat"
+        current = "per-layer" if isinstance(self._read(), list) else "flat"
+        if saved != current:
+            raise ValueError(
+                f"{type(self).__name__}: the saved schedule is for {saved} clipping but this "
+                f"optimizer clips {current}; build the run as it was saved (nothing was loaded)")
 
     def _read(self) -> Value:
         if self.attribute == "max_grad_norm" and _clips_per_layer(self.optimizer):

@@ -9,7 +9,7 @@ import torch
 from opacus_dp import PrivacyEngine
 from opacus_dp.errors import PrivacyBudgetExceededError
 
-from tests.review.helpers import loss_of, make_private, quiet, tiny_dataset, tiny_model
+from tests.review.helpers import loss_of, make_private, modern_engine, quiet, tiny_dataset, tiny_model
 
 
 def train(gsm, optimizer, loader, steps):
@@ -154,3 +154,53 @@ def test_classic_detach_leaves_no_hooks_or_state_and_reattach_continues_accounti
     optimizer.step()
     assert engine.accountant.history == [(1.0, 0.25, 2)]
     assert all(not torch.equal(a.detach(), b) for a, b in zip(model.parameters(), before))
+
+
+def _saved_run(tmp_path, clipping="flat"):
+    from opacus_dp.schedulers import StepGradClip
+
+    model = tiny_model()
+    bound = 1.0 if clipping == "flat" else [0.5] * len(list(model.parameters()))
+    engine, gsm, optimizer, loader = make_private(model, max_grad_norm=bound, clipping=clipping,
+                                                  engine_kwargs=dict(accountant="rdp"))
+    scheduler = StepGradClip(optimizer, step_size=1, gamma=0.5)
+    train(gsm, optimizer, loader, 2)
+    scheduler.step()
+    path = tmp_path / f"{clipping}.pt"
+    engine.save_checkpoint(path=path, module=gsm, optimizer=optimizer, grad_clip_scheduler=scheduler)
+    return path
+
+
+def _assert_nothing_loaded(model, before, engine, optimizer, bound):
+    assert all(torch.equal(a.detach(), b) for a, b in zip(model.parameters(), before))
+    assert engine.accountant.history == [] and optimizer.max_grad_norm == bound
+
+
+def test_checkpoint_refused_by_the_optimizer_changes_nothing(tmp_path):
+    """The optimizer's state is loaded after model and accountant: its refusal undoes them."""
+    path = _saved_run(tmp_path)
+    model = tiny_model(seed=3)
+    groups = [{"params": [p]} for p in model.parameters()]  # another number of parameter groups
+    engine = modern_engine(accountant="rdp")
+    gsm, optimizer, _ = quiet(engine.make_private, module=model, optimizer=torch.optim.SGD(groups, lr=0.1),
+                              data_loader=torch.utils.data.DataLoader(tiny_dataset(), batch_size=10),
+                              noise_multiplier=1.0, max_grad_norm=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="parameter groups"):
+        engine.load_checkpoint(path=path, module=gsm, optimizer=optimizer)
+    _assert_nothing_loaded(model, before, engine, optimizer, 1.0)
+
+
+def test_clipping_schedule_of_another_clipping_mode_is_refused_and_changes_nothing(tmp_path):
+    """A per-layer schedule's bounds would switch a flat run to per-layer clipping silently."""
+    from opacus_dp.schedulers import StepGradClip
+
+    path = _saved_run(tmp_path, clipping="per_layer")
+    model = tiny_model(seed=3)
+    engine, gsm, optimizer, _ = make_private(model, engine_kwargs=dict(accountant="rdp"))
+    scheduler = StepGradClip(optimizer, step_size=1, gamma=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="per-layer clipping but this optimizer clips flat"):
+        engine.load_checkpoint(path=path, module=gsm, optimizer=optimizer, grad_clip_scheduler=scheduler)
+    _assert_nothing_loaded(model, before, engine, optimizer, 1.0)
+    assert scheduler.last_epoch == 0
