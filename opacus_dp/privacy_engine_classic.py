@@ -187,7 +187,13 @@ class ClassicPrivacyEngine(PrivacyEngine):
 
     @property
     def max_grad_norm(self):
-        return self._max_grad_norm
+        """C (a list for per-layer clipping), as the attached optimizer clips now (a schedule may
+        have changed it)."""
+        if self._dp_optimizer is None:
+            return self._max_grad_norm
+        if self.clipping == "per_layer":
+            return list(self._dp_optimizer.max_grad_norms)
+        return self._dp_optimizer.max_grad_norm
 
     @property
     def steps(self) -> int:

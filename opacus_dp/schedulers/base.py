@@ -29,10 +29,12 @@ class OptimizerValueScheduler:
     relative_to_base = False
 
     def __init__(self, optimizer, *, last_epoch: int = -1):
+        optimizer = _private_optimizer(optimizer)
         if not hasattr(optimizer, self.attribute):
             raise ValueError(
                 f"{type(self).__name__} needs an optimizer with a .{self.attribute} attribute: pass "
-                "the DPOptimizer returned by make_private (or attach), not the original optimizer")
+                "the DPOptimizer returned by make_private, or (classic API) the optimizer given to "
+                "PrivacyEngine.attach after attaching")
         self.optimizer = optimizer
         self.last_epoch = int(last_epoch)
         self.base_value = self._read()
@@ -90,6 +92,12 @@ class OptimizerValueScheduler:
             self.optimizer.max_grad_norms = list(value)
         else:
             setattr(self.optimizer, self.attribute, value)
+
+
+def _private_optimizer(optimizer):
+    """``optimizer`` itself, or the DPOptimizer a classic engine attached to it."""
+    attached = getattr(getattr(optimizer, "privacy_engine", None), "_dp_optimizer", None)
+    return attached if attached is not None and not hasattr(optimizer, "noise_multiplier") else optimizer
 
 
 def _clips_per_layer(optimizer) -> bool:

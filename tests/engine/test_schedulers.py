@@ -182,3 +182,18 @@ def test_bad_schedules_are_refused_early(make, error, words):
         make(optimizer)
         for _ in range(2):  # a bad value is refused at the scheduler step that sets it
             make(optimizer).step()
+
+
+def test_classic_api_schedule_through_the_attached_optimizer():
+    """Classic API: the schedule is built on the optimizer given to ``attach``; the engine's σ
+    and C report the scheduled values."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = small_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = PrivacyEngine(model, batch_size=6, sample_size=24, noise_multiplier=1.2, max_grad_norm=0.8)
+        engine.attach(optimizer)
+    noise, clip = StepNoise(optimizer, step_size=1, gamma=0.5), ExponentialGradClip(optimizer, gamma=2.0)
+    noise.step()
+    clip.step()
+    assert engine.noise_multiplier == pytest.approx(0.6) and engine.max_grad_norm == pytest.approx(1.6)
