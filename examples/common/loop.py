@@ -53,6 +53,7 @@ def train_epoch(run: TrainingRun, epoch: int, *, device: torch.device, print_fre
     run.model.train()
     set_epoch(run.train_loader, epoch)
     loss_sum, correct, seen, steps = 0.0, 0, 0, 0
+    accounted_before = run.accounted_steps()
     epsilon = run.epsilon() if run.private else math.nan
     with physical_batches(run) as batches:
         bar = progress(batches, total=len(run.train_loader), epoch=epoch, enabled=show_progress)
@@ -64,15 +65,16 @@ def train_epoch(run: TrainingRun, epoch: int, *, device: torch.device, print_fre
             loss.backward()
             if take_step:
                 run.optimizer.step()
-                steps += 1
             else:
                 run.optimizer.virtual_step()
+            stepped = _steps_so_far(run, steps + take_step, accounted_before)
             if len(targets):
                 loss_sum += loss.item() * len(targets)
                 correct += int((outputs.argmax(dim=1) == targets).sum())
                 seen += len(targets)
-            if run.private and take_step and steps % print_freq == 0:
+            if run.private and stepped > steps and stepped % print_freq == 0:
                 epsilon = run.epsilon()
+            steps = stepped
             if show_progress:
                 bar.set_postfix(loss=f"{loss_sum / max(seen, 1):.3f}",
                                 acc=f"{correct / max(seen, 1):.3f}", eps=f"{epsilon:.2f}")
@@ -80,6 +82,12 @@ def train_epoch(run: TrainingRun, epoch: int, *, device: torch.device, print_fre
     epsilon = run.epsilon() if run.private else math.nan
     return EpochStats(loss=loss_sum / max(seen, 1), accuracy=correct / max(seen, 1),
                       steps=steps, epsilon=epsilon)
+
+
+def _steps_so_far(run: TrainingRun, counted: int, accounted_before: int) -> int:
+    """Steps of this epoch: the accountant's records (a batch cut by ``BatchMemoryManager`` is one
+    step however many pieces it has), or the counted ones without privacy."""
+    return run.accounted_steps() - accounted_before if run.private else counted
 
 
 def _sum_over_processes(device: torch.device, *values: float):

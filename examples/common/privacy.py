@@ -50,6 +50,10 @@ class TrainingRun:
             return float(self.optimizer.noise_multiplier)
         return float(self.engine.noise_multiplier) if self.private else None
 
+    def accounted_steps(self) -> int:
+        """Private steps recorded by the accountant so far (a step split for memory is one)."""
+        return len(self.engine.accountant) if self.private else 0
+
     def epsilon(self) -> float:
         """ε spent so far at δ (0 before the first step, NaN without privacy)."""
         if self.private and len(self.engine.accountant) == 0:

@@ -111,3 +111,15 @@ def test_ghost_mode_is_refused_by_the_examples_with_the_alternative(data_root, t
         run_example("mnist", _argv(data_root, tmp_path, "--grad-sample-mode", "ghost"), capsys)
     assert exit_info.value.code == 2
     assert "invalid choice: 'ghost'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("api", ["modern", "classic"])
+def test_epoch_steps_count_private_steps_when_batches_are_split(data_root, tmp_path, capsys, api):
+    """B = 4 × 2 accumulation steps = 8 of 48 per step: 6 private steps per epoch, however many
+    memory pieces each Poisson batch was cut into (the modern loop counted every piece)."""
+    run_example("mnist", _argv(data_root, tmp_path, "--batch-size", 4, "--n-accumulation-steps", 2,
+                               "--api", api, epochs=2), capsys)
+    metrics = read_json(tmp_path / "mnist.json")
+    assert [e["steps"] for e in metrics["epochs"]] == [6, 6]
+    assert [e["total_steps"] for e in metrics["epochs"]] == [6, 12]
+    assert_history(metrics["privacy"], sigma=SIGMA, sample_rate=8 / 48, steps=12)
