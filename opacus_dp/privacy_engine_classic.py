@@ -97,6 +97,7 @@ class ClassicPrivacyEngine(PrivacyEngine):
         self.optimizer = None
         self.grad_sample_module = None
         self._dp_optimizer = None
+        self._pending_noise_state = None
         self._saved_attributes = None
 
     # ------------------------------------------------------------------ attach / detach
@@ -126,6 +127,9 @@ class ClassicPrivacyEngine(PrivacyEngine):
             gsm.close()
             raise
         self.grad_sample_module, self._dp_optimizer = gsm, dp_optimizer
+        if self._pending_noise_state is not None:  # from load_state_dict before attach
+            dp_optimizer.load_noise_state_dict(self._pending_noise_state)
+            self._pending_noise_state = None
         self._saved_attributes = patch_optimizer(optimizer, self)
         self.optimizer = optimizer
         if not self.poisson:
@@ -249,6 +253,8 @@ class ClassicPrivacyEngine(PrivacyEngine):
         noise = state_dict.get("noise_generator_state")
         if noise is not None and self._dp_optimizer is not None:
             self._dp_optimizer.load_noise_state_dict(noise)
+        else:  # not attached yet: restored by attach()
+            self._pending_noise_state = noise
 
     def make_private(self, **_ignored):
         raise TypeError("this engine uses the classic API (created with a model): call "

@@ -301,3 +301,35 @@ def test_clip_per_layer_with_one_bound_clips_each_tensor():
     for p, e in zip(model.parameters(), expected):
         torch.testing.assert_close(p.detach(), e, rtol=1e-9, atol=1e-12)
     assert engine._dp_optimizer.max_grad_norm == pytest.approx(0.1 * math.sqrt(4))
+
+
+@pytest.mark.parametrize("load_before_attach", [False, True])
+def test_state_dict_restores_the_noise_stream_before_or_after_attach(load_before_attach):
+    """A resumed classic run draws the noise the uninterrupted run would have drawn, whether its
+    state is loaded before ``attach`` (kept until then) or after."""
+    def engine_and_model(noise_seed):
+        model = nn.Linear(5, 2)
+        engine = PrivacyEngine(model, batch_size=8, sample_size=80, noise_multiplier=1.0, max_grad_norm=1.0,
+                               noise_generator=torch.Generator().manual_seed(noise_seed))
+        return engine, model, SGD(model.parameters(), lr=0.1)
+
+    def noise_of_one_step(model, optimizer):  # zero data gradient: p.grad is the noise
+        optimizer.zero_grad()
+        (0 * model(torch.zeros(8, 5)).sum()).backward()
+        optimizer.step()
+        return model.weight.grad.clone()
+
+    engine, model, optimizer = engine_and_model(3)
+    engine.attach(optimizer)
+    noise_of_one_step(model, optimizer)
+    state = engine.state_dict()
+    expected = noise_of_one_step(model, optimizer)
+    resumed, model2, optimizer2 = engine_and_model(99)
+    if load_before_attach:
+        resumed.load_state_dict(state)
+        resumed.attach(optimizer2)
+    else:
+        resumed.attach(optimizer2)
+        resumed.load_state_dict(state)
+    torch.testing.assert_close(noise_of_one_step(model2, optimizer2), expected, rtol=0, atol=0)
+    assert resumed.steps == 2
