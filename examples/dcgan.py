@@ -96,8 +96,9 @@ def build(args, setup, dataset, channels: int):
     netG = wrap_model(netG, setup, private=False)
     netD = wrap_model(netD, setup, private=not args.disable_dp)
     saved = checkpoints.read(args.resume) if args.resume else {}
+    sigma = checkpoints.saved_noise_multiplier(args, saved, lambda text: setup.is_main and print(text))
     run = prepare_training(args, netD, _adam(args, netD.parameters()), dataset, setup,
-                           noise_multiplier=saved.get("noise_multiplier"))
+                           noise_multiplier=sigma)
     optimizer_g = _adam(args, netG.parameters())
     entries = {}
     if args.resume:

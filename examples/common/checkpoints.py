@@ -40,6 +40,20 @@ def read(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def saved_noise_multiplier(args, saved: dict, say) -> Optional[float]:
+    """The checkpoint's σ, which a resumed run keeps (its privacy history continues with it).
+    ``--sigma``/``--target-epsilon`` that ask for another σ are reported as not applied, and
+    ``args`` is updated so that the metrics file records the σ actually used."""
+    sigma = saved.get("noise_multiplier")
+    if sigma is None or getattr(args, "disable_dp", False):
+        return sigma
+    if args.target_epsilon is not None or args.sigma != sigma:
+        say(f"resuming with the checkpoint's noise multiplier σ = {sigma:.6g}: --sigma and "
+            "--target-epsilon apply to new runs only (ε continues from the saved history)")
+    args.sigma, args.target_epsilon = float(sigma), None
+    return sigma
+
+
 def save(run: TrainingRun, path: str, entries: dict, *, best: bool = False) -> None:
     """Write the checkpoint to ``path`` (and copy it to the best-checkpoint path if ``best``)."""
     entries = dict(entries, api=run.api, noise_multiplier=run.noise_multiplier,

@@ -123,3 +123,16 @@ def test_epoch_steps_count_private_steps_when_batches_are_split(data_root, tmp_p
     assert [e["steps"] for e in metrics["epochs"]] == [6, 6]
     assert [e["total_steps"] for e in metrics["epochs"]] == [6, 12]
     assert_history(metrics["privacy"], sigma=SIGMA, sample_rate=8 / 48, steps=12)
+
+
+def test_resume_keeps_the_checkpoints_sigma_and_says_so(data_root, tmp_path, capsys):
+    """A resumed run continues its privacy history with its σ: another --sigma is reported as not
+    applied, and the metrics file records the σ used (it recorded the ignored flag)."""
+    run_example("mnist", _argv(data_root, tmp_path, "--batch-size", 12), capsys)
+    argv = _argv(data_root, tmp_path, "--batch-size", 12, "--resume", tmp_path / "mnist.pt", epochs=2)
+    argv[argv.index("--sigma") + 1] = 3.0
+    out = run_example("mnist", argv, capsys)
+    assert "resuming with the checkpoint's noise multiplier σ = 1" in out
+    metrics = read_json(tmp_path / "mnist.json")
+    assert metrics["settings"]["sigma"] == SIGMA
+    assert_history(metrics["privacy"], sigma=SIGMA, sample_rate=0.25, steps=8)
