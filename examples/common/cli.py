@@ -6,7 +6,10 @@ expectation, i.e. the sample rate is ``q = B · k · R / N`` unless ``--sample-r
 """
 
 import argparse
+import math
 from typing import Optional
+
+import torch
 
 
 def add_privacy_args(parser: argparse.ArgumentParser, *, sigma: float, max_grad_norm: float,
@@ -88,16 +91,44 @@ def check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("--sample-rate must lie in (0, 1]")
     if args.evaluate and not args.resume:
         parser.error("--evaluate needs --resume PATH (the checkpoint to evaluate)")
-    if not args.disable_dp and args.max_grad_norm <= 0:
+    if not args.disable_dp and not args.max_grad_norm > 0:
         parser.error("-c/--max-per-sample-grad_norm must be > 0")
+    _check_ranges(parser, args)
+    try:
+        torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)")
     if args.api == "classic" and args.accountant not in (None, "rdp"):
         parser.error("the classic API accounts with RDP: drop --accountant or pass --accountant rdp")
     if args.accountant is None:
         args.accountant = "rdp" if args.api == "classic" else "prv"
 
 
+_RANGES = {  # flag: (lowest allowed, lowest included?, highest allowed or None)
+    "sigma": (0.0, True, None), "delta": (0.0, False, 1.0), "target_epsilon": (0.0, False, None),
+    "max_epsilon": (0.0, False, None), "lr": (0.0, False, None), "momentum": (0.0, True, None),
+    "weight_decay": (0.0, True, None), "workers": (0, True, None),
+}
+
+
+def _check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Numbers out of range (or NaN, or infinite) are argparse errors naming the flag."""
+    for name, (low, inclusive, high) in _RANGES.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        above = value >= low if inclusive else value > low
+        below = high is None or value < high
+        if not (above and below and math.isfinite(value)):
+            bounds = f"{'≥' if inclusive else '>'} {low}" + (f" and < {high}" if high is not None else "")
+            parser.error(f"--{name.replace('_', '-')} must be a finite number {bounds}, got {value}")
+
+
 def sample_rate_of(args: argparse.Namespace, num_samples: int, world_size: int) -> float:
     """q of a private step: ``--sample-rate`` or ``B · k · R / N`` (capped at 1)."""
+    if num_samples == 0:
+        raise SystemExit("the training set is empty: nothing to train on (check --data-root and "
+                         "the options that select the data)")
     if args.sample_rate is not None:
         return float(args.sample_rate)
     logical = args.batch_size * args.n_accumulation_steps * world_size

@@ -136,3 +136,13 @@ def test_resume_keeps_the_checkpoints_sigma_and_says_so(data_root, tmp_path, cap
     metrics = read_json(tmp_path / "mnist.json")
     assert metrics["settings"]["sigma"] == SIGMA
     assert_history(metrics["privacy"], sigma=SIGMA, sample_rate=0.25, steps=8)
+
+
+@pytest.mark.parametrize("flag, value", [("--sigma", -1), ("--sigma", "nan"), ("--delta", 0), ("--delta", 1.5),
+                                         ("--target-epsilon", -1), ("--max-epsilon", 0), ("--workers", -1),
+                                         ("--lr", "inf"), ("--device", "foo")])
+def test_out_of_range_flags_are_argparse_errors_naming_the_flag(data_root, tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_info:
+        example_module("mnist").main([str(a) for a in _argv(data_root, tmp_path, flag, value)])
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
