@@ -42,7 +42,8 @@ class OptimizerValueScheduler:
 
     def factor(self, epoch: int) -> float:
         """The multiplier applied at ``epoch`` (see the module doc)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} defines neither factor(epoch) nor its own "
+                                  "scheduled value (both are abstract in the base class)")
 
     def step(self) -> None:
         self.last_epoch += 1
