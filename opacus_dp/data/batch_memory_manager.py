@@ -29,6 +29,7 @@ from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from opacus_dp.data.data_loader import SamplingGeneratorKept, worker_seed_generator, worker_settings
 from opacus_dp.data.samplers import check_positive_int
+from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
 
 def split_indices(indices: List[int], max_size: int) -> List[List[int]]:
@@ -98,7 +99,7 @@ class PhysicalBatchLoader(SamplingGeneratorKept, DataLoader):
     def __iter__(self):
         splitter = self.batch_sampler
         splitter.skip_flags.clear()
-        dp_optimizer = _dp_optimizer_of(self.optimizer)
+        dp_optimizer = dp_optimizer_behind(self.optimizer)
         _discard_unfinished(dp_optimizer)  # left by an earlier loop that did not finish
         finished = False
         try:
@@ -120,13 +121,6 @@ def _signal_chunk(optimizer, dp_optimizer, do_skip: bool) -> None:
         dp_optimizer.signal_chunk_step(do_skip)
     else:
         optimizer.signal_skip_step(do_skip=do_skip)
-
-
-def _dp_optimizer_of(optimizer) -> Optional[object]:
-    """The ``DPOptimizer`` behind ``optimizer`` (itself, or the one a classic engine attached)."""
-    if callable(getattr(optimizer, "discard_unfinished_batch", None)):
-        return optimizer
-    return getattr(getattr(optimizer, "privacy_engine", None), "_dp_optimizer", None)
 
 
 def _check_previous_steps(dp_optimizer) -> None:
@@ -194,7 +188,7 @@ class BatchMemoryManager:
         )
 
     def __exit__(self, exc_type, exc_value, traceback) -> bool:
-        _discard_unfinished(_dp_optimizer_of(self.optimizer))  # also if the loop was left early
+        _discard_unfinished(dp_optimizer_behind(self.optimizer))  # also if the loop was left early
         return False
 
 

@@ -53,6 +53,14 @@ def _check_expected_batch_size(expected_batch_size, loss_reduction: str):
     return expected_batch_size
 
 
+def dp_optimizer_behind(optimizer) -> Optional["DPOptimizer"]:
+    """The DPOptimizer ``optimizer`` is (``make_private``'s), or the one a classic engine's
+    ``attach`` put behind it; None for any other optimizer."""
+    if isinstance(optimizer, DPOptimizer):
+        return optimizer
+    return getattr(getattr(optimizer, "privacy_engine", None), "_dp_optimizer", None)
+
+
 class DPOptimizer(WrappedOptimizerMixin, Optimizer):
     """Differentially private wrapper of ``optimizer`` (SGD, Adam, AdamW, RMSprop, ...).
 
@@ -133,7 +141,8 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         sums = self._take_summed_grads()
         if self.reducer.adds_noise:
             sums = self.add_noise(sums)
-        sums = self.reducer.reduce(sums, agreed=self._step_settings())
+        agreed = self._step_settings() if self.reducer.world_size > 1 else None
+        sums = self.reducer.reduce(sums, agreed=agreed)
         self._set_grads(self.scale_grad(sums))
         result = self._inner_step()
         self._run_hooks(self._step_hooks)

@@ -19,6 +19,8 @@ The accountant records the noise multiplier of each step, so any schedule is acc
 import types
 from typing import Any, Dict, List, Union
 
+from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
+
 Value = Union[float, List[float]]
 
 
@@ -29,7 +31,7 @@ class OptimizerValueScheduler:
     relative_to_base = False
 
     def __init__(self, optimizer, *, last_epoch: int = -1):
-        optimizer = _private_optimizer(optimizer)
+        optimizer = dp_optimizer_behind(optimizer) or optimizer  # also Opacus's optimizers
         if not hasattr(optimizer, self.attribute):
             raise ValueError(
                 f"{type(self).__name__} needs an optimizer with a .{self.attribute} attribute: pass "
@@ -93,12 +95,6 @@ class OptimizerValueScheduler:
             self.optimizer.max_grad_norms = list(value)
         else:
             setattr(self.optimizer, self.attribute, value)
-
-
-def _private_optimizer(optimizer):
-    """``optimizer`` itself, or the DPOptimizer a classic engine attached to it."""
-    attached = getattr(getattr(optimizer, "privacy_engine", None), "_dp_optimizer", None)
-    return attached if attached is not None and not hasattr(optimizer, "noise_multiplier") else optimizer
 
 
 def _clips_per_layer(optimizer) -> bool:
