@@ -36,6 +36,7 @@ from opacus_dp.grad_sample.bookkeeping import Bookkeeper
 from opacus_dp.grad_sample.bookkeeping_pass import shared_layers
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.support import describe, has_trainable_parameters
+from opacus_dp.grad_sample.weight_grad_skipping import OutsideUseCheck
 from opacus_dp.grad_sample.weight_grad_skipping import skip_weight_grads as install_skipping
 from opacus_dp.optim.clipping import check_finite_norms
 
@@ -77,8 +78,9 @@ class BookkeepingGradSampleModule(GradSampleModule):
             skip_weight_grads = not any(isinstance(m, DistributedDataParallel) for m in module.modules())
         self.skips_weight_grads = bool(skip_weight_grads)
         if self.skips_weight_grads:
+            check = OutsideUseCheck({id(p): n for n, p in self._module.named_parameters()})
             for layer in self._hooked_layers():
-                self._handles.extend(install_skipping(layer, self._recording))
+                self._handles.extend(install_skipping(layer, self._recording, check))
 
     def _hooked_layers(self) -> List[nn.Module]:
         return [m for m in self._module.modules() if gsm_module._HOOKED_BY.get(m) is self]

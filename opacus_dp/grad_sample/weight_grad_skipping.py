@@ -17,9 +17,15 @@ The per-sample hooks need the layer's output to require grad:
 * a layer of another type keeps its parameters as they are for such a call (they are the
   only path by which its output requires grad); autograd then also fills their ``p.grad``,
   which the optimizer overwrites.
+
+The switch also reveals a parameter used *outside* its layer (``F.linear(h, emb.weight)`` in
+a parent's forward or in the loss): the layer's calls add no gradient to it, so any gradient
+autograd accumulates into it comes from elsewhere, and has no per-sample gradient — the update
+would silently leave that use out. :class:`OutsideUseCheck` raises at that backward pass,
+naming the parameter (parameters of calls that were not switched are excused).
 """
 
-from typing import Callable, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -57,11 +63,46 @@ def _carries_grad(args, kwargs) -> bool:
     return any(_carries_grad((v,), {}) for v in kwargs.values())
 
 
-def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool]) -> List[object]:
+class OutsideUseCheck:
+    """Raises when autograd accumulates a gradient into a watched parameter that was not
+    excused, i.e. whose layer ran every call with its weight gradients switched off."""
+
+    def __init__(self, names: Dict[int, str]):
+        self._names = names
+        self._watched: set = set()
+        self._excused: set = set()
+
+    def watch(self, param: torch.Tensor) -> Optional[object]:
+        """Hook ``param`` once; returns the handle (None if already watched or frozen)."""
+        if id(param) in self._watched or not param.requires_grad:
+            return None
+        self._watched.add(id(param))
+        return param.register_post_accumulate_grad_hook(self._accumulated)
+
+    def excuse(self, param: torch.Tensor) -> None:
+        """A call of the layer left ``param`` requiring grad: its own gradient is legitimate."""
+        self._excused.add(id(param))
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        if id(param) in self._excused:
+            return
+        name = self._names.get(id(param), str(tuple(param.shape)))
+        raise RuntimeError(
+            f"parameter {name} received a gradient from a use outside the module that owns it "
+            "(e.g. F.linear(h, emb.weight) in a parent's forward or in the loss): that use has "
+            "no per-sample gradient and would be left out of the private update. Use the "
+            "parameter only through modules, e.g. tie a second module to it "
+            "(head = nn.Linear(d, vocab, bias=False); head.weight = emb.weight)"
+        )
+
+
+def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool],
+                      check: Optional[OutsideUseCheck] = None) -> List[object]:
     """Install the switch on ``layer``; returns the hook handles (remove them to undo).
 
     ``is_active()`` is asked at every call (e.g. False while hooks are disabled or while a
-    layer is recomputed for the ``torch.func`` fallback).
+    layer is recomputed for the ``torch.func`` fallback). With ``check``, the layer's
+    parameters are watched for gradients from outside uses.
     """
     params = [p for _, p in own_parameters(layer)]
     anchored = type(layer) in ANCHORED_TYPES
@@ -69,13 +110,16 @@ def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool]) -> List[o
 
     def before(module, args, kwargs):
         switched, anchor = [], False
-        if is_active() and torch.is_grad_enabled():
-            carries = _carries_grad(args, kwargs)
-            if carries or anchored:
-                switched = [p for p in params if p.requires_grad]
-                anchor = bool(switched) and not carries
-                for p in switched:
-                    p.requires_grad_(False)
+        active = torch.is_grad_enabled() and is_active()
+        carries = active and _carries_grad(args, kwargs)
+        if carries or (active and anchored):
+            switched = [p for p in params if p.requires_grad]
+            anchor = bool(switched) and not carries
+            for p in switched:
+                p.requires_grad_(False)
+        elif check is not None and torch.is_grad_enabled():
+            for p in params:  # autograd computes their gradient in this call
+                check.excuse(p)
         saved.append((switched, anchor))
 
     def after(module, args, kwargs, output):
@@ -86,7 +130,10 @@ def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool]) -> List[o
             return _Anchor.apply(output, _ANCHOR)
         return None
 
-    return [
+    handles = [
         layer.register_forward_pre_hook(before, with_kwargs=True),
         layer.register_forward_hook(after, with_kwargs=True, prepend=True, always_call=True),
     ]
+    if check is not None:
+        handles.extend(h for h in map(check.watch, params) if h is not None)
+    return handles

@@ -1,0 +1,158 @@
+"""A parameter used outside the module that owns it, and parameters tied between modules.
+
+``F.linear(h, emb.weight)`` in a parent's forward (or in the loss) adds a gradient that no
+per-sample hook sees: the private update would silently leave that use out. The norms-only
+modes (``bk``, ``ghost``, ``auto``) switch the owner's weight gradients off, so any gradient
+autograd still accumulates into the parameter comes from such a use: the backward pass is
+refused, naming the parameter, and nothing is updated. Tying the weight through a second
+module (``head.weight = emb.weight``) is the supported form: every mode's update equals the
+float64 oracle (per-sample autograd loop, clipped by hand). Layers whose own calls leave
+their parameters requiring grad (an ``EmbeddingBag`` on the token input, ``disable_hooks``)
+must not be mistaken for outside uses, in the two-pass ``ghost`` backward too.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.engine.helpers import clipped_sum_oracle
+from tests.ghost.test_user_modifications import (
+    assert_unchanged, assert_update_matches, private, snapshot)
+from tests.grad_sample.oracle import default_loss
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+VOCAB, DIM, BATCH, LENGTH = 12, 6, 8, 5
+NORMS_ONLY_MODES = ["bk", "ghost", "auto"]
+
+
+class OutsideHead(nn.Module):
+    """The embedding's weight reused as the output projection by ``F.linear``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mix = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM)
+
+    def features(self, tokens):
+        return torch.tanh(self.mix(self.emb(tokens))).mean(dim=1)
+
+    def forward(self, tokens):
+        return F.linear(self.features(tokens), self.emb.weight)
+
+
+class TiedHead(nn.Module):
+    """The same model with the output projection a module whose weight is the embedding's."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mix = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.emb(tokens))).mean(dim=1))
+
+
+class BagFirst(nn.Module):
+    """An ``EmbeddingBag`` on the token input: its parameters keep requiring grad in its call."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag, self.out = nn.EmbeddingBag(VOCAB, DIM, mode="mean"), nn.Linear(DIM, 3)
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.bag(tokens)))
+
+
+def tokens(seed=3):
+    return torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(seed))
+
+
+def loader(x):
+    return DataLoader(TensorDataset(x), batch_size=BATCH)
+
+
+def build(cls, seed=5):
+    torch.manual_seed(seed)
+    return cls()
+
+
+def token_oracle(model, x):
+    """``(names, per-sample gradients (B, *shape))`` of a float64 copy, one sample at a time."""
+    m64 = copy.deepcopy(model).double()
+    named = dict(m64.named_parameters())
+    rows = {n: [] for n in named}
+    for i in range(len(x)):
+        m64.zero_grad()
+        default_loss(m64(x[i:i + 1])).backward()
+        for n, p in named.items():
+            rows[n].append(p.grad.clone())
+    return list(named), [torch.stack(rows[n]) for n in named]
+
+
+def median_flat_bound(rows):
+    return torch.sqrt(sum(g.reshape(len(g), -1).pow(2).sum(1) for g in rows)).median().item()
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("mode", NORMS_ONLY_MODES)
+def test_use_outside_the_owner_in_forward_is_refused(mode, clipping):
+    model, x = build(OutsideHead), tokens()
+    bound = 0.1 if clipping == "flat" else [0.1, 0.1, 0.1]
+    _, module, optimizer, criterion, _ = private(model, loader(x), mode, bound, clipping=clipping)
+    before = snapshot(model)
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match=r"parameter emb\.weight .*outside the module that owns it"):
+        criterion(module(x)).backward()
+    assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("mode", ["bk", "auto"])
+def test_use_outside_the_model_in_the_loss_is_refused(mode):
+    model, x = build(OutsideHead), tokens()
+    _, module, optimizer, _, _ = private(model, loader(x), mode, 0.1)
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match=r"parameter emb\.weight .*outside"):
+        default_loss(F.linear(module.features(x), model.emb.weight)).backward()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bk", "ghost", "auto"])
+def test_weight_tied_through_a_module_matches_the_oracle(mode):
+    model, x = build(TiedHead), tokens()
+    names, rows = token_oracle(model, x)
+    bound = median_flat_bound(rows)
+    expected = [s / BATCH for s in clipped_sum_oracle(rows, bound, per_layer=False)]
+    _, module, optimizer, criterion, _ = private(model, loader(x), mode, bound)
+    before = snapshot(model)
+    optimizer.zero_grad()
+    criterion(module(x)).backward()
+    optimizer.step()
+    assert_update_matches(names, before, model, expected)
+
+
+@pytest.mark.parametrize("mode", NORMS_ONLY_MODES)
+def test_own_gradients_of_an_unswitched_layer_are_not_taken_for_an_outside_use(mode):
+    model, x = build(BagFirst), tokens()
+    names, rows = token_oracle(model, x)
+    bound = median_flat_bound(rows)
+    expected = [s / BATCH for s in clipped_sum_oracle(rows, bound, per_layer=False)]
+    _, module, optimizer, criterion, _ = private(model, loader(x), mode, bound)
+    before = snapshot(model)
+    optimizer.zero_grad()
+    criterion(module(x)).backward()
+    optimizer.step()
+    assert_update_matches(names, before, model, expected)
+
+
+def test_disabled_hooks_give_the_ordinary_gradient_of_an_outside_use():
+    model, x = build(OutsideHead), tokens()
+    plain = copy.deepcopy(model)
+    default_loss(plain(x)).backward()
+    _, module, _, _, _ = private(model, loader(x), "bk", 0.1)
+    module.disable_hooks()
+    default_loss(module(x)).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
