@@ -80,6 +80,7 @@ class Bookkeeper:
         self.layer_rule = layer_rule
         self.shared_layers = set(shared_layers or ())
         self.accumulation_allowed = True
+        self.other_batches = lambda: 0  # batches held elsewhere (empty batches)
         self.keep_ghost_calls = True
         self.factor_function: Optional[Callable] = None
         self._pending: Dict[nn.Module, int] = {}
@@ -159,11 +160,12 @@ class Bookkeeper:
             finished = self._open.pop(task, None)
             if finished is None or not (finished.deferred or finished.modes):
                 return  # no call recorded (a pass opened for a recomputation that was not used)
-            if self._resolved and not self.accumulation_allowed:
+            if (self._resolved or self.other_batches()) and not self.accumulation_allowed:
                 raise ValueError(
-                    "A second backward pass recorded per-sample information before the previous "
-                    "one was consumed, which this configuration forbids (Poisson sampling): call "
-                    "optimizer.step() and optimizer.zero_grad() after every backward pass, or use "
+                    "A second batch (a backward pass, over an empty batch too) came before "
+                    "the previous one was consumed, which this configuration forbids "
+                    "(Poisson sampling: two batches in one step would be recorded as one): call "
+                    "optimizer.step() and optimizer.zero_grad() after every batch, or use "
                     "BatchMemoryManager for large logical batches."
                 )
             for layer, calls in list(finished.deferred.items()):

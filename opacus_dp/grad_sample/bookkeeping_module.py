@@ -74,6 +74,8 @@ class BookkeepingGradSampleModule(GradSampleModule):
         super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction,
                          strict=strict)
         self._bookkeeper.shared_layers = shared_layers(self._hooked_layers())
+        self._bookkeeper.other_batches = lambda: self._store.passes
+        self._store.other_batches = lambda: self._bookkeeper.num_passes
         if skip_weight_grads is None:
             skip_weight_grads = not any(isinstance(m, DistributedDataParallel) for m in module.modules())
         self.skips_weight_grads = bool(skip_weight_grads)
@@ -132,6 +134,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
         if self._bookkeeper.num_passes == 0:
             return self._norms_without_passes(params)
         self._check_unrecorded_grads(params)
+        self._store.clear()  # empty batches merged into this step add no rows
         norms = [sq.clamp(min=0).sqrt() for sq in self._bookkeeper.sq_norms(params)]
         names = {p: n for n, p in self._module.named_parameters()}
         for p, n in zip(params, norms):
@@ -182,9 +185,9 @@ class BookkeepingGradSampleModule(GradSampleModule):
         return self._bookkeeper.num_passes
 
     def pending_passes(self) -> int:
-        """Backward passes (batches) that the next step combines: the accountant counts each
-        (the ``ghost`` mode's two passes over one batch are one)."""
-        return self._bookkeeper.num_passes
+        """Batches that the next step combines: the accountant counts each (the ``ghost``
+        mode's two passes over one batch are one; a backward pass over an empty batch is one)."""
+        return self._bookkeeper.num_passes + self._store.passes
 
     @property
     def supports_two_passes(self) -> bool:

@@ -161,10 +161,11 @@ class GradSampleModule(nn.Module):
             return None
         batch_dim = layer_batch_dim(layer, self.batch_first)
         batch_size = self._batch_size(path, master, outputs[hooked[0]], batch_dim)
-        if batch_size == 0:
+        if batch_size == 0:  # no per-sample gradients; the backward pass still is a batch
             for _, param in own_parameters(master):
                 if param.requires_grad:
                     self._store.add_empty(param)
+            hook_output_grad(outputs[hooked[0]], lambda grad: self._store.mark_empty_pass())
             return replaced
         call = LayerCall.capture(args, kwargs, batch_dim, batch_size,
                                   track_producers=self._tracks_producers)
@@ -323,7 +324,8 @@ class GradSampleModule(nn.Module):
         self._store.clear()
 
     def pending_passes(self) -> int:
-        """Backward passes whose per-sample gradients are held (concatenated) right now."""
+        """Backward passes (batches, empty ones included) whose per-sample gradients are held
+        (concatenated) right now."""
         return self._store.passes
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -35,6 +35,7 @@ class _Pass:
         self.batch_size: Dict[int, int] = {}
         self.first_layer: Dict[int, str] = {}
         self.owned: Set[Tuple[int, int]] = set()  # (id(param), chunk): sums this pass allocated
+        self.empty_batch = False  # a pass over an empty batch (no sums, still a batch)
 
     def accumulate(self, param: torch.Tensor, chunk: int, grad_sample: torch.Tensor) -> None:
         """``sums[param][chunk] += grad_sample``: in place once the sum is the pass's own tensor
@@ -80,6 +81,7 @@ class PerSampleGradStore:
         self._lock = threading.Lock()
         self.accumulation_allowed = True
         self.passes = 0  # backward passes that added per-sample gradients since the last pop/clear
+        self.other_batches = lambda: 0  # batches held elsewhere (the bk mode's passes)
 
     # ----------------------------------------------------------------- adding
     def add(self, param: torch.Tensor, grad_sample: torch.Tensor, layer: str, chunk: int = 0,
@@ -120,6 +122,24 @@ class PerSampleGradStore:
             if self._synced(param) is None:
                 self._publish(param, param.new_zeros((0, *param.shape)))
 
+    def mark_empty_pass(self) -> None:
+        """The running backward pass is over an empty batch: it counts as a pass (a batch)."""
+        task = torch._C._current_graph_task_id()
+        if task != -1:
+            with self._lock:
+                self._pass_of(task).empty_batch = True
+
+    def _refuse_second_batch(self) -> None:
+        """Raise if a batch is held already and accumulation is forbidden (Poisson batches)."""
+        if not self.accumulation_allowed and self.passes + self.other_batches():
+            raise ValueError(
+                "A second batch (a backward pass, over an empty batch too) came before the "
+                "previous one was consumed, which this configuration forbids (Poisson "
+                "sampling: two batches in one step would be recorded as one): call "
+                "optimizer.step() and optimizer.zero_grad() after every batch, or use "
+                "BatchMemoryManager for large logical batches."
+            )
+
     def _check_batch_size(self, current: _Pass, size: int, layer: str, task: int, chunk: int) -> None:
         if chunk not in current.batch_size:
             current.batch_size[chunk], current.first_layer[chunk] = size, layer
@@ -139,8 +159,9 @@ class PerSampleGradStore:
     def _close_pass(self, task: int) -> None:
         with self._lock:
             finished = self._passes.pop(task, None)
-            if finished is None or not finished.sums:
+            if finished is None or not (finished.sums or finished.empty_batch):
                 return
+            self._refuse_second_batch()
             for param in finished.sums:
                 self._append(param, finished.concatenated(param, self._undo_mean))
             self.passes += 1
@@ -150,13 +171,6 @@ class PerSampleGradStore:
         if previous is None or previous.shape[0] == 0:
             self._publish(param, grad_sample)
             return
-        if not self.accumulation_allowed:
-            raise ValueError(
-                "A second backward pass added per-sample gradients before the previous ones "
-                "were consumed, which this configuration forbids (Poisson sampling): call "
-                "optimizer.step() and optimizer.zero_grad() after every backward pass, or "
-                "use BatchMemoryManager for large logical batches."
-            )
         self._publish(param, torch.cat([previous, grad_sample], dim=0))
 
     # --------------------------------------------------------- compatibility view

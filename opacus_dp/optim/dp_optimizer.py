@@ -134,6 +134,9 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         skip = self._skip_signals.popleft() if self._skip_signals else False
         if not skip:
             self.accumulated_iterations = self._pending_iterations()
+            if self.poisson_batches and self.accumulated_iterations > 1:
+                self._refuse_merging_poisson_batches(
+                    f"one step over {self.accumulated_iterations} backward passes")
             self._run_hooks(self._pre_step_hooks)  # e.g. budget guard: may refuse the step
         self._accumulate_or_discard(check_size=not skip)
         if skip:

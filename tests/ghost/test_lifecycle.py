@@ -100,7 +100,7 @@ def test_forbidden_accumulation_and_non_finite_gradients_raise():
     wrapper.forbid_grad_accumulation()
     x = torch.randn(2, 2, 4, 4, dtype=torch.float64)
     run_backward(wrapper, (x,), "sum", 2)
-    with pytest.raises(ValueError, match="second backward pass"):
+    with pytest.raises(ValueError, match="second batch"):
         run_backward(wrapper, (x,), "sum", 2)
     wrapper.zero_grad()
     x[0, 0, 0, 0] = float("nan")

@@ -5,7 +5,7 @@
   run inside the test on the same loop.
 * Merging several fixed-size batches with ``virtual_step`` (beyond the declared logical batch)
   must be refused, as Opacus 0.x refused a step larger than ``batch_size``.
-* Poisson batches cannot be merged at all (refused).
+* Poisson batches cannot be merged at all (refused), an empty batch with another one neither.
 * A step that fails must not leave the clipped sums of its logical batch behind to be merged
   into the next step.
 """
@@ -79,8 +79,30 @@ def test_poisson_batches_cannot_be_merged_by_two_backward_passes():
     engine, gsm, optimizer, loader = make_private(tiny_model(), poisson_sampling=True)
     x, y = tiny_dataset(40).tensors
     loss_of(gsm, x[:5], y[:5]).backward()
-    with pytest.raises(ValueError, match="second backward"):
+    with pytest.raises(ValueError, match="second batch"):
         loss_of(gsm, x[5:9], y[5:9]).backward()
+
+
+@pytest.mark.parametrize("sizes", [(0, 4), (3, 0), (0, 0)])
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost", "bk", "auto"])
+def test_an_empty_poisson_batch_cannot_be_merged_with_another(mode, sizes):
+    """An empty batch is a batch: merged with another into one step it would be recorded as
+    one batch of rate q (inclusion ≈ 2q per recorded step)."""
+    model = tiny_model(seed=4)
+    engine = quiet(PrivacyEngine, accountant="rdp")
+    result = quiet(engine.make_private, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                   data_loader=DataLoader(tiny_dataset(40), batch_size=10), noise_multiplier=1.0,
+                   max_grad_norm=1.0, poisson_sampling=True, grad_sample_mode=mode)
+    gsm, optimizer = result[0], result[1]
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = tiny_dataset(40).tensors
+    with pytest.raises(ValueError, match="second batch"):
+        for start, size in zip((0, 10), sizes):
+            loss_of(gsm, x[start:start + size], y[start:start + size], reduction="sum").backward()
+        optimizer.step()
+    assert len(engine.accountant) == 0
+    for a, b in zip(model.parameters(), before):
+        assert torch.equal(a.detach(), b)
 
 
 def test_virtual_step_merging_fixed_size_batches_of_the_loader_is_refused():
@@ -137,7 +159,7 @@ def test_classic_poisson_batches_cannot_be_merged_by_two_backward_passes():
     quiet(engine.attach, optimizer)
     x, y = tiny_dataset(40).tensors
     loss_of(model, x[:4], y[:4]).backward()
-    with pytest.raises(ValueError, match="second backward"):
+    with pytest.raises(ValueError, match="second batch"):
         loss_of(model, x[4:9], y[4:9]).backward()
 
 
@@ -184,3 +206,19 @@ def test_failed_last_chunk_does_not_leak_into_the_next_logical_batch():
     for p, p0, g in zip(model.parameters(), start, expected_grads):
         torch.testing.assert_close(p.detach(), p0 - g, rtol=1e-9, atol=1e-12)
     gsm.close()
+
+
+def test_the_step_refuses_poisson_batches_merged_past_the_wrapper():
+    """The optimizer checks too: with the wrapper told to allow accumulation, two Poisson
+    batches still cannot become one step."""
+    engine, gsm, optimizer, loader = make_private(tiny_model(), poisson_sampling=True)
+    gsm.allow_grad_accumulation()
+    before = [p.detach().clone() for p in gsm.parameters()]
+    x, y = tiny_dataset(40).tensors
+    loss_of(gsm, x[:5], y[:5]).backward()
+    loss_of(gsm, x[5:9], y[5:9]).backward()
+    with pytest.raises(ValueError, match="one step over 2 backward passes with Poisson sampling"):
+        optimizer.step()
+    assert len(engine.accountant) == 0
+    for a, b in zip(gsm.parameters(), before):
+        assert torch.equal(a.detach(), b)
