@@ -167,7 +167,8 @@ class LayerCall:
         activations = self.lean_activations(layer, activations)
         if not any(self.outside_graph):
             return activations
-        if self.kwargs or len(activations) != len(self.args):  # matched by identity
+        if len(self.outside_graph) != len(activations) or len(activations) != len(self.args):
+            # not one flag per positional tensor (keywords, None arguments): match by identity
             outside = {id(t) for t, o in zip(self._tensors(), self.outside_graph) if o}
             return [v.clone() if _recorded_in(v, outside) else v for v in activations]
         return [v.clone() if outside and isinstance(v, torch.Tensor) else v
