@@ -174,7 +174,7 @@ class PrivacyEngine:
         loader = self._prepare_data_loader(data_loader, poisson_sampling=poisson_sampling,
                                            distributed=world_size > 1, batch_first=batch_first)
         sample_rate = _sample_rate_of(loader)
-        expected_batch_size = max(1, int(len(loader.dataset) * sample_rate))
+        expected_batch_size = _expected_batch_size(len(loader.dataset), sample_rate)
         if world_size > 1:
             expected_batch_size = expected_batch_size / world_size
         dp_optimizer = make_dp_optimizer(
@@ -321,6 +321,15 @@ def _fixed_batch_size(data_loader: DataLoader) -> Optional[int]:
     """Size of the loader's batches if it draws them with a ``BatchSampler``, else None."""
     batch_sampler = getattr(data_loader, "batch_sampler", None)
     return batch_sampler.batch_size if isinstance(batch_sampler, BatchSampler) else None
+
+
+def _expected_batch_size(num_samples: int, sample_rate: float) -> int:
+    """``⌊q·N⌋`` (at least 1), as Opacus 1.x; a product within rounding of an integer is that
+    integer (``98 · (1/49)`` is 1.9999999999999998 in floating point: 2, not 1)."""
+    product = num_samples * sample_rate
+    nearest = round(product)
+    exact = abs(product - nearest) <= 1e-9 * max(1.0, product)
+    return max(1, nearest if exact else math.floor(product))
 
 
 def _sample_rate_of(data_loader: DataLoader) -> float:

@@ -48,9 +48,18 @@ def generator_from_global_rng() -> torch.Generator:
     return generator
 
 
+_UNIFORM_STEP = 2.0 ** -53  # torch's float64 uniforms are k · 2⁻⁵³, k uniform in [0, 2⁵³)
+
+
 def poisson_mask(num_samples: int, sample_rate: float, generator) -> torch.Tensor:
-    """Boolean mask with independent Bernoulli(q) entries: ``U_i < q`` with ``U_i ~ Uniform[0, 1)``."""
-    return torch.rand(num_samples, generator=generator) < sample_rate
+    """Boolean mask with independent Bernoulli(p) entries, ``q - 2⁻⁵³ < p ≤ q``.
+
+    ``U_i < q - 2⁻⁵³`` for float64 uniforms ``U_i = k · 2⁻⁵³``: ``p = (⌈q · 2⁵³⌉ - 1) / 2⁵³``,
+    never above the rate the accountant records. (Float32 uniforms, multiples of 2⁻²⁴, would
+    give ``p = ⌈q · 2²⁴⌉ / 2²⁴``: 1.19 q at q = 1e-7, 60 q at q = 1e-9.) ``q = 1``: all."""
+    if sample_rate >= 1:
+        return torch.ones(num_samples, dtype=torch.bool)
+    return torch.rand(num_samples, generator=generator, dtype=torch.float64) < sample_rate - _UNIFORM_STEP
 
 
 class UniformWithReplacementSampler(Sampler[List[int]]):

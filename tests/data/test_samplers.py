@@ -92,6 +92,33 @@ def test_rate_one_takes_everything():
     assert batches == [list(range(7))] * 3
 
 
+@pytest.mark.parametrize("q", [1e-9, 3e-8, 1e-7, 1.5 * 2.0 ** -24, 0.25, 1 / 3])
+def test_inclusion_probability_of_the_uniform_grid_never_exceeds_q(q, monkeypatch):
+    """Hand computation over the uniform grid: torch's float64 uniforms are k·2⁻⁵³ for k
+    uniform in [0, 2⁵³), so the inclusion probability is (number of included k) / 2⁵³. The
+    included k form a prefix; the test feeds the grid points around its end and checks that
+    the count is at most q·2⁵³ and at least q·2⁵³ - 1 (float32 uniforms, multiples of 2⁻²⁴,
+    gave ⌈q·2²⁴⌉/2²⁴: 60 q at q = 1e-9)."""
+    from opacus_dp.data import samplers
+
+    scale = 2.0 ** 53
+    centre = math.floor(q * scale)
+    ks = torch.arange(centre - 3, centre + 4, dtype=torch.float64)
+    requested = []
+
+    def grid(n, generator=None, dtype=None):
+        requested.append(dtype)
+        return ks / scale
+
+    monkeypatch.setattr(samplers.torch, "rand", grid)
+    included = ks[samplers.poisson_mask(len(ks), q, None)]
+    assert requested == [torch.float64]
+    assert len(included) and len(included) < len(ks), "the end of the prefix must be in the window"
+    assert torch.all(included == ks[: len(included)]), "included grid points form a prefix"
+    count = float(included.max()) + 1  # grid points 0 .. max are included
+    assert q * scale - 1 <= count <= q * scale
+
+
 def test_generator_state_is_checkpointable():
     sampler = UniformWithReplacementSampler(num_samples=50, sample_rate=0.2, generator=seeded(5), steps=6)
     it = iter(sampler)

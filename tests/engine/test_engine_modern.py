@@ -285,3 +285,18 @@ def test_no_warning_about_sampling_for_poisson_loader():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.make_private(**_engine_args(model))
+
+
+@pytest.mark.parametrize("poisson_sampling", [True, False])
+@pytest.mark.parametrize("n, batch", [(98, 2), (196, 4), (206, 2), (100, 3), (60, 7)])
+def test_expected_batch_size_is_the_floor_of_n_over_the_number_of_batches(n, batch, poisson_sampling):
+    """q = 1/L with L = ⌈N/B⌉ batches; E = ⌊q·N⌋ = N // L in exact integers (the floating
+    product 98·(1/49) = 1.9999999999999998 had given 1, dividing every update by 1 for 2)."""
+    model = small_model()
+    loader = DataLoader(TensorDataset(torch.randn(n, 4), torch.randint(0, 2, (n,))), batch_size=batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, optimizer, _ = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=poisson_sampling)
+    assert optimizer.expected_batch_size == n // math.ceil(n / batch)
