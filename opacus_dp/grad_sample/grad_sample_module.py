@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 from opacus_dp.distributed import data_parallel
 from opacus_dp.errors import UnsupportedModuleError
 from opacus_dp.grad_sample.functorch import explained_fallback_error, functorch_grad_sample
-from opacus_dp.grad_sample.layer_call import LayerCall, hook_output_grad, layer_batch_dim, separate_outputs
+from opacus_dp.grad_sample.layer_call import LayerCall, call_batch_dim, hook_output_grad, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
 from opacus_dp.grad_sample.support import (
@@ -159,7 +159,7 @@ class GradSampleModule(nn.Module):
         replaced, outputs, hooked = separate_outputs(output)
         if not hooked:
             return None
-        batch_dim = layer_batch_dim(layer, self.batch_first)
+        batch_dim = call_batch_dim(layer, self.batch_first, outputs[hooked[0]])
         batch_size = self._batch_size(path, master, outputs[hooked[0]], batch_dim)
         if batch_size == 0:  # no per-sample gradients; the backward pass still is a batch
             for _, param in own_parameters(master):

@@ -25,6 +25,18 @@ BATCH_FIRST_LAYERS = (nn.EmbeddingBag, nn.modules.conv._ConvNd, nn.GroupNorm,
                       nn.modules.instancenorm._InstanceNorm, nn.RNNCellBase)
 
 
+# layers acting on the last dimension: a 2-D input is (N, features) in either layout (a
+# sequence-first model's head on the last state, say): the batch is dim 0 there too.
+FEATURE_LAST_LAYERS = (nn.Linear, nn.LayerNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+
+def call_batch_dim(layer: nn.Module, batch_first: bool, output: torch.Tensor) -> int:
+    """:func:`layer_batch_dim`, except 0 for a 2-D output of a ``FEATURE_LAST_LAYERS`` layer."""
+    if not batch_first and output.dim() == 2 and isinstance(layer, FEATURE_LAST_LAYERS):
+        return 0
+    return layer_batch_dim(layer, batch_first)
+
+
 def layer_batch_dim(layer: nn.Module, batch_first: bool) -> int:
     """Dimension of the batch in ``layer``'s inputs and outputs.
 

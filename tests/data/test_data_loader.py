@@ -100,6 +100,43 @@ def test_time_major_empty_batch():
     assert empty[0].shape == (7, 0, 4) and empty[1].shape == (0,)
 
 
+class SequenceDataset(Dataset):
+    """Examples ``(T, F)`` sequences of the example's own length, multi-hot labels ``(K,)``."""
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return torch.full((i + 2, 3), float(i)), (torch.arange(4) % (i + 1) == 0).float()
+
+
+def time_major_collate(rows):
+    """Sequence-first inputs ``(T, B, F)`` (equal lengths), batch-first labels ``(B, K)``."""
+    return torch.stack([x[:2] for x, _ in rows], dim=1), torch.stack([y for _, y in rows])
+
+
+def list_collate(rows):
+    """A per-example list of variable-length sequences (the model pads), labels ``(B, K)``."""
+    return [x for x, _ in rows], torch.stack([y for _, y in rows])
+
+
+def test_empty_batch_empties_the_dimension_that_holds_the_examples():
+    """Learned from the collates of one and two examples: the sequence-first input loses its
+    dim 1, the batch-first labels of the same (sequence-first) loader their dim 0."""
+    loader = DPDataLoader(SequenceDataset(), sample_rate=0.3, collate_fn=time_major_collate,
+                          batch_first=False)
+    x, y = loader.collate_fn([])
+    assert x.shape == (2, 0, 3) and y.shape == (0, 4)
+    full_x, full_y = loader.collate_fn([SequenceDataset()[1], SequenceDataset()[2], SequenceDataset()[3]])
+    assert full_x.shape == (2, 3, 3) and full_y.shape == (3, 4)
+
+
+def test_empty_batch_of_a_per_example_list_is_an_empty_list():
+    loader = DPDataLoader(SequenceDataset(), sample_rate=0.3, collate_fn=list_collate)
+    sequences, labels = loader.collate_fn([])
+    assert sequences == [] and labels.shape == (0, 4)
+
+
 def test_numpy_fields_and_unsupported_fields():
     assert empty_like_batch({"a": np.ones((1, 3), dtype=np.int16)})["a"].shape == (0, 3)
     with pytest.raises(TypeError, match=r"batch\['meta'\]"):

@@ -81,3 +81,44 @@ def test_batch_first_layers_in_a_sequence_first_model_equal_the_oracle(layer, mo
     for name, b, p, e in zip(names, before, model.parameters(), expected):
         torch.testing.assert_close(b - p.detach(), e, rtol=1e-9, atol=1e-9 * scale,
                                    msg=lambda m: f"update of {name}: {m}")
+
+
+class SequenceFirstHead(nn.Module):
+    """``(T, B, WIDTH)`` → Linear → mean over positions → LayerNorm and a Linear head on the
+    2-D ``(B, WIDTH)`` summary: a feature-last layer's 2-D input has the batch on dim 0 in a
+    sequence-first model too (B = WIDTH: reading dim 1 raised no shape error)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm, self.head = nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.head(self.norm(torch.tanh(self.proj(x)).mean(dim=0)))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bk", "ghost", "auto"])
+def test_two_dimensional_head_of_a_sequence_first_model_equals_the_oracle(mode):
+    torch.manual_seed(1)
+    model = SequenceFirstHead().double()
+    x = torch.randn(BATCH, STEPS, WIDTH, dtype=torch.float64)
+    grads = oracle_grad_samples(copy.deepcopy(model), (x.transpose(0, 1),), batch_dim=1)
+    names = [n for n, _ in trainable(model)]
+    rows = [grads[n] for n in names]
+    bound = torch.sqrt(sum(g.reshape(BATCH, -1).pow(2).sum(1) for g in rows)).median().item()
+    expected = [s / BATCH for s in clipped_sum_oracle(rows, bound, False)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=sequence_first_loader(x), noise_multiplier=0.0, max_grad_norm=bound,
+            batch_first=False, poisson_sampling=False, grad_sample_mode=mode,
+            criterion=lambda out, *_: default_loss(out) / BATCH)
+    gsm, optimizer, loader = result[0], result[1], result[-1]
+    criterion = result[2] if mode == "ghost" else (lambda out: default_loss(out) / BATCH)
+    before = [p.detach().clone() for p in model.parameters()]
+    (xb,) = next(iter(loader))
+    criterion(gsm(xb)).backward()
+    optimizer.step()
+    for name, b, p, e in zip(names, before, model.parameters(), expected):
+        torch.testing.assert_close(b - p.detach(), e, rtol=1e-9, atol=1e-12,
+                                   msg=lambda m: f"update of {name}: {m}")
