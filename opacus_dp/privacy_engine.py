@@ -195,16 +195,24 @@ class PrivacyEngine:
 
     def _prepare_data_loader(self, data_loader, *, poisson_sampling, distributed, batch_first):
         from opacus_dp.data import DPDataLoader, check_sampling, switch_generator
+        from opacus_dp.data.sampling_checks import check_batching
 
         self.dataset = data_loader.dataset
         generator = secure_generator() if self.secure_mode else None
         if poisson_sampling:
             return DPDataLoader.from_data_loader(data_loader, generator=generator,
                                                  distributed=distributed, batch_first=batch_first)
+        check_batching(data_loader, "make_private(poisson_sampling=False)")
         check_sampling(data_loader, poisson_expected=False)
-        if generator is not None:
+        if generator is None:
+            return data_loader
+        try:
             return switch_generator(data_loader=data_loader, generator=generator)
-        return data_loader
+        except ValueError as error:  # nothing random to secure (e.g. a SequentialSampler)
+            raise ValueError(
+                f"secure_mode=True: the loader's batches are not drawn with a generator that "
+                f"could be replaced by the secure one ({error}); use poisson_sampling=True "
+                "(recommended) or a shuffled loader (shuffle=True)") from None
 
     def _connect(self, module, dp_optimizer, sample_rate: float) -> None:
         """Distributed reduction, budget guard (pre-step) and accountant (post-step) hooks."""
@@ -313,7 +321,7 @@ def _planned_steps(data_loader: DataLoader, epochs) -> int:
             or epochs <= 0:
         raise ValueError(f"epochs must be a positive number, got {epochs!r}")
     if len(data_loader) == 0:
-        raise ValueError("data_loader yields no batches (empty dataset?)")
+        raise ValueError("data_loader yields no batches (an empty dataset, or drop_last=True with batch_size above the dataset size?)")
     return max(1, math.ceil(epochs * len(data_loader)))
 
 
@@ -338,5 +346,5 @@ def _sample_rate_of(data_loader: DataLoader) -> float:
     if rate is not None:
         return float(rate)
     if len(data_loader) == 0:
-        raise ValueError("data_loader yields no batches (empty dataset?)")
+        raise ValueError("data_loader yields no batches (an empty dataset, or drop_last=True with batch_size above the dataset size?)")
     return 1.0 / len(data_loader)

@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 
 from opacus_dp.data.collate import EmptyBatchCollate, unwrap_collate
+from opacus_dp.data.sampling_checks import check_batching, check_replaceable_sampler
 from opacus_dp.data.samplers import (
     DistributedPoissonBatchSampler,
     UniformWithReplacementSampler,
@@ -145,13 +146,10 @@ class DPDataLoader(SamplingGeneratorKept, DataLoader):
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
         _check_map_style(data_loader.dataset, "DPDataLoader.from_data_loader")
-        if data_loader.batch_sampler is None:
-            raise ValueError(
-                "DPDataLoader.from_data_loader: data_loader has automatic batching disabled "
-                "(batch_size=None); DP training needs batches of examples"
-            )
+        check_batching(data_loader, "DPDataLoader.from_data_loader")
+        check_replaceable_sampler(data_loader, "DPDataLoader.from_data_loader")
         if len(data_loader) == 0:
-            raise ValueError("DPDataLoader.from_data_loader: data_loader yields no batches (empty dataset?)")
+            raise ValueError("DPDataLoader.from_data_loader: data_loader yields no batches (an empty dataset, or drop_last=True with batch_size above the dataset size?)")
         is_dp = isinstance(data_loader, DPDataLoader)
         return cls(
             data_loader.dataset,

@@ -10,7 +10,9 @@ samplers give some examples a rate above q; ``drop_last`` silently changes the b
 import warnings
 from typing import List
 
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import (BatchSampler, DataLoader, RandomSampler, SequentialSampler, SubsetRandomSampler,
+                              WeightedRandomSampler)
+from torch.utils.data.distributed import DistributedSampler
 
 from opacus_dp.data.samplers import DistributedPoissonBatchSampler, UniformWithReplacementSampler
 
@@ -59,6 +61,53 @@ def _sampler_problems(data_loader: DataLoader, poisson_expected: bool) -> List[s
         "Use DPDataLoader (poisson_sampling=True)"
     )
     return problems
+
+
+def check_batching(data_loader: DataLoader, where: str) -> None:
+    """Refuse a loader without batches (``batch_size=None``: each example would arrive without
+    a batch dimension and its rows be clipped as separate examples) or without a length (the
+    sample rate ``q = 1/len(loader)`` needs the number of batches per pass)."""
+    batch_sampler = data_loader.batch_sampler
+    if batch_sampler is None:
+        raise ValueError(
+            f"{where}: data_loader has automatic batching disabled (batch_size=None), so each "
+            "example would arrive without a batch dimension and its rows be clipped as separate "
+            "examples; give the DataLoader a batch_size"
+        )
+    try:
+        len(data_loader)
+    except TypeError:
+        raise ValueError(
+            f"{where}: the batch sampler {type(batch_sampler).__name__} has no len(); the sample "
+            "rate q = 1/len(data_loader) needs the number of batches per pass: define __len__"
+        ) from None
+
+
+def check_replaceable_sampler(data_loader: DataLoader, where: str) -> None:
+    """Poisson sampling draws from the whole dataset, each example at the same rate: refuse a
+    loader whose sampler chose a subset or weights (it would be dropped silently, e.g. training
+    on held-out examples), warn about any other custom sampler being replaced."""
+    batch_sampler = _logical_batch_sampler(data_loader)
+    if isinstance(batch_sampler, POISSON_SAMPLERS):
+        return
+    sampler = batch_sampler.sampler if isinstance(batch_sampler, BatchSampler) else batch_sampler
+    name = type(sampler).__name__
+    if isinstance(sampler, SubsetRandomSampler):
+        raise ValueError(
+            f"{where}: the loader's {name} draws from a subset of the dataset, but Poisson sampling "
+            "draws from the whole dataset: pass the subset as the dataset "
+            "(torch.utils.data.Subset(dataset, indices)) with a plain batch_size"
+        )
+    if isinstance(sampler, WeightedRandomSampler):
+        raise ValueError(
+            f"{where}: the loader's {name} weights the examples, but Poisson sampling gives every "
+            "example the same rate q (what the accountant analyses): remove the sampler (to "
+            "rebalance, weight the loss per example instead)"
+        )
+    if not isinstance(sampler, (RandomSampler, SequentialSampler, DistributedSampler)):
+        warnings.warn(
+            f"{where}: the loader's {name} is replaced by Poisson sampling over the whole "
+            f"dataset ({len(data_loader.dataset)} examples, each at rate q)", SamplingWarning, stacklevel=3)
 
 
 def check_sampling(data_loader: DataLoader, poisson_expected: bool = True) -> List[str]:

@@ -295,3 +295,66 @@ def test_resuming_from_a_saved_sampling_state_mid_epoch_draws_the_same_batches(s
     resumed_loader = make(123)
     resumed_loader.generator.set_state(first_loader.generator.get_state())
     assert first + _indices(resumed_loader, 8 - split) == reference
+
+
+# ------------------------------------------------------- loaders make_private cannot take as they are
+def _make_private(loader, **kwargs):
+    from opacus_dp import PrivacyEngine
+
+    model = torch.nn.Linear(4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine(secure_mode=kwargs.pop("secure_mode", False))
+    return engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                               data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, **kwargs)
+
+
+def rows(n=20):
+    return TensorDataset(torch.randn(n, 4), torch.randint(0, 2, (n,)))
+
+
+@pytest.mark.parametrize("sampler, match", [
+    (lambda: torch.utils.data.SubsetRandomSampler(range(16)), r"SubsetRandomSampler draws from a subset.*Subset\("),
+    (lambda: torch.utils.data.WeightedRandomSampler([1.0] * 20, 20), r"WeightedRandomSampler weights the examples"),
+])
+def test_poisson_sampling_refuses_to_drop_a_subset_or_weighted_sampler(sampler, match):
+    """Poisson sampling draws from the whole dataset at one rate: silently replacing these
+    samplers trained on held-out examples (all 20 instead of 16) or dropped the weights."""
+    with pytest.raises(ValueError, match=match):
+        _make_private(DataLoader(rows(), batch_size=4, sampler=sampler()))
+
+
+def test_custom_sampler_replaced_by_poisson_sampling_is_announced_and_standard_ones_are_not():
+    class EveryOther(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter(range(0, 20, 2))
+
+        def __len__(self):
+            return 10
+
+    with pytest.warns(UserWarning, match=r"EveryOther is replaced by Poisson sampling over the whole dataset \(20"):
+        _make_private(DataLoader(rows(), batch_size=4, sampler=EveryOther()))
+    shard = torch.utils.data.distributed.DistributedSampler(rows(), num_replicas=1, rank=0)
+    for loader in (DataLoader(rows(), batch_size=4, shuffle=True), DataLoader(rows(), batch_size=4, sampler=shard)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            DPDataLoader.from_data_loader(loader)
+
+
+@pytest.mark.parametrize("poisson_sampling", [True, False])
+def test_loaders_without_batches_or_length_are_refused(poisson_sampling):
+    """batch_size=None: an example's rows would be clipped as separate examples (5× the
+    sensitivity the noise covers for (5, F) examples without Poisson sampling)."""
+    class NoLength(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter([[0, 1], [2, 3]])
+
+    with pytest.raises(ValueError, match=r"automatic batching disabled \(batch_size=None\)"):
+        _make_private(DataLoader(rows(), batch_size=None), poisson_sampling=poisson_sampling)
+    with pytest.raises(ValueError, match=r"batch sampler NoLength has no len\(\)"):
+        _make_private(DataLoader(rows(), batch_sampler=NoLength()), poisson_sampling=poisson_sampling)
+
+
+def test_secure_mode_with_a_sequential_loader_names_the_way_out():
+    with pytest.raises(ValueError, match=r"secure_mode=True.*SequentialSampler.*poisson_sampling=True"):
+        _make_private(DataLoader(rows(), batch_size=4), poisson_sampling=False, secure_mode=True)
