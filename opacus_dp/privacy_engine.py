@@ -88,7 +88,8 @@ class PrivacyEngine:
                      max_grad_norm: Union[float, List[float]], batch_first: bool = True,
                      loss_reduction: str = "mean", poisson_sampling: bool = True,
                      clipping: str = "flat", noise_generator: Optional[torch.Generator] = None,
-                     grad_sample_mode: str = "hooks", criterion=None):
+                     grad_sample_mode: str = "hooks", criterion=None, wrap_model: bool = True,
+                     rand_on_empty: bool = False):
         """Return ``(GradSampleModule, DPOptimizer, DataLoader)`` ready for private training.
 
         With ``poisson_sampling`` the loader is replaced by a ``DPDataLoader`` with
@@ -108,7 +109,14 @@ class PrivacyEngine:
           ``k·q``); a step on more samples than that is refused, and with Poisson sampling a
           second backward pass before the step is refused. Cut large batches with
           :class:`~opacus_dp.data.BatchMemoryManager`.
+
+        Opacus 1.6's ``wrap_model`` and ``rand_on_empty`` are accepted: the hooks sit on the
+        module's own layers, so the original module trains privately whether it or the returned
+        wrapper is called (``wrap_model=False``); empty batches are delivered as empty batches
+        in every mode, so ``rand_on_empty=True`` (random data instead) is not needed (a warning
+        says so).
         """
+        _check_opacus_flags(wrap_model, rand_on_empty)
         check_privacy_arguments(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                                 loss_reduction=loss_reduction, clipping=clipping)
         check_choice(grad_sample_mode, tuple(GRAD_SAMPLE_MODES), "grad_sample_mode")
@@ -144,8 +152,11 @@ class PrivacyEngine:
                                   loss_reduction: str = "mean", poisson_sampling: bool = True,
                                   clipping: str = "flat", noise_generator=None,
                                   grad_sample_mode: str = "hooks", criterion=None,
-                                  epsilon_tolerance: float = 0.01):
-        """:meth:`make_private` with σ calibrated so that ``epochs`` passes spend ≤ target ε."""
+                                  epsilon_tolerance: float = 0.01, wrap_model: bool = True,
+                                  rand_on_empty: bool = False, **epsilon_kwargs):
+        """:meth:`make_private` with σ calibrated so that ``epochs`` passes spend ≤ target ε;
+        ``epsilon_kwargs`` go to the accountant's ``get_epsilon`` during the calibration (as in
+        Opacus: ``alphas`` for RDP, ``eps_error`` for PRV)."""
         from opacus_dp.accountants import get_noise_multiplier
 
         if len(self.accountant) > 0:
@@ -158,12 +169,13 @@ class PrivacyEngine:
         sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
                                      sample_rate=sample_rate, steps=_planned_steps(data_loader, epochs),
                                      accountant=self.accountant.mechanism(),
-                                     epsilon_tolerance=epsilon_tolerance)
+                                     epsilon_tolerance=epsilon_tolerance, **epsilon_kwargs)
         return self.make_private(
             module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=sigma,
             max_grad_norm=max_grad_norm, batch_first=batch_first, loss_reduction=loss_reduction,
             poisson_sampling=poisson_sampling, clipping=clipping, noise_generator=noise_generator,
-            grad_sample_mode=grad_sample_mode, criterion=criterion,
+            grad_sample_mode=grad_sample_mode, criterion=criterion, wrap_model=wrap_model,
+            rand_on_empty=rand_on_empty,
         )
 
     def _private_loader_and_optimizer(self, gsm, module, optimizer, data_loader, *,
@@ -329,6 +341,15 @@ def _fixed_batch_size(data_loader: DataLoader) -> Optional[int]:
     """Size of the loader's batches if it draws them with a ``BatchSampler``, else None."""
     batch_sampler = getattr(data_loader, "batch_sampler", None)
     return batch_sampler.batch_size if isinstance(batch_sampler, BatchSampler) else None
+
+
+def _check_opacus_flags(wrap_model, rand_on_empty) -> None:
+    for name, value in (("wrap_model", wrap_model), ("rand_on_empty", rand_on_empty)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if rand_on_empty:
+        warnings.warn("rand_on_empty=True has no effect: empty Poisson batches are delivered as "
+                      "batches with zero rows, which every grad_sample_mode handles", UserWarning)
 
 
 def _expected_batch_size(num_samples: int, sample_rate: float) -> int:

@@ -47,7 +47,7 @@ def get_noise_multiplier(
     sample_rate: float,
     epochs: Optional[float] = None,
     steps: Optional[int] = None,
-    accountant: str = "prv",
+    accountant: str = "rdp",
     epsilon_tolerance: float = 0.01,
     **epsilon_kwargs,
 ) -> float:
@@ -56,6 +56,8 @@ def get_noise_multiplier(
     The returned σ satisfies ``target − tol ≤ ε(σ) ≤ target`` with
     ``tol = epsilon_tolerance × min(1, target_epsilon)`` (relative for ε ≥ 1, absolute below);
     ``epsilon_kwargs`` go unchanged to ``accountant.get_epsilon`` (e.g. ``alphas`` for RDP).
+    The default accountant is RDP, as in Opacus (``make_private_with_epsilon`` uses the
+    engine's accountant).
     Raises ``ValueError`` when even σ = 10⁶ exceeds the budget.
     """
     target = check_target_epsilon(target_epsilon)

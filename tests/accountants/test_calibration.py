@@ -40,7 +40,8 @@ def test_rdp_calibration_is_at_most_target_and_within_one_percent(target, q, ste
 
 @pytest.mark.parametrize("target,q,epochs", [(2.0, 256 / 60000, 60), (8.0, 0.04, 90), (0.5, 0.01, 5)])
 def test_prv_calibration_is_at_most_target_and_within_one_percent(target, q, epochs):
-    sigma = get_noise_multiplier(target_epsilon=target, target_delta=1e-5, sample_rate=q, epochs=epochs)
+    sigma = get_noise_multiplier(target_epsilon=target, target_delta=1e-5, sample_rate=q, epochs=epochs,
+                                 accountant="prv")
     eps = epsilon_of("prv", sigma, q, int(epochs / q), 1e-5)
     assert 0.99 * target <= eps <= target
 
@@ -105,3 +106,17 @@ def test_unreachable_budget_is_refused():
         get_noise_multiplier(
             target_epsilon=1.0, target_delta=1e-5, sample_rate=0.01, steps=10, accountant="never-private-test"
         )
+
+
+def test_default_accountant_is_rdp_as_in_opacus():
+    """An Opacus script that calibrates without naming the accountant and then accounts with
+    RDP must stay within its budget: the default is RDP (Opacus 1.6's σ to its tolerance)."""
+    from opacus.accountants.utils import get_noise_multiplier as opacus_get_noise_multiplier
+
+    args = dict(target_epsilon=3.0, target_delta=1e-5, sample_rate=0.01, epochs=10)
+    sigma = get_noise_multiplier(**args)
+    assert sigma == get_noise_multiplier(**args, accountant="rdp")
+    assert sigma == pytest.approx(opacus_get_noise_multiplier(**args), rel=0.02)
+    accountant = RDPAccountant()
+    accountant.history = [(sigma, 0.01, 1000)]
+    assert accountant.get_epsilon(1e-5) <= 3.0

@@ -300,3 +300,50 @@ def test_expected_batch_size_is_the_floor_of_n_over_the_number_of_batches(n, bat
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
             noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=poisson_sampling)
     assert optimizer.expected_batch_size == n // math.ceil(n / batch)
+
+
+@pytest.mark.parametrize("accountant, epsilon_kwargs", [("rdp", {"alphas": [2, 4, 8, 16, 32]}),
+                                                         ("prv", {"eps_error": 0.05})])
+def test_make_private_with_epsilon_forwards_accountant_arguments(accountant, epsilon_kwargs):
+    """As in Opacus, extra keywords reach the accountant during the calibration: ε after the
+    planned epochs, computed with the same arguments, is within the target."""
+    model = small_model()
+    engine = PrivacyEngine(accountant=accountant)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, optimizer, loader = engine.make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=small_loader(), target_epsilon=2.0, target_delta=1e-5, epochs=3,
+            max_grad_norm=1.0, **epsilon_kwargs)
+    check = create_accountant(accountant)
+    check.history = [(optimizer.noise_multiplier, loader.sample_rate, 3 * len(loader))]
+    assert 1.9 <= check.get_epsilon(1e-5, **epsilon_kwargs) <= 2.0
+
+
+def test_opacus_wrap_model_and_rand_on_empty_flags():
+    """wrap_model=False: the original module trains privately (the hooks sit on its layers) —
+    its update equals the wrapped run's; rand_on_empty=True warns that it has no effect."""
+    updates = []
+    for wrap in (True, False):
+        model = small_model()
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = small_data()
+        gsm, optimizer, _ = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=len(x)), noise_multiplier=0.0,
+            max_grad_norm=0.1, poisson_sampling=False, wrap_model=wrap)
+        nn.functional.cross_entropy((gsm if wrap else model)(x), y).backward()
+        optimizer.step()
+        updates.append([b - p.detach() for b, p in zip(before, model.parameters())])
+    for a, b in zip(*updates):
+        assert a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    model = small_model()
+    with pytest.warns(UserWarning, match="rand_on_empty=True has no effect"):
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                     data_loader=small_loader(), noise_multiplier=1.0, max_grad_norm=1.0,
+                                     rand_on_empty=True)
+    with pytest.raises(TypeError, match="wrap_model must be a bool"):
+        PrivacyEngine().make_private(module=small_model(), optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                     data_loader=small_loader(), noise_multiplier=1.0, max_grad_norm=1.0,
+                                     wrap_model="no")
