@@ -1,8 +1,9 @@
 """Classic module surgery helpers (Opacus 0.x ``opacus.utils.module_modification``).
 
 ``convert_batchnorm_modules`` works in place, like 0.x. The default converter builds a
-GroupNorm whose group count is the largest divisor of the channel count that is ≤ 32 (0.x used
-``min(32, C)``, which fails whenever 32 does not divide C), with eps and affine weights kept.
+GroupNorm whose group count is the largest divisor of the channel count that is ≤ 32 (0.x's
+``min(32, C)`` wherever that was valid; 0.x failed for C > 32 not divisible by 32), with eps
+and affine weights kept. (``ModuleValidator.fix`` uses 1.x's ``gcd(32, C)``.)
 The 1.x way is ``ModuleValidator.fix(model)``, which returns a fixed copy.
 """
 
@@ -11,12 +12,12 @@ from typing import Callable, Type
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from opacus_dp.validators.fixers import batchnorm_to_groupnorm, batchnorm_to_instancenorm
+from opacus_dp.validators.fixers import batchnorm_to_groupnorm, batchnorm_to_instancenorm, classic_num_groups
 
 
 def _batchnorm_to_groupnorm(module: _BatchNorm) -> nn.GroupNorm:
     """Default converter: GroupNorm(largest divisor of C that is ≤ 32, C)."""
-    return batchnorm_to_groupnorm(module)
+    return batchnorm_to_groupnorm(module, num_groups=classic_num_groups(module.num_features))
 
 
 def _batchnorm_to_instancenorm(module: _BatchNorm) -> nn.Module:

@@ -4,6 +4,7 @@ Replacements keep device, dtype, training mode, trainable weights (values and ``
 """
 
 import importlib
+import math
 from typing import Optional
 
 import torch
@@ -23,11 +24,20 @@ _DP_RNN_NAMES = {nn.LSTM: "DPLSTM", nn.GRU: "DPGRU", nn.RNN: "DPRNN"}
 
 
 def default_num_groups(num_channels: int, max_groups: int = MAX_GROUPS) -> int:
-    """The largest divisor of ``num_channels`` that is ≤ ``max_groups`` (e.g. 96→32, 50→25, 6→6, 3→3).
+    """``gcd(max_groups, C)`` groups, as Opacus (e.g. 96→32, 48→16, 6→2, 3→1).
 
-    A divisor is required by GroupNorm; taking the largest one ≤ 32 stays closest to the
-    G = 32 of Wu & He (2018) while never failing for channel counts that 32 does not divide.
+    G = 32 of Wu & He (2018) where 32 divides the channel count, else its largest divisor that
+    also divides C (GroupNorm needs a divisor); the same count as Opacus, so that a model fixed
+    here has the architecture (and takes the checkpoints) of the model Opacus would build.
     """
+    if num_channels <= 0:
+        raise ValueError(f"num_channels must be positive, got {num_channels}")
+    return math.gcd(max_groups, num_channels)
+
+
+def classic_num_groups(num_channels: int, max_groups: int = MAX_GROUPS) -> int:
+    """The largest divisor of C that is ≤ ``max_groups``: Opacus 0.x's ``min(32, C)`` wherever
+    that was a divisor (C ≤ 32 or 32 | C), and a valid count where 0.x failed (e.g. 48→24)."""
     if num_channels <= 0:
         raise ValueError(f"num_channels must be positive, got {num_channels}")
     return max(g for g in range(1, min(max_groups, num_channels) + 1) if num_channels % g == 0)

@@ -99,8 +99,8 @@ class ModuleValidator:
     ) -> nn.Module:
         """A fixed deep copy of ``module`` (the argument is left untouched).
 
-        * BatchNorm1d/2d/3d, SyncBatchNorm -> GroupNorm(``num_groups`` or the largest divisor of C
-          that is ≤ 32, C) with the affine weights copied; with ``replace_bn_with_in=True`` the
+        * BatchNorm1d/2d/3d, SyncBatchNorm -> GroupNorm(``num_groups`` or gcd(32, C), as Opacus,
+          C) with the affine weights copied; with ``replace_bn_with_in=True`` the
           InstanceNorm of the same dimensionality instead;
         * InstanceNorm with ``track_running_stats=True`` -> the same without running statistics;
         * trainable nn.LSTM / nn.GRU / nn.RNN -> DPLSTM / DPGRU / DPRNN, nn.MultiheadAttention ->
