@@ -1,0 +1,51 @@
+"""``opacus_dp.optimizers`` (Opacus 1.x ``opacus.optimizers``): the same updates as Opacus's
+classes from the same per-sample gradients (σ = 0), and clear refusals for the combinations
+that ``make_private`` sets up."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+
+def _step(module, make_optimizer, grad_samples, bound):
+    model = nn.Linear(3, 2).double()
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), (torch.arange(6.0).reshape(2, 3) / 7, torch.tensor([0.1, -0.2]))):
+            p.copy_(w)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = make_optimizer(module)(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                                       max_grad_norm=bound, expected_batch_size=5)
+    for p, g in zip(model.parameters(), grad_samples):
+        p.grad_sample = g.clone()
+        p.grad = g.sum(0)
+    optimizer.step()
+    return [b - p.detach() for b, p in zip(before, model.parameters())]
+
+
+@pytest.mark.parametrize("name, bound", [("DPOptimizer", 0.4), ("DPPerLayerOptimizer", [0.3, 0.2])])
+def test_compat_optimizers_update_like_opacus(name, bound):
+    import opacus.optimizers
+
+    import opacus_dp.optimizers
+
+    g = torch.Generator().manual_seed(0)
+    grad_samples = [torch.randn(5, 2, 3, generator=g, dtype=torch.float64),
+                    torch.randn(5, 2, generator=g, dtype=torch.float64)]
+    ours = _step(opacus_dp.optimizers, lambda m: getattr(m, name), grad_samples, bound)
+    theirs = _step(opacus.optimizers, lambda m: getattr(m, name), grad_samples, bound)
+    for a, b in zip(ours, theirs):
+        assert a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_get_optimizer_class():
+    from opacus_dp.optimizers import DPOptimizer, DPPerLayerOptimizer, get_optimizer_class
+
+    assert get_optimizer_class("flat", False) is DPOptimizer
+    assert get_optimizer_class("per_layer", False, "functorch") is DPPerLayerOptimizer
+    with pytest.raises(ValueError, match="use PrivacyEngine.make_private"):
+        get_optimizer_class("flat", True)
+    with pytest.raises(ValueError, match="use PrivacyEngine.make_private"):
+        get_optimizer_class("flat", False, "ghost")
+    with pytest.raises(ValueError, match="clipping must be"):
+        get_optimizer_class("adaptive", False)
