@@ -19,14 +19,15 @@ from opacus_dp.optim.noise import check_noise_multiplier
 def _wrap_hooks(module: nn.Module, *, batch_first: bool, loss_reduction: str):
     from opacus_dp.grad_sample import GradSampleModule
 
-    return GradSampleModule(module, batch_first=batch_first, loss_reduction=loss_reduction, strict=True)
+    return GradSampleModule(module, batch_first=batch_first, loss_reduction=loss_reduction, strict=True,
+                            skip_weight_grads=True)
 
 
 def _wrap_functorch(module: nn.Module, *, batch_first: bool, loss_reduction: str):
     from opacus_dp.grad_sample import GradSampleModule
 
     return GradSampleModule(module, batch_first=batch_first, loss_reduction=loss_reduction,
-                            strict=True, force_functorch=True)
+                            strict=True, force_functorch=True, skip_weight_grads=True)
 
 
 def _wrap_norms_only(mode: str) -> Callable:

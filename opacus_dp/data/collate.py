@@ -44,11 +44,14 @@ def _empty_tensor(value: torch.Tensor, pair: Any, batch_first: bool, where: str)
 
 
 def _is_per_sample_list(value, pair) -> bool:
-    """A list with one entry per example: it grows from 1 to 2 entries with the examples, or
-    (with no second collate to compare) holds only plain Python scalars (e.g. strings)."""
-    if isinstance(pair, (list, tuple)) and not hasattr(value, "_fields"):
-        return len(value) == 1 and len(pair) == 2
-    return not hasattr(value, "_fields") and len(value) > 0 and all(isinstance(v, _SCALARS) for v in value)
+    """A list emptied as a whole: one entry per example (it grows from 1 to 2 entries with the
+    examples), or plain Python scalars (e.g. strings: per-example names, or constant metadata,
+    which an empty batch need not carry)."""
+    if hasattr(value, "_fields"):
+        return False
+    if isinstance(pair, (list, tuple)) and len(value) == 1 and len(pair) == 2:
+        return True
+    return len(value) > 0 and all(isinstance(v, _SCALARS) for v in value)
 
 
 def _part(pair: Any, key) -> Any:

@@ -47,7 +47,7 @@ def _sampler_problems(data_loader: DataLoader, poisson_expected: bool) -> List[s
             f"custom batch sampler {type(batch_sampler).__name__}: its inclusion probabilities are unknown, "
             "so the accountant's sample rate may under-state the privacy loss"
         )
-    elif not isinstance(batch_sampler.sampler, (RandomSampler, SequentialSampler)):
+    elif not isinstance(batch_sampler.sampler, (RandomSampler, SequentialSampler, DistributedSampler)):
         problems.append(
             f"sampler {type(batch_sampler.sampler).__name__} is not uniform (e.g. weighted): examples drawn "
             "more often than the sample rate q lose more privacy than the accountant reports"
@@ -72,7 +72,8 @@ def check_batching(data_loader: DataLoader, where: str) -> None:
         raise ValueError(
             f"{where}: data_loader has automatic batching disabled (batch_size=None), so each "
             "example would arrive without a batch dimension and its rows be clipped as separate "
-            "examples; give the DataLoader a batch_size"
+            "examples; give the DataLoader a batch_size (if each item of the dataset is already "
+            "a batch: DataLoader(dataset, batch_size=1, collate_fn=lambda items: items[0]))"
         )
     try:
         len(data_loader)

@@ -86,6 +86,7 @@ class Bookkeeper:
         self._pending: Dict[nn.Module, int] = {}
         self._open: Dict[int, Pass] = {}
         self._resolved: List[Pass] = []
+        self.tasks: Set[int] = set()  # graph tasks that opened a pass since the last take/clear
         self._summing: Optional[_SumsPass] = None
         self._lock = threading.RLock()
 
@@ -130,6 +131,7 @@ class Bookkeeper:
         current = self._open.get(task)
         if current is None:
             current = self._open[task] = Pass(batch_size, name)
+            self.tasks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._close(task))
         elif current.batch_size != batch_size:
             del self._open[task]
@@ -267,6 +269,7 @@ class Bookkeeper:
     def _take(self) -> List[Pass]:
         with self._lock:
             taken, self._resolved = self._resolved, []
+            self.tasks.clear()
             return taken
 
     def clear(self) -> None:
@@ -274,6 +277,7 @@ class Bookkeeper:
         with self._lock:
             self._open.clear()
             self._resolved = []
+            self.tasks.clear()
             self._summing = None
 
 

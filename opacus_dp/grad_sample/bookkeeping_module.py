@@ -36,8 +36,6 @@ from opacus_dp.grad_sample.bookkeeping import Bookkeeper
 from opacus_dp.grad_sample.bookkeeping_pass import shared_layers
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.support import describe, has_trainable_parameters
-from opacus_dp.grad_sample.weight_grad_skipping import OutsideUseCheck
-from opacus_dp.grad_sample.weight_grad_skipping import skip_weight_grads as install_skipping
 from opacus_dp.optim.clipping import check_finite_norms
 
 
@@ -59,36 +57,23 @@ class BookkeepingGradSampleModule(GradSampleModule):
             per-sample gradients; the ``bk`` and ``ghost`` modes) or ``"ghost"`` (ghost norm
             wherever the layer type has one, as Opacus's ghost clipping; slower for layers
             with many positions, e.g. early convolutions).
-        skip_weight_grads: do not let autograd compute weight gradients (default: True
-            unless the model contains ``DistributedDataParallel``).
+        skip_weight_grads: as for ``GradSampleModule`` (default here: True).
     """
 
     _tracks_producers = True  # kept ghost inputs may be held as their activation's input
 
     def __init__(self, module: nn.Module, batch_first: bool = True, loss_reduction: str = "mean",
                  strict: bool = True, layer_rule: str = "mixed",
-                 skip_weight_grads: Optional[bool] = None):
+                 skip_weight_grads: bool = True):
         if isinstance(module, nn.Module):
             _refuse_data_parallel(module)
         self._bookkeeper = Bookkeeper(self._per_sample_grads, layer_rule)
         super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction,
-                         strict=strict)
+                         strict=strict, skip_weight_grads=skip_weight_grads)
         self._bookkeeper.shared_layers = shared_layers(self._hooked_layers())
         self._bookkeeper.other_batches = lambda: self._store.passes
         self._store.other_batches = lambda: self._bookkeeper.num_passes
-        if skip_weight_grads is None:
-            skip_weight_grads = not any(isinstance(m, DistributedDataParallel) for m in module.modules())
-        self.skips_weight_grads = bool(skip_weight_grads)
-        if self.skips_weight_grads:
-            check = OutsideUseCheck({id(p): n for n, p in self._module.named_parameters()})
-            for layer in self._hooked_layers():
-                self._handles.extend(install_skipping(layer, self._recording, check))
-
-    def _hooked_layers(self) -> List[nn.Module]:
-        return [m for m in self._module.modules() if gsm_module._HOOKED_BY.get(m) is self]
-
-    def _recording(self) -> bool:
-        return self.hooks_enabled and not getattr(gsm_module._RECOMPUTING, "active", False)
+        self._store.counted_elsewhere = lambda task: task in self._bookkeeper.tasks
 
     @property
     def layer_rule(self) -> str:
@@ -166,6 +151,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
     def clipped_sums(self, params: Sequence[torch.Tensor],
                      factors: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         """``Σ_i f_i g_i`` per param for the factors of :meth:`per_sample_norms`; consumes."""
+        self._consumed()
         return self._bookkeeper.clipped_sums(params, factors)
 
     def set_factor_function(self, factor_function) -> None:

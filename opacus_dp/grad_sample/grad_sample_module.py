@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
 from opacus_dp.distributed import data_parallel
@@ -33,6 +34,8 @@ from opacus_dp.grad_sample.functorch import explained_fallback_error, functorch_
 from opacus_dp.grad_sample.layer_call import LayerCall, call_batch_dim, hook_output_grad, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
+from opacus_dp.grad_sample.weight_grad_skipping import OutsideUseCheck
+from opacus_dp.grad_sample.weight_grad_skipping import skip_weight_grads as install_skipping
 from opacus_dp.grad_sample.support import (
     autocast_of,
     describe,
@@ -61,6 +64,10 @@ def _master_grad_samples(
     return {by_id[id(t)]: gs for t, gs in grad_samples.items()}
 
 
+def _has_replicas(module: nn.Module) -> bool:
+    return any(isinstance(m, (nn.DataParallel, DistributedDataParallel)) for m in module.modules())
+
+
 class GradSampleModule(nn.Module):
     """Wraps ``module`` so that each trainable parameter gets ``p.grad_sample``.
 
@@ -75,6 +82,13 @@ class GradSampleModule(nn.Module):
             submodules are left without hooks.
         force_functorch: use the ``torch.func`` fallback for every layer but
             ``nn.EmbeddingBag`` (its bags, cut by ``offsets``, are not rows of a tensor).
+        skip_weight_grads: do not let autograd compute the hooked layers' own weight gradients
+            (see :mod:`~opacus_dp.grad_sample.weight_grad_skipping`; the DP optimizer forms
+            ``p.grad`` from the per-sample gradients): a third less backward arithmetic for
+            Linear layers, and a use of a parameter outside its module is refused. ``p.grad``
+            then stays None after ``loss.backward()`` (call :meth:`disable_hooks` for an ordinary
+            gradient). Never done for models with ``nn.DataParallel`` or
+            ``DistributedDataParallel`` inside (replicas, reducer), where it is ignored.
 
     Accumulation: per-sample gradients of all calls made for one backward pass (loops,
     RNN time steps, tied weights, several forwards added into one loss) are summed;
@@ -96,6 +110,7 @@ class GradSampleModule(nn.Module):
         loss_reduction: str = "mean",
         strict: bool = True,
         force_functorch: bool = False,
+        skip_weight_grads: bool = False,
     ):
         super().__init__()
         self._check_arguments(module, batch_first, loss_reduction)
@@ -112,6 +127,27 @@ class GradSampleModule(nn.Module):
         self._add_hooks()
         if self._handles:
             data_parallel.acquire(self)
+        self.skips_weight_grads = bool(skip_weight_grads) and not _has_replicas(module)
+        if self.skips_weight_grads:
+            self._skip_weight_grads()
+
+    def _skip_weight_grads(self) -> None:
+        self._outside_use = OutsideUseCheck({id(p): n for n, p in self._module.named_parameters()})
+        for layer in self._hooked_layers():
+            self._handles.extend(install_skipping(layer, self._recording, self._outside_use))
+        self._handles.append(self._outside_use)
+
+    def _consumed(self) -> None:
+        """The optimizer took the per-sample state of the pending batches."""
+        if self.skips_weight_grads:
+            self._outside_use.reset()
+
+    def _hooked_layers(self) -> List[nn.Module]:
+        return [m for m in self._module.modules() if _HOOKED_BY.get(m) is self]
+
+    def _recording(self) -> bool:
+        """The hooks record this call (not disabled, not a fallback's recomputation)."""
+        return self.hooks_enabled and not getattr(_RECOMPUTING, "active", False)
 
     @staticmethod
     def _check_arguments(module, batch_first, loss_reduction) -> None:
@@ -317,6 +353,7 @@ class GradSampleModule(nn.Module):
 
     def pop_grad_samples(self) -> Dict[torch.Tensor, torch.Tensor]:
         """Return ``{param: per-sample gradient}`` and drop them from the wrapper and params."""
+        self._consumed()
         return self._store.pop_all()
 
     def zero_grad_sample(self) -> None:
@@ -352,6 +389,8 @@ class GradSampleModule(nn.Module):
         self.hooks_enabled = False
 
     def enable_hooks(self) -> None:
+        if not self.hooks_enabled:
+            self._consumed()  # what passes without hooks excused ends here
         self.hooks_enabled = True
 
     def remove_hooks(self) -> None:

@@ -25,9 +25,10 @@ BATCH_FIRST_LAYERS = (nn.EmbeddingBag, nn.modules.conv._ConvNd, nn.GroupNorm,
                       nn.modules.instancenorm._InstanceNorm, nn.RNNCellBase)
 
 
-# layers acting on the last dimension: a 2-D input is (N, features) in either layout (a
-# sequence-first model's head on the last state, say): the batch is dim 0 there too.
-FEATURE_LAST_LAYERS = (nn.Linear, nn.LayerNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+# layers whose 2-D output is (N, features) in either layout: a Linear/LayerNorm on a 2-D input
+# (a sequence-first model's head on the last state, say), an Embedding of a 1-D input (a
+# per-example id): the batch is dim 0 there too.
+FEATURE_LAST_LAYERS = (nn.Linear, nn.LayerNorm, nn.Embedding) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 
 
 def call_batch_dim(layer: nn.Module, batch_first: bool, output: torch.Tensor) -> int:

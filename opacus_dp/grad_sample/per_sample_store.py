@@ -82,6 +82,7 @@ class PerSampleGradStore:
         self.accumulation_allowed = True
         self.passes = 0  # backward passes that added per-sample gradients since the last pop/clear
         self.other_batches = lambda: 0  # batches held elsewhere (the bk mode's passes)
+        self.counted_elsewhere = lambda task: False  # a graph task whose pass is held elsewhere
 
     # ----------------------------------------------------------------- adding
     def add(self, param: torch.Tensor, grad_sample: torch.Tensor, layer: str, chunk: int = 0,
@@ -161,6 +162,8 @@ class PerSampleGradStore:
             finished = self._passes.pop(task, None)
             if finished is None or not (finished.sums or finished.empty_batch):
                 return
+            if not finished.sums and self.counted_elsewhere(task):
+                return  # a layer called on no rows within a batch that is counted already
             self._refuse_second_batch()
             for param in finished.sums:
                 self._append(param, finished.concatenated(param, self._undo_mean))

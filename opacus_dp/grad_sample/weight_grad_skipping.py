@@ -22,7 +22,8 @@ The switch also reveals a parameter used *outside* its layer (``F.linear(h, emb.
 a parent's forward or in the loss): the layer's calls add no gradient to it, so any gradient
 autograd accumulates into it comes from elsewhere, and has no per-sample gradient — the update
 would silently leave that use out. :class:`OutsideUseCheck` raises at that backward pass,
-naming the parameter (parameters of calls that were not switched are excused).
+naming the parameter (parameters of calls that were not switched — a layer of another type on
+data, hooks disabled — are excused until the step consumes the batch).
 """
 
 from typing import Callable, Dict, List, Optional
@@ -35,7 +36,8 @@ from opacus_dp.grad_sample.support import own_parameters
 from opacus_dp.layers.batch_first import BatchFirstLinear
 
 ANCHORED_TYPES = (nn.Linear, BatchFirstLinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding,
-                  nn.LayerNorm, nn.GroupNorm)
+                  nn.EmbeddingBag, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm) \
+    + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 _ANCHOR = torch.zeros((), requires_grad=True)
 
 
@@ -71,17 +73,28 @@ class OutsideUseCheck:
         self._names = names
         self._watched: set = set()
         self._excused: set = set()
+        self._handles: List[object] = []
 
-    def watch(self, param: torch.Tensor) -> Optional[object]:
-        """Hook ``param`` once; returns the handle (None if already watched or frozen)."""
-        if id(param) in self._watched or not param.requires_grad:
-            return None
-        self._watched.add(id(param))
-        return param.register_post_accumulate_grad_hook(self._accumulated)
+    def watch(self, param: torch.Tensor) -> None:
+        """Hook ``param`` once it is trainable (a frozen tensor has nothing to accumulate)."""
+        if id(param) not in self._watched and param.requires_grad:
+            self._watched.add(id(param))
+            self._handles.append(param.register_post_accumulate_grad_hook(self._accumulated))
+
+    def remove(self) -> None:
+        """Remove the hooks (a handle of the wrapper, like the layers' hook handles)."""
+        while self._handles:
+            self._handles.pop().remove()
+        self._watched.clear()
 
     def excuse(self, param: torch.Tensor) -> None:
-        """A call of the layer left ``param`` requiring grad: its own gradient is legitimate."""
+        """A call of the layer left ``param`` requiring grad: its own gradient is legitimate
+        (until :meth:`reset`)."""
         self._excused.add(id(param))
+
+    def reset(self) -> None:
+        """The per-sample state was consumed (a step): excuses end with the passes they covered."""
+        self._excused.clear()
 
     def _accumulated(self, param: torch.Tensor) -> None:
         if id(param) in self._excused:
@@ -102,15 +115,20 @@ def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool],
 
     ``is_active()`` is asked at every call (e.g. False while hooks are disabled or while a
     layer is recomputed for the ``torch.func`` fallback). With ``check``, the layer's
-    parameters are watched for gradients from outside uses.
+    parameters are watched for gradients from outside uses (``check.remove()`` undoes that).
     """
     params = [p for _, p in own_parameters(layer)]
     anchored = type(layer) in ANCHORED_TYPES
     saved: List[tuple] = []
 
     def before(module, args, kwargs):
+        if check is not None:
+            for p in params:  # also a tensor unfrozen since the wrapper was built
+                check.watch(p)
         switched, anchor = [], False
-        active = torch.is_grad_enabled() and is_active()
+        # a replica made by nn.DataParallel around the wrapper shares the hooks: its parameters
+        # are differentiable copies whose gradients reach the masters' p.grad (legitimately)
+        active = torch.is_grad_enabled() and is_active() and module is layer
         carries = active and _carries_grad(args, kwargs)
         if carries or (active and anchored):
             switched = [p for p in params if p.requires_grad]
@@ -135,5 +153,6 @@ def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool],
         layer.register_forward_hook(after, with_kwargs=True, prepend=True, always_call=True),
     ]
     if check is not None:
-        handles.extend(h for h in map(check.watch, params) if h is not None)
+        for p in params:
+            check.watch(p)
     return handles

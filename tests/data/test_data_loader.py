@@ -358,3 +358,24 @@ def test_loaders_without_batches_or_length_are_refused(poisson_sampling):
 def test_secure_mode_with_a_sequential_loader_names_the_way_out():
     with pytest.raises(ValueError, match=r"secure_mode=True.*SequentialSampler.*poisson_sampling=True"):
         _make_private(DataLoader(rows(), batch_size=4), poisson_sampling=False, secure_mode=True)
+
+
+def test_constant_metadata_lists_of_a_collate_are_emptied():
+    """A collate that adds constant strings (class names) to every batch: the empty batch has
+    an empty list there (as for per-example names), not a refusal."""
+    def collate(items):
+        return {"x": torch.stack([i[0] for i in items]), "classes": ["neg", "pos"], "task": ["cls"]}
+
+    loader = DPDataLoader(rows(), sample_rate=0.2, collate_fn=collate)
+    empty = loader.collate_fn([])
+    assert empty["x"].shape == (0, 4) and empty["classes"] == [] and empty["task"] == []
+
+
+def test_a_distributed_sampler_is_uniform_for_the_sampling_check():
+    from opacus_dp.data import check_sampling
+
+    shard = torch.utils.data.distributed.DistributedSampler(rows(), num_replicas=2, rank=0)
+    with pytest.warns(UserWarning) as caught:
+        check_sampling(DataLoader(rows(), batch_size=4, sampler=shard), poisson_expected=False)
+    assert not any("not uniform" in str(w.message) for w in caught)
+    assert any("fixed-size batches" in str(w.message) for w in caught)

@@ -45,8 +45,9 @@ def noise_run(rank, world_size, wrapper, accountant, sigma=1.0, steps=3):
     for step, (x, y) in enumerate(dp_loader):
         optimizer.zero_grad()
         nn.CrossEntropyLoss()(gsm(x), y).backward()
-        if step == 0:
-            grads = _gathered(next(gsm.parameters()).grad)
+        grad = next(gsm.parameters()).grad
+        if step == 0 and grad is not None:  # DPDDP: autograd computed no weight gradient at all
+            grads = _gathered(grad)
             result["ddp_grads_stayed_local"] = not torch.equal(grads[0], grads[1])
         optimizer.step()
         if step == 0:

@@ -122,3 +122,51 @@ def test_two_dimensional_head_of_a_sequence_first_model_equals_the_oracle(mode):
     for name, b, p, e in zip(names, before, model.parameters(), expected):
         torch.testing.assert_close(b - p.detach(), e, rtol=1e-9, atol=1e-12,
                                    msg=lambda m: f"update of {name}: {m}")
+
+
+class SequenceFirstWithId(nn.Module):
+    """``(T, B, WIDTH)`` inputs plus a per-example id ``(B,)``: the id's Embedding has a 2-D
+    ``(B, WIDTH)`` output, batch on dim 0 (WIDTH = B: reading dim 1 mixed the examples)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.ids = nn.Linear(WIDTH, WIDTH), nn.Embedding(6, WIDTH)
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x, ids):
+        return self.head(torch.tanh(self.proj(x)).mean(dim=0) + self.ids(ids))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bk", "ghost", "auto"])
+def test_embedding_of_a_per_example_id_in_a_sequence_first_model_equals_the_oracle(mode):
+    torch.manual_seed(2)
+    model = SequenceFirstWithId().double()
+    x = torch.randn(BATCH, STEPS, WIDTH, dtype=torch.float64)
+    ids = torch.tensor([0, 3, 5, 3])
+    m64 = copy.deepcopy(model)
+    names = [n for n, _ in trainable(model)]
+    per_sample = []
+    for i in range(BATCH):  # one example at a time: (T, 1, WIDTH) and its id
+        grads = torch.autograd.grad(default_loss(m64(x[i:i + 1].transpose(0, 1), ids[i:i + 1])),
+                                    [p for _, p in trainable(m64)])
+        per_sample.append(grads)
+    rows = [torch.stack([g[k] for g in per_sample]) for k in range(len(names))]
+    bound = torch.sqrt(sum(g.reshape(BATCH, -1).pow(2).sum(1) for g in rows)).median().item()
+    expected = [s / BATCH for s in clipped_sum_oracle(rows, bound, False)]
+    collate = lambda items: (torch.stack([i[0] for i in items], dim=1), torch.stack([i[1] for i in items]))  # noqa: E731
+    loader = DataLoader(TensorDataset(x, ids), batch_size=BATCH, collate_fn=collate)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
+            noise_multiplier=0.0, max_grad_norm=bound, batch_first=False, poisson_sampling=False,
+            grad_sample_mode=mode, criterion=lambda out, *_: default_loss(out) / BATCH)
+    gsm, optimizer, loader = result[0], result[1], result[-1]
+    criterion = result[2] if mode == "ghost" else (lambda out: default_loss(out) / BATCH)
+    before = [p.detach().clone() for p in model.parameters()]
+    xb, idb = next(iter(loader))
+    criterion(gsm(xb, idb)).backward()
+    optimizer.step()
+    for name, b, p, e in zip(names, before, model.parameters(), expected):
+        torch.testing.assert_close(b - p.detach(), e, rtol=1e-9, atol=1e-12,
+                                   msg=lambda m: f"update of {name}: {m}")

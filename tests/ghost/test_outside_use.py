@@ -1,10 +1,10 @@
 """A parameter used outside the module that owns it, and parameters tied between modules.
 
 ``F.linear(h, emb.weight)`` in a parent's forward (or in the loss) adds a gradient that no
-per-sample hook sees: the private update would silently leave that use out. The norms-only
-modes (``bk``, ``ghost``, ``auto``) switch the owner's weight gradients off, so any gradient
-autograd still accumulates into the parameter comes from such a use: the backward pass is
-refused, naming the parameter, and nothing is updated. Tying the weight through a second
+per-sample hook sees: the private update would silently leave that use out. Every mode of
+``make_private`` (and the classic ``attach``) switches the owner's weight gradients off, so any
+gradient autograd still accumulates into the parameter comes from such a use: the backward
+pass is refused, naming the parameter, and nothing is updated. Tying the weight through a second
 module (``head.weight = emb.weight``) is the supported form: every mode's update equals the
 float64 oracle (per-sample autograd loop, clipped by hand). Layers whose own calls leave
 their parameters requiring grad (an ``EmbeddingBag`` on the token input, ``disable_hooks``)
@@ -26,7 +26,7 @@ from tests.grad_sample.oracle import default_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB, DIM, BATCH, LENGTH = 12, 6, 8, 5
-NORMS_ONLY_MODES = ["bk", "ghost", "auto"]
+ALL_MODES = ["hooks", "functorch", "bk", "ghost", "auto"]
 
 
 class OutsideHead(nn.Module):
@@ -98,7 +98,7 @@ def median_flat_bound(rows):
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
-@pytest.mark.parametrize("mode", NORMS_ONLY_MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_use_outside_the_owner_in_forward_is_refused(mode, clipping):
     model, x = build(OutsideHead), tokens()
     bound = 0.1 if clipping == "flat" else [0.1, 0.1, 0.1]
@@ -110,7 +110,7 @@ def test_use_outside_the_owner_in_forward_is_refused(mode, clipping):
     assert_unchanged(before, model)
 
 
-@pytest.mark.parametrize("mode", ["bk", "auto"])
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bk", "auto"])
 def test_use_outside_the_model_in_the_loss_is_refused(mode):
     model, x = build(OutsideHead), tokens()
     _, module, optimizer, _, _ = private(model, loader(x), mode, 0.1)
@@ -133,7 +133,7 @@ def test_weight_tied_through_a_module_matches_the_oracle(mode):
     assert_update_matches(names, before, model, expected)
 
 
-@pytest.mark.parametrize("mode", NORMS_ONLY_MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_own_gradients_of_an_unswitched_layer_are_not_taken_for_an_outside_use(mode):
     model, x = build(BagFirst), tokens()
     names, rows = token_oracle(model, x)
@@ -147,12 +147,84 @@ def test_own_gradients_of_an_unswitched_layer_are_not_taken_for_an_outside_use(m
     assert_update_matches(names, before, model, expected)
 
 
-def test_disabled_hooks_give_the_ordinary_gradient_of_an_outside_use():
+def test_use_outside_the_owner_is_refused_by_the_classic_api():
+    from opacus_dp import PrivacyEngine
+
+    model, x = build(OutsideHead), tokens()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.warns(UserWarning):
+        PrivacyEngine(model, batch_size=BATCH, sample_size=10 * BATCH, noise_multiplier=1.0,
+                      max_grad_norm=1.0).attach(optimizer)
+    with pytest.raises(RuntimeError, match=r"parameter emb\.weight .*outside"):
+        default_loss(model(x)).backward()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_disabled_hooks_give_the_ordinary_gradient_of_an_outside_use(mode):
     model, x = build(OutsideHead), tokens()
     plain = copy.deepcopy(model)
     default_loss(plain(x)).backward()
-    _, module, _, _, _ = private(model, loader(x), "bk", 0.1)
+    _, module, _, _, _ = private(model, loader(x), mode, 0.1)
     module.disable_hooks()
     default_loss(module(x)).backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
+
+
+class BagOutside(nn.Module):
+    """An EmbeddingBag on the tokens; its weight reused by ``F.linear`` outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.mix = nn.EmbeddingBag(VOCAB, DIM, mode="mean"), nn.Linear(DIM, DIM)
+
+    def forward(self, tokens):
+        return F.linear(torch.tanh(self.mix(self.first(tokens))), self.first.weight)
+
+
+class RMSNormOutside(nn.Module):
+    """An RMSNorm on the (float) data; its weight reused by ``F.linear`` outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.mix = nn.RMSNorm(DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return F.linear(torch.tanh(self.mix(self.first(x))), self.first.weight.unsqueeze(0))
+
+
+@pytest.mark.skipif(not hasattr(nn, "RMSNorm"), reason="nn.RMSNorm needs torch >= 2.4")
+@pytest.mark.parametrize("first", ["embedding_bag", "rms_norm"])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_first_layers_of_other_types_are_watched_too(mode, first):
+    """EmbeddingBag and RMSNorm on data have their weight gradients switched off as well (they
+    had been exempted for good, so an outside use of their weight went unseen)."""
+    torch.manual_seed(3)
+    if first == "embedding_bag":
+        model, x = BagOutside(), tokens()
+    else:
+        model, x = RMSNormOutside(), torch.randn(BATCH, DIM)
+    _, module, optimizer, criterion, _ = private(model, loader(x), mode, 0.1)
+    with pytest.raises(RuntimeError, match=r"parameter first\.weight .*outside"):
+        criterion(module(x)).backward()
+
+
+def test_a_pass_with_hooks_disabled_excuses_nothing_afterwards():
+    model, x = build(OutsideHead), tokens()
+    _, module, optimizer, criterion, _ = private(model, loader(x), "bk", 0.1)
+    module.disable_hooks()
+    default_loss(module(x)).backward()  # an ordinary (non-private) pass
+    module.enable_hooks()
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match=r"parameter emb\.weight .*outside"):
+        criterion(module(x)).backward()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_tensor_unfrozen_after_wrapping_is_watched(mode):
+    model, x = build(OutsideHead), tokens()
+    model.emb.weight.requires_grad_(False)
+    _, module, optimizer, criterion, _ = private(model, loader(x), mode, 0.1)
+    model.emb.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"parameter emb\.weight .*outside"):
+        criterion(module(x)).backward()

@@ -222,3 +222,42 @@ def test_the_step_refuses_poisson_batches_merged_past_the_wrapper():
     assert len(engine.accountant) == 0
     for a, b in zip(gsm.parameters(), before):
         assert torch.equal(a.detach(), b)
+
+
+class _AuxOnNoRows(torch.nn.Module):
+    """A batch whose forward also calls a layer on no rows (an empty selection)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.aux = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.aux(h[:0]).sum(0)
+
+
+@pytest.mark.parametrize("poisson_sampling", [False, True])
+@pytest.mark.parametrize("mode", ["bk", "auto"])
+def test_a_layer_called_on_no_rows_within_a_batch_adds_no_batch(mode, poisson_sampling):
+    """One batch, one step: the empty call's backward is part of the batch's pass (it had been
+    counted as a second batch: the update halved, or the Poisson step refused)."""
+    torch.manual_seed(0)
+    model = _AuxOnNoRows().double()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 2, (8,))
+    plain = [p.detach().clone() for p in model.parameters()]
+    engine = quiet(PrivacyEngine, accountant="rdp")
+    gsm, optimizer, _ = quiet(
+        engine.make_private, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8), noise_multiplier=0.0,
+        max_grad_norm=1e6, poisson_sampling=poisson_sampling, grad_sample_mode=mode)
+    loss_of(gsm, x, y).backward()
+    optimizer.step()
+    assert len(engine.accountant) == 1
+    ref = _AuxOnNoRows().double()  # σ = 0, no clipping: the plain gradient step
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), plain):
+            p.copy_(q)
+    loss_of(ref, x, y).backward()
+    for p, q, r in zip(model.parameters(), plain, ref.parameters()):
+        expected = q - r.grad * (8 / optimizer.expected_batch_size)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-9, atol=1e-12)
