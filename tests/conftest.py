@@ -1,6 +1,5 @@
 """Shared test fixtures: deterministic seeds, float64 helpers, free ports for gloo."""
 
-import os
 import socket
 
 import pytest

@@ -23,7 +23,7 @@ the loop itself, which cannot show that the pieces come from one sampled batch.
 import math
 import warnings
 from collections import deque
-from typing import Iterator, List, Optional
+from typing import Iterator, List
 
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 

@@ -49,6 +49,7 @@ import torch.nn as nn
 from opacus_dp.grad_sample.bookkeeping_pass import (
     LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, resolve_calls)
 from opacus_dp.grad_sample.modification_guard import changed_before_step
+from opacus_dp.grad_sample.per_sample_store import second_batch_error
 from opacus_dp.grad_sample.recomputed_inputs import materialise
 from opacus_dp.optim.clipping import weighted_sum
 
@@ -163,13 +164,7 @@ class Bookkeeper:
             if finished is None or not (finished.deferred or finished.modes):
                 return  # no call recorded (a pass opened for a recomputation that was not used)
             if (self._resolved or self.other_batches()) and not self.accumulation_allowed:
-                raise ValueError(
-                    "A second batch (a backward pass, over an empty batch too) came before "
-                    "the previous one was consumed, which this configuration forbids "
-                    "(Poisson sampling: two batches in one step would be recorded as one): call "
-                    "optimizer.step() and optimizer.zero_grad() after every batch, or use "
-                    "BatchMemoryManager for large logical batches."
-                )
+                raise second_batch_error()
             for layer, calls in list(finished.deferred.items()):
                 self._resolve(finished, layer, calls)
                 self._release(calls)

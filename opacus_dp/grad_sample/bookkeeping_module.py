@@ -29,9 +29,8 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DataParallel, DistributedDataParallel
+from torch.nn.parallel import DataParallel
 
-from opacus_dp.grad_sample import grad_sample_module as gsm_module
 from opacus_dp.grad_sample.bookkeeping import Bookkeeper
 from opacus_dp.grad_sample.bookkeeping_pass import shared_layers
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule

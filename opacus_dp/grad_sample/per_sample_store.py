@@ -69,6 +69,16 @@ class _Pass:
         return torch.cat(ordered, dim=0)
 
 
+def second_batch_error() -> ValueError:
+    """A backward pass came while another batch's per-sample state waits for its step."""
+    return ValueError(
+        "A second batch (a backward pass, over an empty batch too) came before the previous "
+        "one was consumed, which this configuration forbids (Poisson sampling: two batches in "
+        "one step would be recorded as one): call optimizer.step() and optimizer.zero_grad() "
+        "after every batch, or use BatchMemoryManager for large logical batches."
+    )
+
+
 class PerSampleGradStore:
     """Holds per-sample gradients keyed by (master) parameter; see module docstring."""
 
@@ -133,13 +143,7 @@ class PerSampleGradStore:
     def _refuse_second_batch(self) -> None:
         """Raise if a batch is held already and accumulation is forbidden (Poisson batches)."""
         if not self.accumulation_allowed and self.passes + self.other_batches():
-            raise ValueError(
-                "A second batch (a backward pass, over an empty batch too) came before the "
-                "previous one was consumed, which this configuration forbids (Poisson "
-                "sampling: two batches in one step would be recorded as one): call "
-                "optimizer.step() and optimizer.zero_grad() after every batch, or use "
-                "BatchMemoryManager for large logical batches."
-            )
+            raise second_batch_error()
 
     def _check_batch_size(self, current: _Pass, size: int, layer: str, task: int, chunk: int) -> None:
         if chunk not in current.batch_size:

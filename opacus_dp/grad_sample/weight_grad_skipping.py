@@ -115,7 +115,8 @@ def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool],
 
     ``is_active()`` is asked at every call (e.g. False while hooks are disabled or while a
     layer is recomputed for the ``torch.func`` fallback). With ``check``, the layer's
-    parameters are watched for gradients from outside uses (``check.remove()`` undoes that).
+    parameters are watched, from their first call on, for gradients from outside uses
+    (``check.remove()`` undoes that).
     """
     params = [p for _, p in own_parameters(layer)]
     anchored = type(layer) in ANCHORED_TYPES
@@ -148,11 +149,7 @@ def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool],
             return _Anchor.apply(output, _ANCHOR)
         return None
 
-    handles = [
+    return [
         layer.register_forward_pre_hook(before, with_kwargs=True),
         layer.register_forward_hook(after, with_kwargs=True, prepend=True, always_call=True),
     ]
-    if check is not None:
-        for p in params:
-            check.watch(p)
-    return handles

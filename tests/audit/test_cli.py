@@ -21,7 +21,7 @@ def test_text_report_shows_the_accountant_bound_and_confidence(capsys):
     assert main(ARGS) == 0
     text = capsys.readouterr().out
     expected = run_audit(SAME)
-    assert f"accountant (prv) epsilon:" in text and f"{expected.accountant_epsilon:.3f}" in text
+    assert "accountant (prv) epsilon:" in text and f"{expected.accountant_epsilon:.3f}" in text
     assert f"{expected.epsilon_lower_bound:.3f}  <- headline" in text
     assert "at 90% confidence" in text and "consistent" in text
 

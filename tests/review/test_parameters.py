@@ -16,7 +16,6 @@ from tests.review.helpers import (
     loss_of,
     make_private,
     per_sample_grads,
-    tiny_dataset,
     tiny_model,
 )
 
