@@ -126,11 +126,26 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
 
     # ----------------------------------------------------------------- the private step
     def step(self, closure: Optional[Callable[[], float]] = None):
-        """One private step (or only clip + accumulate if a skip was signalled)."""
+        """One private step (or only clip + accumulate if a skip was signalled):
+        :meth:`pre_step`, then the inner optimizer's update."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.pre_step():
+            return loss
+        result = self._inner_step()
+        return loss if loss is not None else result
+
+    def pre_step(self, closure: Optional[Callable[[], float]] = None) -> bool:
+        """Everything of :meth:`step` but the inner optimizer's update (Opacus 1.x's name):
+        clip and accumulate; unless a skip was signalled, add the noise, reduce across
+        processes, set ``p.grad`` and record the step (step hooks: the accountant). Returns
+        whether the inner optimizer should now step (for training loops that call it
+        themselves)."""
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
         skip = self._skip_signals.popleft() if self._skip_signals else False
         if not skip:
             self.accumulated_iterations = self._pending_iterations()
@@ -140,16 +155,21 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
             self._run_hooks(self._pre_step_hooks)  # e.g. budget guard: may refuse the step
         self._accumulate_or_discard(check_size=not skip)
         if skip:
-            return loss
+            return False
         sums = self._take_summed_grads()
         if self.reducer.adds_noise:
             sums = self.add_noise(sums)
         agreed = self._step_settings() if self.reducer.world_size > 1 else None
         sums = self.reducer.reduce(sums, agreed=agreed)
         self._set_grads(self.scale_grad(sums))
-        result = self._inner_step()
         self._run_hooks(self._step_hooks)
-        return loss if loss is not None else result
+        return True
+
+    @property
+    def grad_samples(self) -> List[Optional[torch.Tensor]]:
+        """``p.grad_sample`` of each parameter (None where there is none, e.g. in the
+        norms-only modes), as Opacus's property."""
+        return [getattr(p, "grad_sample", None) for p in self.params]
 
     def _step_settings(self) -> Dict[str, float]:
         """What every process must share at this step (checked by a distributed reducer)."""

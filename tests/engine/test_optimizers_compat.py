@@ -49,3 +49,32 @@ def test_get_optimizer_class():
         get_optimizer_class("flat", False, "ghost")
     with pytest.raises(ValueError, match="clipping must be"):
         get_optimizer_class("adaptive", False)
+
+
+def test_pre_step_sets_the_private_gradient_like_opacus_and_leaves_the_update_to_the_caller():
+    """``pre_step()`` (Opacus 1.x): clip, accumulate, noise (σ = 0 here), scale into p.grad and
+    run the step hooks, but not the inner optimizer's update; ``grad_samples`` lists them."""
+    import opacus.optimizers
+
+    import opacus_dp.optimizers
+
+    g = torch.Generator().manual_seed(1)
+    grad_samples = [torch.randn(5, 2, 3, generator=g, dtype=torch.float64),
+                    torch.randn(5, 2, generator=g, dtype=torch.float64)]
+    grads, recorded = [], []
+    for module in (opacus_dp.optimizers, opacus.optimizers):
+        model = nn.Linear(3, 2).double()
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = module.DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                                       max_grad_norm=0.4, expected_batch_size=5)
+        optimizer.attach_step_hook(lambda opt: recorded.append(module.__name__))
+        for p, gs in zip(model.parameters(), grad_samples):
+            p.grad_sample = gs.clone()
+        assert all(torch.equal(a, b) for a, b in zip(optimizer.grad_samples, grad_samples))
+        assert optimizer.pre_step() is True
+        assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters())), "no update yet"
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert recorded == ["opacus_dp.optimizers", "opacus.optimizers"]
+    for a, b in zip(*grads):
+        assert a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
