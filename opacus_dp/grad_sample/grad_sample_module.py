@@ -34,7 +34,7 @@ from opacus_dp.grad_sample.functorch import explained_fallback_error, functorch_
 from opacus_dp.grad_sample.layer_call import LayerCall, call_batch_dim, hook_output_grad, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
-from opacus_dp.grad_sample.weight_grad_skipping import OutsideUseCheck
+from opacus_dp.grad_sample.weight_grad_skipping import OutsideUseCheck, Switches
 from opacus_dp.grad_sample.weight_grad_skipping import skip_weight_grads as install_skipping
 from opacus_dp.grad_sample.support import (
     autocast_of,
@@ -133,13 +133,22 @@ class GradSampleModule(nn.Module):
 
     def _skip_weight_grads(self) -> None:
         self._outside_use = OutsideUseCheck({id(p): n for n, p in self._module.named_parameters()})
+        self._switches = Switches()
         for layer in self._hooked_layers():
-            self._handles.extend(install_skipping(layer, self._recording, self._outside_use))
+            self._handles.extend(install_skipping(
+                layer, self._recording, self._outside_use,
+                recomputing=lambda: getattr(_RECOMPUTING, "active", False), switches=self._switches))
         self._handles.append(self._outside_use)
+
+    def _restore_switches(self) -> None:
+        """Parameters left switched off by an interrupted forward get requires_grad back."""
+        if self.skips_weight_grads:
+            self._switches.restore()
 
     def _consumed(self) -> None:
         """The optimizer took the per-sample state of the pending batches."""
         if self.skips_weight_grads:
+            self._switches.restore()
             self._outside_use.reset()
 
     def _hooked_layers(self) -> List[nn.Module]:
@@ -332,6 +341,7 @@ class GradSampleModule(nn.Module):
 
     # ------------------------------------------------------------- public API
     def forward(self, *args, **kwargs):
+        self._restore_switches()
         return self._module(*args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -358,6 +368,7 @@ class GradSampleModule(nn.Module):
 
     def zero_grad_sample(self) -> None:
         """Free all per-sample gradients (``p.grad_sample`` becomes None)."""
+        self._restore_switches()
         self._store.clear()
 
     def pending_passes(self) -> int:
@@ -389,8 +400,6 @@ class GradSampleModule(nn.Module):
         self.hooks_enabled = False
 
     def enable_hooks(self) -> None:
-        if not self.hooks_enabled:
-            self._consumed()  # what passes without hooks excused ends here
         self.hooks_enabled = True
 
     def remove_hooks(self) -> None:

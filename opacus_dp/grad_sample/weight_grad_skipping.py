@@ -105,22 +105,44 @@ class OutsideUseCheck:
             "(e.g. F.linear(h, emb.weight) in a parent's forward or in the loss): that use has "
             "no per-sample gradient and would be left out of the private update. Use the "
             "parameter only through modules, e.g. tie a second module to it "
-            "(head = nn.Linear(d, vocab, bias=False); head.weight = emb.weight)"
+            "(head = nn.Linear(d, vocab, bias=False); head.weight = emb.weight); for a penalty "
+            "on the weights in the loss, use the optimizer's weight_decay instead"
         )
 
 
+class Switches:
+    """The parameters switched off by calls still running, per layer: a call interrupted by a
+    ``KeyboardInterrupt`` skips torch's ``always_call`` hooks, so :meth:`restore` (at the next
+    forward of the wrapper, and when its per-sample state is taken or cleared) turns them back
+    on; nothing else is running then."""
+
+    def __init__(self):
+        self.stacks: List[List[tuple]] = []
+
+    def restore(self) -> None:
+        for stack in self.stacks:
+            while stack:
+                for p in stack.pop()[0]:
+                    p.requires_grad_(True)
+
+
 def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool],
-                      check: Optional[OutsideUseCheck] = None) -> List[object]:
+                      check: Optional[OutsideUseCheck] = None,
+                      recomputing: Callable[[], bool] = lambda: False,
+                      switches: Optional[Switches] = None) -> List[object]:
     """Install the switch on ``layer``; returns the hook handles (remove them to undo).
 
     ``is_active()`` is asked at every call (e.g. False while hooks are disabled or while a
-    layer is recomputed for the ``torch.func`` fallback). With ``check``, the layer's
+    layer is recomputed for the ``torch.func`` fallback: ``recomputing()``, which computes
+    with copies of the parameters and so excuses nothing). With ``check``, the layer's
     parameters are watched, from their first call on, for gradients from outside uses
-    (``check.remove()`` undoes that).
+    (``check.remove()`` undoes that); ``switches`` keeps the layer's stack of running calls.
     """
     params = [p for _, p in own_parameters(layer)]
     anchored = type(layer) in ANCHORED_TYPES
     saved: List[tuple] = []
+    if switches is not None:
+        switches.stacks.append(saved)
 
     def before(module, args, kwargs):
         if check is not None:
@@ -136,7 +158,7 @@ def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool],
             anchor = bool(switched) and not carries
             for p in switched:
                 p.requires_grad_(False)
-        elif check is not None and torch.is_grad_enabled():
+        elif check is not None and torch.is_grad_enabled() and not recomputing():
             for p in params:  # autograd computes their gradient in this call
                 check.excuse(p)
         saved.append((switched, anchor))

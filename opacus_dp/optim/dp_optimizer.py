@@ -125,9 +125,20 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         self.poisson_batches = False
 
     # ----------------------------------------------------------------- the private step
+    # torch.amp.GradScaler then hands the step its scale (``grad_scale``) instead of unscaling
+    # p.grad itself, which it cannot here: p.grad is formed by the step (refused below).
+    _step_supports_amp_scaling = True
+
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One private step (or only clip + accumulate if a skip was signalled):
         :meth:`pre_step`, then the inner optimizer's update."""
+        if getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError(
+                "torch.amp.GradScaler scales the loss, so the per-sample gradients this step "
+                "clips are scaled too (the clipping bound would not hold in the gradient's units) "
+                "and p.grad, which the scaler checks for overflow, only exists after the step: "
+                "train with torch.autocast(dtype=torch.bfloat16), which needs no scaler, or in "
+                "float32; nothing was updated")
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -209,14 +209,106 @@ def test_first_layers_of_other_types_are_watched_too(mode, first):
         criterion(module(x)).backward()
 
 
-def test_a_pass_with_hooks_disabled_excuses_nothing_afterwards():
+def test_excuses_of_a_pass_with_hooks_disabled_end_at_the_step():
+    """A non-private pass (hooks disabled) excuses the gradients it accumulates until the step
+    consumes the batch; from the next batch on an outside use is refused again."""
     model, x = build(OutsideHead), tokens()
     _, module, optimizer, criterion, _ = private(model, loader(x), "bk", 0.1)
     module.disable_hooks()
     default_loss(module(x)).backward()  # an ordinary (non-private) pass
     module.enable_hooks()
     optimizer.zero_grad()
+    criterion(module(x)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
     with pytest.raises(RuntimeError, match=r"parameter emb\.weight .*outside"):
+        criterion(module(x)).backward()
+
+
+class Discriminator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bk"])
+def test_hooks_disabled_around_a_forward_only_is_an_ordinary_pass(mode):
+    """A GAN's generator step through a private discriminator, hooks off around the forward
+    only (Opacus examples): the generator gets the plain gradient, nothing is refused."""
+    torch.manual_seed(4)
+    disc, gen = Discriminator(), nn.Linear(3, DIM)
+    plain_disc, plain_gen = copy.deepcopy(disc), copy.deepcopy(gen)
+    z = torch.randn(BATCH, 3)
+    _, module, _, _, _ = private(disc, loader(torch.randn(BATCH, DIM)), mode, 0.1)
+    module.disable_hooks()
+    out = module(gen(z))
+    module.enable_hooks()
+    default_loss(out).backward()
+    default_loss(plain_disc(plain_gen(z))).backward()
+    for p, q in zip(gen.parameters(), plain_gen.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_forward_interrupted_inside_a_layer_leaves_nothing_switched_off(mode):
+    """Ctrl-C inside a layer's forward skips torch's always_call hooks: the parameters the
+    switch turned off get requires_grad back at the next forward, and train."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 2))
+    x = torch.randn(BATCH, DIM)
+    _, module, optimizer, criterion, _ = private(model, loader(x), mode, 0.1)
+    first, forward = model[0], model[0].forward
+
+    def interrupted(inputs):
+        del first.forward  # once
+        raise KeyboardInterrupt
+
+    first.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        module(x)
+    assert not first.weight.requires_grad, "the interrupt left the switch on (what is repaired)"
+    assert first.forward == forward
+    before = snapshot(model)
+    optimizer.zero_grad()
+    criterion(module(x)).backward()
+    optimizer.step()
+    assert all(p.requires_grad for p in model.parameters())
+    assert all(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+
+
+class Scaled(nn.Module):
+    """A custom layer (the torch.func fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(DIM))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class FallbackOutside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.custom, self.lin = nn.Linear(DIM, DIM), Scaled(), nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        side = F.linear(h, self.lin.weight).sum(1, keepdim=True) + (h * self.custom.w).sum(1, keepdim=True)
+        return self.lin(self.custom(h)) + side
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bk"])
+def test_uses_before_the_owner_call_are_refused_when_layers_are_recomputed(mode):
+    """The torch.func fallback recomputes layers during the backward pass with copies of the
+    parameters: that recomputation excuses nothing (it had hidden these outside uses)."""
+    torch.manual_seed(6)
+    model, x = FallbackOutside(), torch.randn(BATCH, DIM)
+    _, module, _, criterion, _ = private(model, loader(x), mode, 0.1)
+    with pytest.raises(RuntimeError, match=r"parameter (lin\.weight|custom\.w) .*outside"):
         criterion(module(x)).backward()
 
 
