@@ -9,6 +9,7 @@ optimizers; :meth:`get_optimizer_hook_fn` only reads ``optimizer.noise_multiplie
 """
 
 import abc
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -71,16 +72,18 @@ class PrivacyAccountant(abc.ABC):
         return destination
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Replace the history by the one in ``state_dict``; refuses another mechanism's state."""
+        """Replace the history by the one in ``state_dict``. The history — (σ, q, steps)
+        records — does not depend on the accountant, so another mechanism's state loads too (as
+        in Opacus), with a warning that ε is now computed by this one."""
         if not state_dict or "history" not in state_dict or "mechanism" not in state_dict:
             raise ValueError("state_dict must contain the keys 'history' and 'mechanism'")
+        history = validate_history(state_dict["history"])
         if state_dict["mechanism"] != self.mechanism():
-            raise ValueError(
-                f"state_dict of a {state_dict['mechanism']!r} accountant cannot be loaded into a "
-                f"{self.mechanism()!r} accountant; create the matching accountant with "
-                f"create_accountant({state_dict['mechanism']!r})"
-            )
-        self.history = validate_history(state_dict["history"])
+            warnings.warn(
+                f"loading the history of a {state_dict['mechanism']!r} accountant into a "
+                f"{self.mechanism()!r} accountant: the same steps, with epsilon computed by "
+                f"{self.mechanism()!r} from now on", UserWarning, stacklevel=2)
+        self.history = history
 
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
         """A hook ``fn(optimizer)`` that records one step with ``optimizer.noise_multiplier``.
