@@ -1,21 +1,30 @@
 """Compatibility import path (Opacus 1.x ``opacus.optimizers``).
 
 opacus_dp has one optimizer class, :class:`~opacus_dp.optim.DPOptimizer`, whose clipping is a
-constructor argument (Opacus grew a subclass per combination). The Opacus names that differ
-only in the clipping build that class: ``DPPerLayerOptimizer(...)`` is
-``DPOptimizer(..., clipping="per_layer")``. Distributed and fast-gradient-clipping optimizers
-are set up by ``PrivacyEngine.make_private`` (a DDP/DPDDP model, ``grad_sample_mode="ghost"``),
-which also connects the per-sample source and the all-reduce they need.
+constructor argument (Opacus grew a subclass per combination). ``DPPerLayerOptimizer(...)`` is
+``DPOptimizer(..., clipping="per_layer")``, and ``isinstance(opt, DPPerLayerOptimizer)`` holds
+for every DPOptimizer that clips per layer (also one built by ``make_private``). Distributed and
+fast-gradient-clipping optimizers are set up by ``PrivacyEngine.make_private`` (a DDP/DPDDP
+model, ``grad_sample_mode="ghost"``), which also connects the per-sample source and the
+all-reduce they need.
 """
 
 from opacus_dp.optim import DPOptimizer
+from opacus_dp.optim.clipping import PerLayerClipper
 
 __all__ = ["DPOptimizer", "DPPerLayerOptimizer", "get_optimizer_class"]
 
 
-def DPPerLayerOptimizer(optimizer, **kwargs) -> DPOptimizer:  # noqa: N802 (Opacus's class name)
+class _ClipsPerLayer(type):
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, DPOptimizer) and isinstance(getattr(obj, "clipper", None), PerLayerClipper)
+
+
+class DPPerLayerOptimizer(DPOptimizer, metaclass=_ClipsPerLayer):
     """``DPOptimizer`` clipping each parameter to its own bound (``max_grad_norm`` a list)."""
-    return DPOptimizer(optimizer, clipping="per_layer", **kwargs)
+
+    def __init__(self, optimizer, **kwargs):
+        super().__init__(optimizer, clipping="per_layer", **kwargs)
 
 
 _BUILDERS = {"flat": DPOptimizer, "per_layer": DPPerLayerOptimizer}

@@ -38,6 +38,21 @@ def test_compat_optimizers_update_like_opacus(name, bound):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
+def test_per_layer_instances_are_recognised_whoever_built_them():
+    from opacus_dp.optimizers import DPOptimizer, DPPerLayerOptimizer
+
+    model = nn.Linear(3, 2)
+    direct = DPPerLayerOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                                 max_grad_norm=[1.0, 1.0], expected_batch_size=4)
+    by_argument = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                              max_grad_norm=[1.0, 1.0], expected_batch_size=4)
+    flat = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                       max_grad_norm=1.0, expected_batch_size=4)
+    assert isinstance(direct, DPPerLayerOptimizer) and isinstance(direct, DPOptimizer)
+    assert isinstance(by_argument, DPPerLayerOptimizer)
+    assert not isinstance(flat, DPPerLayerOptimizer)
+
+
 def test_get_optimizer_class():
     from opacus_dp.optimizers import DPOptimizer, DPPerLayerOptimizer, get_optimizer_class
 
