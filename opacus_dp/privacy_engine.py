@@ -23,6 +23,7 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from opacus_dp import checkpoint
 from opacus_dp.budget_guard import BudgetGuard, recorded_sample_rate
+from opacus_dp.data.sampling_checks import check_batching
 from opacus_dp.engine_setup import (
     check_choice,
     check_optimizer_params,
@@ -207,7 +208,6 @@ class PrivacyEngine:
 
     def _prepare_data_loader(self, data_loader, *, poisson_sampling, distributed, batch_first):
         from opacus_dp.data import DPDataLoader, check_sampling, switch_generator
-        from opacus_dp.data.sampling_checks import check_batching
 
         self.dataset = data_loader.dataset
         generator = secure_generator() if self.secure_mode else None
@@ -332,8 +332,7 @@ def _planned_steps(data_loader: DataLoader, epochs) -> int:
     if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) \
             or epochs <= 0:
         raise ValueError(f"epochs must be a positive number, got {epochs!r}")
-    if len(data_loader) == 0:
-        raise ValueError("data_loader yields no batches (an empty dataset, or drop_last=True with batch_size above the dataset size?)")
+    check_batching(data_loader, "data_loader")
     return max(1, math.ceil(epochs * len(data_loader)))
 
 
@@ -366,6 +365,5 @@ def _sample_rate_of(data_loader: DataLoader) -> float:
     rate = getattr(data_loader, "sample_rate", None)
     if rate is not None:
         return float(rate)
-    if len(data_loader) == 0:
-        raise ValueError("data_loader yields no batches (an empty dataset, or drop_last=True with batch_size above the dataset size?)")
+    check_batching(data_loader, "data_loader")
     return 1.0 / len(data_loader)

@@ -148,8 +148,6 @@ class DPDataLoader(SamplingGeneratorKept, DataLoader):
         _check_map_style(data_loader.dataset, "DPDataLoader.from_data_loader")
         check_batching(data_loader, "DPDataLoader.from_data_loader")
         check_replaceable_sampler(data_loader, "DPDataLoader.from_data_loader")
-        if len(data_loader) == 0:
-            raise ValueError("DPDataLoader.from_data_loader: data_loader yields no batches (an empty dataset, or drop_last=True with batch_size above the dataset size?)")
         is_dp = isinstance(data_loader, DPDataLoader)
         return cls(
             data_loader.dataset,

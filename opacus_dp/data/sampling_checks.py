@@ -22,6 +22,7 @@ class SamplingWarning(UserWarning):
 
 
 POISSON_SAMPLERS = (UniformWithReplacementSampler, DistributedPoissonBatchSampler)
+UNIFORM_SAMPLERS = (RandomSampler, SequentialSampler, DistributedSampler)  # every example alike
 
 
 def _logical_batch_sampler(data_loader: DataLoader):
@@ -47,7 +48,7 @@ def _sampler_problems(data_loader: DataLoader, poisson_expected: bool) -> List[s
             f"custom batch sampler {type(batch_sampler).__name__}: its inclusion probabilities are unknown, "
             "so the accountant's sample rate may under-state the privacy loss"
         )
-    elif not isinstance(batch_sampler.sampler, (RandomSampler, SequentialSampler, DistributedSampler)):
+    elif not isinstance(batch_sampler.sampler, UNIFORM_SAMPLERS):
         problems.append(
             f"sampler {type(batch_sampler.sampler).__name__} is not uniform (e.g. weighted): examples drawn "
             "more often than the sample rate q lose more privacy than the accountant reports"
@@ -65,8 +66,8 @@ def _sampler_problems(data_loader: DataLoader, poisson_expected: bool) -> List[s
 
 def check_batching(data_loader: DataLoader, where: str) -> None:
     """Refuse a loader without batches (``batch_size=None``: each example would arrive without
-    a batch dimension and its rows be clipped as separate examples) or without a length (the
-    sample rate ``q = 1/len(loader)`` needs the number of batches per pass)."""
+    a batch dimension and its rows be clipped as separate examples), without a length (the
+    sample rate ``q = 1/len(loader)`` needs the number of batches per pass) or of length 0."""
     batch_sampler = data_loader.batch_sampler
     if batch_sampler is None:
         raise ValueError(
@@ -76,12 +77,15 @@ def check_batching(data_loader: DataLoader, where: str) -> None:
             "a batch: DataLoader(dataset, batch_size=1, collate_fn=lambda items: items[0]))"
         )
     try:
-        len(data_loader)
+        batches = len(data_loader)
     except TypeError:
         raise ValueError(
             f"{where}: the batch sampler {type(batch_sampler).__name__} has no len(); the sample "
             "rate q = 1/len(data_loader) needs the number of batches per pass: define __len__"
         ) from None
+    if batches == 0:
+        raise ValueError(f"{where}: data_loader yields no batches (an empty dataset, or "
+                         "drop_last=True with batch_size above the dataset size?)")
 
 
 def check_replaceable_sampler(data_loader: DataLoader, where: str) -> None:
@@ -105,7 +109,7 @@ def check_replaceable_sampler(data_loader: DataLoader, where: str) -> None:
             "example the same rate q (what the accountant analyses): remove the sampler (to "
             "rebalance, weight the loss per example instead)"
         )
-    if not isinstance(sampler, (RandomSampler, SequentialSampler, DistributedSampler)):
+    if not isinstance(sampler, UNIFORM_SAMPLERS):
         warnings.warn(
             f"{where}: the loader's {name} is replaced by Poisson sampling over the whole "
             f"dataset ({len(data_loader.dataset)} examples, each at rate q)", SamplingWarning, stacklevel=3)
