@@ -6,6 +6,8 @@ Saved entries (a dict written with ``torch.save``):
   ``module.``), so it loads into a plain model as well as into a wrapped one;
 * ``privacy_accountant_state_dict`` — the full privacy history (every (σ, q, steps) record);
 * ``optimizer_state_dict`` — the wrapped optimizer's own state (momentum, Adam moments, ...);
+* ``clipping_state`` — what the clipper learned: the current bound of adaptive clipping (absent
+  for fixed bounds);
 * ``noise_generator_state`` / ``sampler_generator_state`` — generator states, so that a seeded
   resumed run draws the same noise and the same Poisson batches as an uninterrupted one (also
   when saved mid-epoch if the loader has no worker processes, which sample batches ahead). In
@@ -63,6 +65,9 @@ def save(path, *, module: nn.Module, optimizer=None, accountant=None, data_loade
         state["optimizer_state_dict"] = optimizer.state_dict()
         if hasattr(optimizer, "noise_state_dict"):
             state["noise_generator_state"] = optimizer.noise_state_dict()
+        learned = _clipping_state(optimizer)
+        if learned:
+            state["clipping_state"] = learned
     generator = _sampler_generator(data_loader)
     if generator is not None:
         state["sampler_generator_state"] = generator.get_state()
@@ -115,9 +120,10 @@ class _Snapshot:
         for obj in (accountant, optimizer, *schedulers.values()):
             if obj is not None:
                 self.parts.append((obj, copy.deepcopy(obj.state_dict())))
-        self.noise = None
+        self.noise = self.clipping = None
         if optimizer is not None and hasattr(optimizer, "noise_state_dict"):
             self.noise = (optimizer, copy.deepcopy(optimizer.noise_state_dict()))
+            self.clipping = (optimizer, copy.deepcopy(optimizer.clipping_state_dict()))
         self.generator = (generator, generator.get_state()) if generator is not None else None
 
     def restore(self) -> None:
@@ -125,6 +131,8 @@ class _Snapshot:
             obj.load_state_dict(state)
         if self.noise is not None:
             self.noise[0].load_noise_state_dict(self.noise[1])
+        if self.clipping is not None and self.clipping[1]:
+            self.clipping[0].load_clipping_state_dict(self.clipping[1])
         if self.generator is not None:
             self.generator[0].set_state(self.generator[1])
 
@@ -159,3 +167,21 @@ def _load_optimizer(state: dict, optimizer) -> None:
     optimizer.load_state_dict(saved)
     if noise is not None and hasattr(optimizer, "load_noise_state_dict"):
         optimizer.load_noise_state_dict(noise)
+    _load_clipping_state(state.pop("clipping_state", None), optimizer)
+
+
+def _clipping_state(optimizer) -> dict:
+    return optimizer.clipping_state_dict() if hasattr(optimizer, "clipping_state_dict") else {}
+
+
+def _load_clipping_state(saved: Optional[dict], optimizer) -> None:
+    """Restore the adaptive bound; say so when checkpoint and optimizer disagree on adapting."""
+    learns = bool(_clipping_state(optimizer))
+    if saved and learns:
+        optimizer.load_clipping_state_dict(saved)
+    elif saved:
+        warnings.warn("the checkpoint holds an adaptive clipping bound but this optimizer clips to a "
+                      "fixed bound: the saved bound was not restored", UserWarning)
+    elif learns:
+        warnings.warn("this optimizer clips adaptively but the checkpoint holds no adaptive bound: "
+                      "the bound restarts from max_grad_norm", UserWarning)

@@ -42,13 +42,16 @@ def _wrap_norms_only(mode: str) -> Callable:
 
 GRAD_SAMPLE_MODES: Dict[str, Callable] = {
     "hooks": _wrap_hooks,
+    "ew": _wrap_hooks,  # Opacus's ExpandedWeights mode: the same per-sample gradients as hooks
     "functorch": _wrap_functorch,
     "ghost": _wrap_norms_only("ghost"),
     "bk": _wrap_norms_only("bk"),
     "auto": _wrap_norms_only("auto"),
 }
 
-CLIPPING_MODES = ("flat", "per_layer")
+CLIPPING_MODES = ("flat", "per_layer", "adaptive")
+ADAPTIVE_OPTIONS = ("target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound",
+                    "min_clipbound", "unclipped_num_std")
 
 
 def check_choice(value, choices: Sequence[str], name: str) -> str:
@@ -76,6 +79,18 @@ def check_privacy_arguments(*, noise_multiplier, max_grad_norm, loss_reduction: 
         bound = check_max_grad_norm(max_grad_norm)
         if math.isinf(bound) and noise_multiplier > 0:
             raise ValueError("max_grad_norm=inf (no clipping) only makes sense with noise_multiplier=0")
+
+
+def adaptive_options(clipping: str, **options) -> Optional[Dict[str, float]]:
+    """The adaptive-clipping settings given (None values left to the defaults) for
+    ``clipping="adaptive"``; None for the other modes, which refuse any such setting."""
+    given = sorted(name for name, value in options.items() if value is not None)
+    if clipping == "adaptive":
+        return {name: value for name, value in options.items() if value is not None}
+    if given:
+        raise ValueError(f"{', '.join(given)} only apply to clipping='adaptive' (clipping={clipping!r} "
+                         "keeps max_grad_norm fixed): pass clipping='adaptive' or drop them")
+    return None
 
 
 def _dpddp_class():

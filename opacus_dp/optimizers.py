@@ -3,31 +3,56 @@
 opacus_dp has one optimizer class, :class:`~opacus_dp.optim.DPOptimizer`, whose clipping is a
 constructor argument (Opacus grew a subclass per combination). ``DPPerLayerOptimizer(...)`` is
 ``DPOptimizer(..., clipping="per_layer")``, and ``isinstance(opt, DPPerLayerOptimizer)`` holds
-for every DPOptimizer that clips per layer (also one built by ``make_private``). Distributed and
+for every DPOptimizer that clips per layer (also one built by ``make_private``);
+``AdaClipDPOptimizer(...)`` is ``DPOptimizer(..., clipping=AdaptiveClipper(...))`` (the same
+``isinstance`` rule). Distributed and
 fast-gradient-clipping optimizers are set up by ``PrivacyEngine.make_private`` (a DDP/DPDDP
 model, ``grad_sample_mode="ghost"``), which also connects the per-sample source and the
 all-reduce they need.
 """
 
 from opacus_dp.optim import DPOptimizer
+from opacus_dp.optim.adaptive_clipping import AdaptiveClipper
 from opacus_dp.optim.clipping import PerLayerClipper
 
-__all__ = ["DPOptimizer", "DPPerLayerOptimizer", "get_optimizer_class"]
+__all__ = ["DPOptimizer", "DPPerLayerOptimizer", "AdaClipDPOptimizer", "get_optimizer_class"]
 
 
-class _ClipsPerLayer(type):
+class _ClipsWith(type):
+    """``isinstance(opt, cls)`` holds for every DPOptimizer whose clipper is a ``cls.clipper_type``."""
+
     def __instancecheck__(cls, obj) -> bool:
-        return isinstance(obj, DPOptimizer) and isinstance(getattr(obj, "clipper", None), PerLayerClipper)
+        return isinstance(obj, DPOptimizer) and isinstance(getattr(obj, "clipper", None), cls.clipper_type)
 
 
-class DPPerLayerOptimizer(DPOptimizer, metaclass=_ClipsPerLayer):
+class DPPerLayerOptimizer(DPOptimizer, metaclass=_ClipsWith):
     """``DPOptimizer`` clipping each parameter to its own bound (``max_grad_norm`` a list)."""
+
+    clipper_type = PerLayerClipper
 
     def __init__(self, optimizer, **kwargs):
         super().__init__(optimizer, clipping="per_layer", **kwargs)
 
 
-_BUILDERS = {"flat": DPOptimizer, "per_layer": DPPerLayerOptimizer}
+class AdaClipDPOptimizer(DPOptimizer, metaclass=_ClipsWith):
+    """``DPOptimizer`` with adaptive clipping (:mod:`opacus_dp.optim.adaptive_clipping`), with
+    Opacus 1.6's arguments: ``max_grad_norm`` is the initial bound, ``noise_multiplier`` the
+    total σ the accountant records."""
+
+    clipper_type = AdaptiveClipper
+
+    def __init__(self, optimizer, *, noise_multiplier: float, target_unclipped_quantile: float,
+                 clipbound_learning_rate: float, max_clipbound: float, min_clipbound: float,
+                 unclipped_num_std: float, max_grad_norm: float, **kwargs):
+        clipper = AdaptiveClipper(max_grad_norm, target_unclipped_quantile=target_unclipped_quantile,
+                                  clipbound_learning_rate=clipbound_learning_rate,
+                                  max_clipbound=max_clipbound, min_clipbound=min_clipbound,
+                                  unclipped_num_std=unclipped_num_std)
+        super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                         clipping=clipper, **kwargs)
+
+
+_BUILDERS = {"flat": DPOptimizer, "per_layer": DPPerLayerOptimizer, "adaptive": AdaClipDPOptimizer}
 
 
 def get_optimizer_class(clipping: str, distributed: bool, grad_sample_mode: str = "hooks"):
@@ -35,8 +60,8 @@ def get_optimizer_class(clipping: str, distributed: bool, grad_sample_mode: str 
     per-sample gradients in ``p.grad_sample`` (``hooks``/``functorch``); the other
     combinations are refused with the way to get them."""
     if clipping not in _BUILDERS:
-        raise ValueError(f"clipping must be 'flat' or 'per_layer', got {clipping!r}")
-    if distributed or grad_sample_mode not in ("hooks", "functorch"):
+        raise ValueError(f"clipping must be 'flat', 'per_layer' or 'adaptive', got {clipping!r}")
+    if distributed or grad_sample_mode not in ("hooks", "functorch", "ew"):
         raise ValueError(
             f"get_optimizer_class(distributed={distributed}, grad_sample_mode={grad_sample_mode!r}): "
             "use PrivacyEngine.make_private, which builds the DPOptimizer for a DDP/DPDDP model "

@@ -22,9 +22,11 @@ import torch.nn as nn
 from torch.utils.data import BatchSampler, DataLoader
 
 from opacus_dp import checkpoint
+from opacus_dp.optim.adaptive_clipping import adaptive_clipper
 from opacus_dp.budget_guard import BudgetGuard, recorded_sample_rate
 from opacus_dp.data.sampling_checks import check_batching
 from opacus_dp.engine_setup import (
+    adaptive_options,
     check_choice,
     check_optimizer_params,
     check_privacy_arguments,
@@ -90,13 +92,17 @@ class PrivacyEngine:
                      loss_reduction: str = "mean", poisson_sampling: bool = True,
                      clipping: str = "flat", noise_generator: Optional[torch.Generator] = None,
                      grad_sample_mode: str = "hooks", criterion=None, wrap_model: bool = True,
-                     rand_on_empty: bool = False):
+                     rand_on_empty: bool = False, target_unclipped_quantile: Optional[float] = None,
+                     clipbound_learning_rate: Optional[float] = None,
+                     max_clipbound: Optional[float] = None, min_clipbound: Optional[float] = None,
+                     unclipped_num_std: Optional[float] = None):
         """Return ``(GradSampleModule, DPOptimizer, DataLoader)`` ready for private training.
 
         With ``poisson_sampling`` the loader is replaced by a ``DPDataLoader`` with
         ``q = 1/len(data_loader)``; the expected batch size is ``⌊q·N⌋`` (per process).
         ``grad_sample_mode``: "hooks", "functorch", "ghost", "bk" or "auto" (see
-        :mod:`opacus_dp.grad_sample.mode_selection`). As in Opacus 1.6, "ghost" returns
+        :mod:`opacus_dp.grad_sample.mode_selection`); Opacus's "ew" (ExpandedWeights) is accepted
+        and runs "hooks", which computes the same per-sample gradients for more layers. As in Opacus 1.6, "ghost" returns
         ``(module, optimizer, criterion, data_loader)``, ``criterion`` (default
         ``nn.CrossEntropyLoss()``) wrapped in a ``GhostCriterion`` whose losses' ``backward()``
         runs the memory-lean two-pass backward; other modes ignore it.
@@ -111,6 +117,14 @@ class PrivacyEngine:
           second backward pass before the step is refused. Cut large batches with
           :class:`~opacus_dp.data.BatchMemoryManager`.
 
+        ``clipping="adaptive"`` (Andrew et al. 2021; :mod:`opacus_dp.optim.adaptive_clipping`):
+        ``max_grad_norm`` is the initial bound, which then moves each step towards the
+        ``target_unclipped_quantile`` (default ½) of the per-sample norms at the
+        ``clipbound_learning_rate`` (default 0.2), within ``[min_clipbound, max_clipbound]``
+        (default unlimited), estimated from a count released with noise ``unclipped_num_std``
+        (default: expected global batch size / 20). ``noise_multiplier`` stays the σ the
+        accountant records; the gradient noise is raised to make up for the released count.
+
         Opacus 1.6's ``wrap_model`` and ``rand_on_empty`` are accepted: the hooks sit on the
         module's own layers, so the original module trains privately whether it or the returned
         wrapper is called (``wrap_model=False``); empty batches are delivered as empty batches
@@ -120,6 +134,10 @@ class PrivacyEngine:
         _check_opacus_flags(wrap_model, rand_on_empty)
         check_privacy_arguments(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                                 loss_reduction=loss_reduction, clipping=clipping)
+        adaptive = adaptive_options(clipping, target_unclipped_quantile=target_unclipped_quantile,
+                                    clipbound_learning_rate=clipbound_learning_rate,
+                                    max_clipbound=max_clipbound, min_clipbound=min_clipbound,
+                                    unclipped_num_std=unclipped_num_std)
         check_choice(grad_sample_mode, tuple(GRAD_SAMPLE_MODES), "grad_sample_mode")
         if noise_generator is not None and self.secure_mode:
             raise ValueError("noise_generator must be None in secure_mode (noise is seeded by the OS)")
@@ -136,7 +154,7 @@ class PrivacyEngine:
                 gsm, module, optimizer, data_loader, noise_multiplier=noise_multiplier,
                 max_grad_norm=max_grad_norm, loss_reduction=loss_reduction, clipping=clipping,
                 poisson_sampling=poisson_sampling, batch_first=batch_first,
-                noise_generator=noise_generator, world_size=world_size)
+                noise_generator=noise_generator, world_size=world_size, adaptive=adaptive)
         except Exception:
             if gsm is not module:
                 gsm.close()
@@ -154,10 +172,16 @@ class PrivacyEngine:
                                   clipping: str = "flat", noise_generator=None,
                                   grad_sample_mode: str = "hooks", criterion=None,
                                   epsilon_tolerance: float = 0.01, wrap_model: bool = True,
-                                  rand_on_empty: bool = False, **epsilon_kwargs):
+                                  rand_on_empty: bool = False,
+                                  target_unclipped_quantile: Optional[float] = None,
+                                  clipbound_learning_rate: Optional[float] = None,
+                                  max_clipbound: Optional[float] = None,
+                                  min_clipbound: Optional[float] = None,
+                                  unclipped_num_std: Optional[float] = None, **epsilon_kwargs):
         """:meth:`make_private` with σ calibrated so that ``epochs`` passes spend ≤ target ε;
         ``epsilon_kwargs`` go to the accountant's ``get_epsilon`` during the calibration (as in
-        Opacus: ``alphas`` for RDP, ``eps_error`` for PRV)."""
+        Opacus: ``alphas`` for RDP, ``eps_error`` for PRV). With ``clipping="adaptive"`` the
+        calibrated σ is the total one (the count's share included)."""
         from opacus_dp.accountants import get_noise_multiplier
 
         if len(self.accountant) > 0:
@@ -176,18 +200,23 @@ class PrivacyEngine:
             max_grad_norm=max_grad_norm, batch_first=batch_first, loss_reduction=loss_reduction,
             poisson_sampling=poisson_sampling, clipping=clipping, noise_generator=noise_generator,
             grad_sample_mode=grad_sample_mode, criterion=criterion, wrap_model=wrap_model,
-            rand_on_empty=rand_on_empty,
+            rand_on_empty=rand_on_empty, target_unclipped_quantile=target_unclipped_quantile,
+            clipbound_learning_rate=clipbound_learning_rate, max_clipbound=max_clipbound,
+            min_clipbound=min_clipbound, unclipped_num_std=unclipped_num_std,
         )
 
     def _private_loader_and_optimizer(self, gsm, module, optimizer, data_loader, *,
                                       noise_multiplier, max_grad_norm, loss_reduction, clipping,
-                                      poisson_sampling, batch_first, noise_generator, world_size):
+                                      poisson_sampling, batch_first, noise_generator, world_size,
+                                      adaptive=None):
         if poisson_sampling:
             gsm.forbid_grad_accumulation()
         loader = self._prepare_data_loader(data_loader, poisson_sampling=poisson_sampling,
                                            distributed=world_size > 1, batch_first=batch_first)
         sample_rate = _sample_rate_of(loader)
         expected_batch_size = _expected_batch_size(len(loader.dataset), sample_rate)
+        if adaptive is not None:
+            clipping = adaptive_clipper(max_grad_norm, expected_batch_size=expected_batch_size, **adaptive)
         if world_size > 1:
             expected_batch_size = expected_batch_size / world_size
         dp_optimizer = make_dp_optimizer(

@@ -6,8 +6,9 @@ and returns one factor per sample and tensor such that the clipped per-sample gr
 possible L2 norm of one sample's clipped contribution to the summed gradient. The noise
 std is ``σ · sensitivity`` (computed in :mod:`opacus_dp.optim.noise` only).
 
-Both strategies follow Abadi et al. 2016, "Deep Learning with Differential Privacy":
-``f = min(1, C / (‖g‖ + 1e-6))``; the ``1e-6`` guards against division by zero.
+Both strategies here follow Abadi et al. 2016, "Deep Learning with Differential Privacy":
+``f = min(1, C / (‖g‖ + 1e-6))``; the ``1e-6`` guards against division by zero. A bound that
+adapts during training is in :mod:`opacus_dp.optim.adaptive_clipping`.
 """
 
 import abc
@@ -77,6 +78,22 @@ def _factor(norms: torch.Tensor, bound: float) -> torch.Tensor:
     return (bound / (norms + CLIP_EPSILON)).clamp(max=1.0)
 
 
+def total_norms(per_param_norms: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``sqrt(Σ_l n_il²)``: the norm of each sample's whole gradient, from its per-tensor norms
+    (on the first tensor's device, in at least float32)."""
+    device = per_param_norms[0].device
+    stacked = torch.stack([n.to(device=device, dtype=sum_dtype(n.dtype)) for n in per_param_norms], dim=1)
+    return stacked.norm(2, dim=1)
+
+
+def flat_factors(per_param_norms: Sequence[torch.Tensor], bound: float) -> List[torch.Tensor]:
+    """The flat factors ``min(1, C / (‖g_i‖ + 1e-6))``, one copy per tensor on its device."""
+    if not per_param_norms:
+        return []
+    factor = _factor(total_norms(per_param_norms), bound)
+    return [factor.to(n.device) for n in per_param_norms]
+
+
 class Clipper(abc.ABC):
     """Strategy interface: ``clip_factors(norms)`` and ``sensitivity``."""
 
@@ -88,6 +105,18 @@ class Clipper(abc.ABC):
 
     def check_num_params(self, num_params: int) -> None:
         """Raise ValueError if this clipper cannot handle ``num_params`` tensors."""
+
+    def gradient_noise_multiplier(self, noise_multiplier: float) -> float:
+        """The part of the step's noise multiplier ``σ`` that goes to the gradient sum: all of
+        it, unless the clipper releases a statistic of its own (adaptive clipping)."""
+        return noise_multiplier
+
+    def state_dict(self) -> dict:
+        """What the clipper learns during training (nothing for a fixed bound)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
 
 
 class FlatClipper(Clipper):
@@ -104,13 +133,7 @@ class FlatClipper(Clipper):
         return self.max_grad_norm
 
     def clip_factors(self, per_param_norms):
-        if not per_param_norms:
-            return []
-        device = per_param_norms[0].device
-        total = torch.stack([n.to(device=device, dtype=sum_dtype(n.dtype)) for n in per_param_norms],
-                            dim=1)
-        factor = _factor(total.norm(2, dim=1), self.max_grad_norm)
-        return [factor.to(n.device) for n in per_param_norms]
+        return flat_factors(per_param_norms, self.max_grad_norm)
 
     def __repr__(self):
         return f"FlatClipper(max_grad_norm={self.max_grad_norm})"
@@ -158,8 +181,17 @@ class PerLayerClipper(Clipper):
         return f"PerLayerClipper(max_grad_norms={self.max_grad_norms})"
 
 
-def make_clipper(clipping: str, max_grad_norm) -> Clipper:
-    """Build the clipper named by ``clipping`` ("flat" or "per_layer")."""
+def make_clipper(clipping, max_grad_norm) -> Clipper:
+    """Build the clipper named by ``clipping`` ("flat" or "per_layer"); a :class:`Clipper`
+    instance (e.g. an :class:`~opacus_dp.optim.adaptive_clipping.AdaptiveClipper`) is used as
+    it is."""
+    if isinstance(clipping, Clipper):
+        return clipping
+    if clipping == "adaptive":
+        raise ValueError(
+            "clipping='adaptive' needs its settings: use PrivacyEngine.make_private(..., "
+            "clipping='adaptive') or opacus_dp.optimizers.AdaClipDPOptimizer, or pass "
+            "clipping=AdaptiveClipper(...)")
     if clipping == "flat":
         if isinstance(max_grad_norm, (list, tuple)):
             raise ValueError(
@@ -169,4 +201,4 @@ def make_clipper(clipping: str, max_grad_norm) -> Clipper:
         return FlatClipper(max_grad_norm)
     if clipping == "per_layer":
         return PerLayerClipper(max_grad_norm)
-    raise ValueError(f"clipping must be 'flat' or 'per_layer', got {clipping!r}")
+    raise ValueError(f"clipping must be 'flat', 'per_layer' or 'adaptive', got {clipping!r}")

@@ -33,6 +33,7 @@ import torch
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from opacus_dp.optim.adaptive_clipping import AdaptiveClipper
 from opacus_dp.optim.clipping import (
     Clipper, FlatClipper, PerLayerClipper, check_finite_norms, make_clipper, per_sample_norms, sum_dtype,
     weighted_sum)
@@ -113,6 +114,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         self._inner_zero_grad = optimizer.zero_grad
         self._summed: Dict[torch.Tensor, torch.Tensor] = {}
         self._num_accumulated = 0
+        self._unclipped_count: Optional[torch.Tensor] = None  # adaptive clipping: Σ_i (b_i − ½)
         self._last_num_accumulated = 0
         self._skip_signals = deque()
         self._pre_step_hooks: "OrderedDict[int, Callable]" = OrderedDict()
@@ -167,12 +169,16 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         self._accumulate_or_discard(check_size=not skip)
         if skip:
             return False
+        count = self._take_unclipped_count()
         sums = self._take_summed_grads()
         if self.reducer.adds_noise:
             sums = self.add_noise(sums)
+            count = self._add_count_noise(count)
         agreed = self._step_settings() if self.reducer.world_size > 1 else None
-        sums = self.reducer.reduce(sums, agreed=agreed)
-        self._set_grads(self.scale_grad(sums))
+        reduced = self.reducer.reduce(sums + self._as_bucket_entry(count, sums), agreed=agreed)
+        self._set_grads(self.scale_grad(reduced[:len(sums)]))
+        if count is not None:  # the bound of the next step, from released values only
+            self.clipper.update(float(reduced[-1]), self._expected_global_batch_size())
         self._run_hooks(self._step_hooks)
         return True
 
@@ -243,7 +249,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         skip signals. Nothing of it was released (no noise, no accountant record). Returns
         the number of samples whose clipped gradients were dropped."""
         dropped = self._num_accumulated
-        self._summed, self._num_accumulated = {}, 0
+        self._drop_accumulated()
         self._skip_signals.clear()
         self.grad_source.clear(self.params)
         return dropped
@@ -270,6 +276,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         batch_size = self._check_grad_samples(params, grad_samples)
         norms = [self._per_sample_norms(p, grad_samples.get(p), batch_size) for p in params]
         factors = self._clip_factors(params, norms)
+        self._count_unclipped(norms)
         for p, factor in zip(params, factors):
             g = grad_samples.get(p)
             if g is None:
@@ -284,6 +291,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         and, given the factors, ``Σ_i f_il · g_il`` without materialised per-sample gradients."""
         norms = [self._check_finite(p, n) for p, n in zip(params, self.grad_source.per_sample_norms(params))]
         factors = self._clip_factors(params, norms)
+        self._count_unclipped(norms)
         for p, clipped in zip(params, self.grad_source.clipped_sums(params, factors)):
             if clipped is not None:
                 clipped = clipped.to(sum_dtype(p.dtype))
@@ -324,7 +332,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
             if check_size:
                 self._check_max_batch_size()
         except Exception:
-            self._summed, self._num_accumulated = {}, 0
+            self._drop_accumulated()
             raise
 
     def _check_max_batch_size(self) -> None:
@@ -358,11 +366,52 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         (in place: the sums of a step are the optimizer's own tensors)."""
         if self.loss_reduction == "sum":
             return sums
-        if self.expected_batch_size is None:
-            divisor = max(self._last_num_accumulated, 1)
-        else:
-            divisor = self.expected_batch_size * self.reducer.world_size * self.accumulated_iterations
+        divisor = self._expected_global_batch_size()
         return [s.div_(divisor) for s in sums]
+
+    def _expected_global_batch_size(self) -> float:
+        """``expected_batch_size · world_size · k``; without an expected size, the samples
+        of the step (public only for fixed-size batches, see the class doc)."""
+        if self.expected_batch_size is None:
+            return max(self._last_num_accumulated, 1)
+        return self.expected_batch_size * self.reducer.world_size * self.accumulated_iterations
+
+    # ------------------------------------------------ adaptive clipping: the unclipped count
+    def _count_unclipped(self, norms: List[torch.Tensor]) -> None:
+        """``Σ_i (1{‖g_i‖ ≤ C} − ½)`` of this backward pass, added to the step's count."""
+        if not isinstance(self.clipper, AdaptiveClipper):
+            return
+        count = self.clipper.centred_unclipped_count(norms)
+        self._unclipped_count = count if self._unclipped_count is None else self._unclipped_count + count
+
+    def _take_unclipped_count(self) -> Optional[torch.Tensor]:
+        if not isinstance(self.clipper, AdaptiveClipper):
+            return None
+        count = self._unclipped_count if self._unclipped_count is not None else torch.zeros((), dtype=torch.float64)
+        self._unclipped_count = None
+        return count
+
+    def _add_count_noise(self, count: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``U = count + N(0, σ_u²)`` (after the gradient noise, from the same source)."""
+        if count is None:
+            return None
+        if not self.params:
+            self.noise.begin_step(count.device)
+        return count + self.noise.sample(count, self.clipper.unclipped_num_std)
+
+    @staticmethod
+    def _as_bucket_entry(count: Optional[torch.Tensor], sums: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The count as a one-element tensor beside the sums (same dtype and device as the
+        first, so a distributed reducer sends it in the same all-reduce)."""
+        if count is None:
+            return []
+        like = sums[0] if sums else count
+        return [count.reshape(1).to(device=like.device, dtype=like.dtype)]
+
+    def _drop_accumulated(self) -> None:
+        """Forget the clipped sums (and unclipped count) of an unfinished logical batch."""
+        self._summed, self._num_accumulated = {}, 0
+        self._unclipped_count = None
 
     # ---------------------------------------------------------------------- helpers
     def _take_summed_grads(self) -> List[torch.Tensor]:
@@ -465,6 +514,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
 
     @max_grad_norm.setter
     def max_grad_norm(self, value: float) -> None:
+        self._refuse_with_adaptive_clipping("max_grad_norm")
         if not isinstance(self.clipper, FlatClipper):
             raise ValueError("max_grad_norm can only be changed for flat clipping; set max_grad_norms")
         self._set_clipper(FlatClipper(value))
@@ -478,8 +528,24 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
 
     @max_grad_norms.setter
     def max_grad_norms(self, values: Sequence[float]) -> None:
+        self._refuse_with_adaptive_clipping("max_grad_norms")
         self._set_clipper(PerLayerClipper(values))
         self._bound_index = {p: i for i, p in enumerate(self.params)}
+
+    def _refuse_with_adaptive_clipping(self, name: str) -> None:
+        if isinstance(self.clipper, AdaptiveClipper):
+            raise ValueError(
+                f"optimizer.{name} cannot be set with clipping='adaptive': the bound follows the "
+                "private estimate of the unclipped fraction at every step (a clipping-bound schedule "
+                "would fight it). Tune target_unclipped_quantile / clipbound_learning_rate, or use "
+                "clipping='flat' with a schedule")
+
+    def clipping_state_dict(self) -> dict:
+        """What the clipper learned (the current adaptive bound; empty for fixed bounds)."""
+        return self.clipper.state_dict()
+
+    def load_clipping_state_dict(self, state: dict) -> None:
+        self.clipper.load_state_dict(state)
 
     @property
     def secure_mode(self) -> bool:

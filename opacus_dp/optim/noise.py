@@ -34,8 +34,11 @@ SECURE_NUM_DRAWS = 4  # sum of 4 N(0, s²) divided by 2 is N(0, s²)
 
 
 def noise_std(noise_multiplier: float, clipper: Clipper) -> float:
-    """``σ · clipper.sensitivity`` (0 when σ = 0, even for an unbounded clipper)."""
+    """``σ · clipper.sensitivity`` (0 when σ = 0, even for an unbounded clipper), where ``σ`` is
+    the clipper's share of the step's noise multiplier (all of it except for adaptive clipping,
+    whose released count takes a part: :mod:`~opacus_dp.optim.adaptive_clipping`)."""
     check_noise_multiplier(noise_multiplier)
+    noise_multiplier = clipper.gradient_noise_multiplier(noise_multiplier)
     if noise_multiplier == 0:
         return 0.0
     sensitivity = clipper.sensitivity

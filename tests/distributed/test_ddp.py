@@ -235,3 +235,52 @@ def test_misconfigurations_are_refused_on_every_rank(privacy, case, words):
     for rank in range(WORLD):
         message = privacy[rank]["errors"][case]
         assert message is not None and words in message, message
+
+
+def adaptive_replay(results, key):
+    """One process on the concatenated batches with the adaptive bound moved by hand
+    (σ = 0, σ_u = 0): ``C ← clamp(C · exp(−η (f − γ)), C_min, C_max)``, ``f`` the fraction of
+    the step's samples with ``‖g_i‖ ≤ C`` counted against the global expected batch size."""
+    from tests.distributed.workers import ADAPTIVE
+
+    model = model_at(results[0][key]["start"], make_model(seed=0))
+    loss_fn, bound, bounds, batch = nn.CrossEntropyLoss(), FLAT_C, [], results[0][key]["global_batch"]
+    for step in range(len(results[0][key]["batches"])):
+        x, y = concatenated_step([r[key]["batches"][step] for r in results])
+        samples = per_sample_grads(model, loss_fn, x, y) if len(x) else []
+        norms = [torch.cat([g.flatten() for g in s]).norm().item() for s in samples]
+        if len(x):
+            sgd_step(model, clipped_mean_update(model, loss_fn, x, y, bound, batch), LR)
+        fraction = min(1.0, max(0.0, (sum(n <= bound for n in norms) - len(norms) / 2) / batch + 0.5))
+        bound *= math.exp(-ADAPTIVE["clipbound_learning_rate"] * (fraction - ADAPTIVE["target_unclipped_quantile"]))
+        bound = min(ADAPTIVE["max_clipbound"], max(ADAPTIVE["min_clipbound"], bound))
+        bounds.append(bound)
+    return [p.detach() for p in model.parameters()], bounds
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "dpddp"])
+def test_adaptive_clipping_counts_over_all_ranks(equivalence, wrapper):
+    key = ("modern", wrapper, "adaptive")
+    r0, r1 = equivalence[0][key], equivalence[1][key]
+    assert_bit_identical(r0["final"], r1["final"])
+    assert r0["bounds"] == r1["bounds"]
+    expected, bounds = adaptive_replay(equivalence, key)
+    assert len(set(round(b, 6) for b in bounds)) == len(bounds), "the bound must move at every step"
+    assert r0["bounds"] == pytest.approx(bounds, rel=1e-12)
+    for got, want in zip(r0["final"], expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_adaptive_clipping_with_noise_one_all_reduce_same_bound_everywhere(privacy):
+    from opacus.accountants import RDPAccountant
+
+    r0, r1 = privacy[0]["adaptive_noise"], privacy[1]["adaptive_noise"]
+    assert r0["bounds"] == r1["bounds"] and r0["bounds"][0] != FLAT_C
+    assert_bit_identical(r0["final"], r1["final"])
+    steps, numel = len(r0["batches"]), sum(p.numel() for p in r0["start"])
+    assert r0["all_reduces"] == steps  # the unclipped count travels in the gradients' all-reduce
+    assert r0["reducer_bytes"] == steps * (numel + 1 + WORLD * 4) * 8
+    reference = RDPAccountant()  # the accountant records the total σ, not the gradient's share
+    for _ in range(steps):
+        reference.step(noise_multiplier=r0["sigma"], sample_rate=r0["sample_rate"])
+    assert r0["epsilon"] == pytest.approx(reference.get_epsilon(DELTA), rel=1e-9)

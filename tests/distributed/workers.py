@@ -21,6 +21,8 @@ N_FEATURES, N_CLASSES, N_SAMPLES = 6, 3, 48
 LR = 0.5
 FLAT_C = 0.5
 LAYER_C = 0.3
+ADAPTIVE = {"target_unclipped_quantile": 0.5, "clipbound_learning_rate": 0.7, "min_clipbound": 0.05,
+            "max_clipbound": 5.0}
 
 
 def dataset(n: int = N_SAMPLES, features: int = N_FEATURES, seed: int = 1234) -> TensorDataset:
@@ -68,14 +70,20 @@ def _quiet_engine(**kwargs):
 
 
 def _clipping_args(clipping: str, num_tensors: int):
-    if clipping == "flat":
+    if clipping in ("flat", "adaptive"):
         return FLAT_C
     return [LAYER_C] * num_tensors
 
 
+def _adaptive_args(clipping: str, unclipped_num_std: float):
+    return dict(ADAPTIVE, unclipped_num_std=unclipped_num_std) if clipping == "adaptive" else {}
+
+
 # --------------------------------------------------------------------------- σ = 0 runs
-def train_modern(rank, world_size, wrapper, clipping, steps=3, sigma=0.0, physical=2, buffered=False):
-    """make_private + distributed Poisson loader + BatchMemoryManager (virtual steps)."""
+def train_modern(rank, world_size, wrapper, clipping, steps=3, sigma=0.0, physical=2, buffered=False,
+                 unclipped_num_std=0.0):
+    """make_private + distributed Poisson loader + BatchMemoryManager (virtual steps);
+    ``bounds``: the clipping bound after each logical step (it moves with adaptive clipping)."""
     model = make_model(seed=100 + rank)
     model = wrap(WithBuffer(model) if buffered else model, wrapper)
     start = params_of(model)
@@ -86,9 +94,10 @@ def train_modern(rank, world_size, wrapper, clipping, steps=3, sigma=0.0, physic
     torch.manual_seed(7 + rank)  # different Poisson draws on each rank
     gsm, optimizer, dp_loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma,
-        max_grad_norm=_clipping_args(clipping, 4), clipping=clipping)
+        max_grad_norm=_clipping_args(clipping, 4), clipping=clipping,
+        **_adaptive_args(clipping, unclipped_num_std))
     criterion = nn.CrossEntropyLoss()
-    logical, current = [], []
+    logical, current, bounds = [], [], []
     with BatchMemoryManager(data_loader=dp_loader, max_physical_batch_size=physical,
                             optimizer=optimizer) as physical_loader:
         for x, y in physical_loader:
@@ -99,11 +108,13 @@ def train_modern(rank, world_size, wrapper, clipping, steps=3, sigma=0.0, physic
             optimizer.step()
             if len(engine.accountant) > before:
                 logical.append(current)
+                bounds.append(optimizer.max_grad_norm)
                 current = []
             if len(logical) == steps:
                 break
-    return {"start": start, "batches": logical, "final": params_of(gsm),
+    return {"start": start, "batches": logical, "final": params_of(gsm), "bounds": bounds,
             "global_batch": optimizer.expected_batch_size * world_size,
+            "epsilon": engine.get_epsilon(1e-5), "sigma": sigma, "sample_rate": dp_loader.sample_rate,
             "reducer_bytes": optimizer.reducer.bytes_reduced,
             "all_reduces": optimizer.reducer.num_all_reduces}
 
@@ -157,6 +168,8 @@ def equivalence_job(rank, world_size):
         results[("buffered", wrapper)] = train_modern(rank, world_size, wrapper, "flat", steps=4,
                                                       physical=1, buffered=True)
     results[("classic", "ddp_static_graph", "flat")] = train_classic(rank, world_size, "ddp_static_graph", "flat")
+    for wrapper in ("ddp", "dpddp"):  # the bound moves with the count summed over both ranks
+        results[("modern", wrapper, "adaptive")] = train_modern(rank, world_size, wrapper, "adaptive", steps=4)
     empty = [[2, 1], [0, 0], [3, 0]] if rank == 1 else [[1, 2], [2, 2], [0, 0]]
     for wrapper in ("ddp", "dpddp"):
         results[("empty", wrapper)] = train_classic(rank, world_size, wrapper, "flat", sizes=empty)

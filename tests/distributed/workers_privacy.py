@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from opacus_dp import PrivacyEngine
 from opacus_dp.data import DPDataLoader
-from tests.distributed.workers import dataset, equivalence_job, make_model, params_of, wrap
+from tests.distributed.workers import dataset, equivalence_job, make_model, params_of, train_modern, wrap
 
 DELTA = 1e-5
 NOISE_FEATURES, NOISE_CLASSES, NOISE_SAMPLES = 150, 100, 64
@@ -245,6 +245,8 @@ def privacy_job(rank, world_size, checkpoint_dir):
         "empty_poisson": empty_poisson_run(rank, world_size),
         "sampler": sampler_run(rank, world_size),
         "checkpoint": checkpoint_run(rank, world_size, os.path.join(checkpoint_dir, "ckpt.pt")),
+        "adaptive_noise": train_modern(rank, world_size, "ddp", "adaptive", steps=3, sigma=1.0,
+                                       unclipped_num_std=2.0),
         "errors": error_runs(rank, world_size),
     }
 

@@ -63,7 +63,7 @@ def test_get_optimizer_class():
     with pytest.raises(ValueError, match="use PrivacyEngine.make_private"):
         get_optimizer_class("flat", False, "ghost")
     with pytest.raises(ValueError, match="clipping must be"):
-        get_optimizer_class("adaptive", False)
+        get_optimizer_class("automatic", False)
 
 
 def test_pre_step_sets_the_private_gradient_like_opacus_and_leaves_the_update_to_the_caller():
@@ -93,3 +93,37 @@ def test_pre_step_sets_the_private_gradient_like_opacus_and_leaves_the_update_to
     for a, b in zip(*grads):
         assert a.abs().max() > 0
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_expanded_weights_mode_updates_like_opacus_ew():
+    """``grad_sample_mode="ew"`` (Opacus's ExpandedWeights) runs ``hooks``: the same σ = 0
+    update as Opacus's own "ew" mode, with clipping active."""
+    import warnings
+
+    import opacus
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import opacus_dp
+
+    g = torch.Generator().manual_seed(4)
+    data = TensorDataset(torch.randn(16, 5, generator=g) * 4, torch.randint(0, 3, (16,), generator=g))
+    results = []
+    for library in (opacus, opacus_dp):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gsm, optimizer, loader = library.PrivacyEngine().make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                data_loader=DataLoader(data, batch_size=8), noise_multiplier=0.0, max_grad_norm=0.1,
+                poisson_sampling=False, grad_sample_mode="ew")
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.CrossEntropyLoss()(gsm(x), y).backward()
+            optimizer.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    torch.manual_seed(0)
+    start = [p.detach() for p in nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3)).parameters()]
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(results[1], start))
+    for ours, theirs in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
