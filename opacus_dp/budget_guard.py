@@ -122,7 +122,8 @@ class BudgetGuard:
             f"privacy budget exhausted: one more step (noise_multiplier={noise_multiplier}, "
             f"sample_rate={sample_rate}) would raise epsilon to {eps_next:.4g} > "
             f"max_epsilon={self.max_epsilon} at delta={self.delta} after "
-            f"{len(self.accountant)} steps; the step was refused and nothing was changed"
+            f"{len(self.accountant)} steps; the step was refused: no update, noise draw or accountant record was made, and "
+            "this batch's clipped gradients were dropped (a retry needs a new backward pass)"
         )
 
     def remaining_steps(self, noise_multiplier: float, sample_rate: float) -> int:

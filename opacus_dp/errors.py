@@ -4,7 +4,9 @@
 class PrivacyBudgetExceededError(RuntimeError):
     """Raised *before* a step whose privacy cost would push ε above the configured budget.
 
-    No parameter, accountant record or sampler state is changed by the refused step.
+    No parameter, accountant record or sampler state is changed by the refused step; the
+    refused logical batch (with any pieces accumulated before it) is dropped, never merged
+    into the next step.
     """
 
 

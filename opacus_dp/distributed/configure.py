@@ -138,6 +138,7 @@ def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[f
             "expected_batch_size": getattr(optimizer, "expected_batch_size", None),
             "loss_reduction(mean=1)": float(getattr(optimizer, "loss_reduction", "mean") == "mean"),
             "poisson_sampling(yes=1)": float(bool(getattr(optimizer, "poisson_batches", False))),
+            **_adaptive_settings(optimizer),
         },
         group,
     )
@@ -157,6 +158,15 @@ def _check_mean_divisor(optimizer) -> None:
             "mean divides by expected_batch_size · world_size on every rank): pass batch_size "
             "and sample_size (classic API) or use the modern API's data loader"
         )
+
+
+def _adaptive_settings(optimizer) -> dict:
+    """The adaptive-clipping settings (None on a rank that does not clip adaptively)."""
+    from opacus_dp.optim.adaptive_clipping import SETTINGS, AdaptiveClipper
+
+    clipper = getattr(optimizer, "clipper", None)
+    settings = clipper.settings() if isinstance(clipper, AdaptiveClipper) else {}
+    return {f"adaptive clipping {name}": settings.get(name) for name in SETTINGS}
 
 
 def _clipping_bounds(optimizer) -> Optional[float]:

@@ -30,6 +30,10 @@ from opacus_dp.optim.clipping import Clipper, check_max_grad_norm, flat_factors,
 PAPER_TARGET_QUANTILE = 0.5  # clip to the median (the paper's recommendation)
 PAPER_LEARNING_RATE = 0.2    # geometric updates (the paper's recommendation)
 PAPER_COUNT_STD_FRACTION = 1 / 20  # σ_u = expected batch size / 20 (the paper's recommendation)
+SETTINGS = ("target_unclipped_quantile", "clipbound_learning_rate", "min_clipbound", "max_clipbound",
+            "unclipped_num_std")
+LOG_LARGEST_BOUND = math.log(sys.float_info.max)
+FINITE = sys.float_info.max
 
 
 def _real(value, name: str, *, low: float, high: float = math.inf, low_open: bool = False) -> float:
@@ -73,21 +77,20 @@ class AdaptiveClipper(Clipper):
                  unclipped_num_std: float):
         self.target_unclipped_quantile = _real(target_unclipped_quantile, "target_unclipped_quantile",
                                                low=0.0, high=1.0)
-        self.clipbound_learning_rate = _real(clipbound_learning_rate, "clipbound_learning_rate", low=0.0)
-        self.min_clipbound = _real(min_clipbound, "min_clipbound", low=0.0)
+        self.clipbound_learning_rate = _real(clipbound_learning_rate, "clipbound_learning_rate", low=0.0,
+                                             high=FINITE)
+        self.min_clipbound = _real(min_clipbound, "min_clipbound", low=0.0, high=FINITE)
         self.max_clipbound = _real(max_clipbound, "max_clipbound", low=self.min_clipbound, low_open=True)
-        self.unclipped_num_std = _real(unclipped_num_std, "unclipped_num_std", low=0.0)
-        self.max_grad_norm = self._checked_bound(max_grad_norm)
+        self.unclipped_num_std = _real(unclipped_num_std, "unclipped_num_std", low=0.0, high=FINITE)
+        self.max_grad_norm = self._checked_bound(max_grad_norm, "max_grad_norm (the initial bound)")
         self.last_unclipped_fraction: Optional[float] = None
 
-    def _checked_bound(self, value) -> float:
-        bound = check_max_grad_norm(value)
-        if not self.min_clipbound <= bound <= self.max_clipbound:
+    def _checked_bound(self, value, name: str) -> float:
+        bound = check_max_grad_norm(value, name)
+        if not self.min_clipbound <= bound <= min(self.max_clipbound, FINITE):
             raise ValueError(
-                f"max_grad_norm={bound} (the initial adaptive bound) must lie in [min_clipbound, "
-                f"max_clipbound] = [{self.min_clipbound}, {self.max_clipbound}]")
-        if math.isinf(bound):
-            raise ValueError("max_grad_norm must be finite for adaptive clipping (it is the initial bound)")
+                f"{name}={bound} must be finite and lie in [min_clipbound, max_clipbound] = "
+                f"[{self.min_clipbound}, {self.max_clipbound}]")
         return bound
 
     @property
@@ -108,19 +111,27 @@ class AdaptiveClipper(Clipper):
         return (unclipped - 0.5).sum()
 
     def update(self, noisy_centred_count: float, expected_batch_size: float) -> float:
-        """Move the bound after a step from the released count ``U`` (module doc); returns it."""
+        """Move the bound after a step from the released count ``U`` (module doc); returns it.
+        The product is formed in log space, so no learning rate overflows: the bound stays a
+        positive finite float."""
         fraction = min(1.0, max(0.0, noisy_centred_count / expected_batch_size + 0.5))
-        factor = math.exp(-self.clipbound_learning_rate * (fraction - self.target_unclipped_quantile))
-        bound = min(self.max_clipbound, max(self.min_clipbound, self.max_grad_norm * factor))
-        self.max_grad_norm = max(bound, sys.float_info.min)  # a bound stays > 0
+        log_bound = math.log(self.max_grad_norm) - self.clipbound_learning_rate * (
+            fraction - self.target_unclipped_quantile)
+        bound = math.exp(min(log_bound, LOG_LARGEST_BOUND))
+        bound = min(self.max_clipbound, FINITE, max(self.min_clipbound, bound))
+        self.max_grad_norm = max(bound, sys.float_info.min)
         self.last_unclipped_fraction = fraction
         return self.max_grad_norm
+
+    def settings(self) -> Dict[str, float]:
+        """The adaptation settings (every process of a distributed run must share them)."""
+        return {name: getattr(self, name) for name in SETTINGS}
 
     def state_dict(self) -> Dict[str, float]:
         return {"max_grad_norm": self.max_grad_norm, "last_unclipped_fraction": self.last_unclipped_fraction}
 
     def load_state_dict(self, state: Dict[str, float]) -> None:
-        self.max_grad_norm = self._checked_bound(state["max_grad_norm"])
+        self.max_grad_norm = self._checked_bound(state["max_grad_norm"], "the saved adaptive bound")
         self.last_unclipped_fraction = state.get("last_unclipped_fraction")
 
     def __repr__(self):

@@ -161,11 +161,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
                 closure()
         skip = self._skip_signals.popleft() if self._skip_signals else False
         if not skip:
-            self.accumulated_iterations = self._pending_iterations()
-            if self.poisson_batches and self.accumulated_iterations > 1:
-                self._refuse_merging_poisson_batches(
-                    f"one step over {self.accumulated_iterations} backward passes")
-            self._run_hooks(self._pre_step_hooks)  # e.g. budget guard: may refuse the step
+            self._check_step_allowed()
         self._accumulate_or_discard(check_size=not skip)
         if skip:
             return False
@@ -181,6 +177,21 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
             self.clipper.update(float(reduced[-1]), self._expected_global_batch_size())
         self._run_hooks(self._step_hooks)
         return True
+
+    def _check_step_allowed(self) -> None:
+        """The checks of a logical step before anything of it is released (merged Poisson
+        batches, the pre-step hooks such as the budget guard). A refused step drops its whole
+        logical batch (:meth:`discard_unfinished_batch`): pieces accumulated before it must
+        never join the next batch's step."""
+        try:
+            self.accumulated_iterations = self._pending_iterations()
+            if self.poisson_batches and self.accumulated_iterations > 1:
+                self._refuse_merging_poisson_batches(
+                    f"one step over {self.accumulated_iterations} backward passes")
+            self._run_hooks(self._pre_step_hooks)  # e.g. budget guard: may refuse the step
+        except Exception:
+            self.discard_unfinished_batch()
+            raise
 
     @property
     def grad_samples(self) -> List[Optional[torch.Tensor]]:
@@ -235,7 +246,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
                 "one batch of rate q (a sample drawn in both counting twice). Call optimizer.step() "
                 "once per batch of the data loader; to split a batch that does not fit in memory, "
                 "iterate BatchMemoryManager(data_loader=..., max_physical_batch_size=..., "
-                "optimizer=...); for larger batches raise the loader's batch size. Nothing changed")
+                "optimizer=...); for larger batches raise the loader's batch size. No update was made")
 
     def take_unconsumed_skip_signals(self) -> List[bool]:
         """The signals of :meth:`signal_skip_step` that no ``step()`` consumed (now dropped)."""

@@ -227,6 +227,8 @@ def test_checkpoint_written_by_rank_zero_resumes_everywhere(privacy):
     ("unwrapped", "not wrapped for distributed training"),
     ("loader_world_size", "num_replicas=3"),
     ("poisson_on_one_rank", "poisson_sampling(yes=1) differs between ranks"),
+    ("adaptive_quantile_differs", "adaptive clipping target_unclipped_quantile differs between ranks"),
+    ("adaptive_on_one_rank", "adaptive clipping clipbound_learning_rate differs between ranks"),
     ("sigma_changed_on_one_rank", "noise_multiplier differs between ranks at this step"),
     ("bound_changed_on_one_rank", "max_grad_norm (sensitivity) differs between ranks at this step"),
     ("uneven_accumulation", "batches merged into the step differs between ranks"),

@@ -186,11 +186,12 @@ def error_runs(rank, world_size):
                                max_grad_norm=1.0)
         engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
 
-    def modern(model, sigma=1.0, loader=None, poisson=True):
+    def modern(model, sigma=1.0, loader=None, poisson=True, **clipping):
         loader = loader or DataLoader(data, batch_size=4, sampler=DistributedSampler(data))
         _engine(accountant="rdp").make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=loader, noise_multiplier=sigma, max_grad_norm=1.0, poisson_sampling=poisson)
+            data_loader=loader, noise_multiplier=sigma, max_grad_norm=1.0, poisson_sampling=poisson,
+            **clipping)
 
     def changed_in_training(change, passes=(1, 1)):
         """Set up alike on every rank, then ``change(optimizer)`` on rank 0 only, or run
@@ -226,6 +227,11 @@ def error_runs(rank, world_size):
                 lambda: modern(wrap(make_model(1), "dpddp"), loader=wrong_world, poisson=False)),
             "poisson_on_one_rank": _error_of(
                 lambda: modern(wrap(make_model(1), "dpddp"), poisson=rank == 0)),
+            "adaptive_quantile_differs": _error_of(
+                lambda: modern(wrap(make_model(1), "ddp"), sigma=0.5, clipping="adaptive",
+                               target_unclipped_quantile=0.5 + 0.1 * rank)),
+            "adaptive_on_one_rank": _error_of(
+                lambda: modern(wrap(make_model(1), "ddp"), sigma=0.5, clipping="adaptive" if rank else "flat")),
             "sigma_changed_on_one_rank": _error_of(
                 lambda: changed_in_training(set_attribute("noise_multiplier", 0.5))),
             "bound_changed_on_one_rank": _error_of(

@@ -43,7 +43,7 @@ def _private(mode="hooks", sigma=0.0, count_std=0.0, poisson=True, batch_size=8,
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
             data_loader=DataLoader(_data(), batch_size=batch_size), noise_multiplier=sigma,
             max_grad_norm=C0, clipping="adaptive", poisson_sampling=poisson, grad_sample_mode=mode,
-            unclipped_num_std=count_std, **OPTIONS, **extra)
+            unclipped_num_std=count_std, **{**OPTIONS, **extra})
     return (engine, *out)
 
 
@@ -264,7 +264,7 @@ def _make(**kwargs):
     (dict(target_unclipped_quantile=1.5), "target_unclipped_quantile must be in"),
     (dict(clipbound_learning_rate=-0.1), "clipbound_learning_rate must be in"),
     (dict(min_clipbound=2.0, max_clipbound=1.0), "max_clipbound must be in"),
-    (dict(max_clipbound=0.5), "initial adaptive bound"),
+    (dict(max_clipbound=0.5), r"max_grad_norm \(the initial bound\)=0.8 must be finite and lie in"),
     (dict(max_grad_norm=[1.0, 1.0, 1.0, 1.0]), "max_grad_norm is a list"),
     (dict(clipping="flat", target_unclipped_quantile=0.5), "only apply to clipping='adaptive'"),
     (dict(noise_multiplier=0.0, max_grad_norm=math.inf), "finite"),
@@ -329,3 +329,25 @@ def test_make_private_with_epsilon_calibrates_the_total_sigma():
                                     alphas=[1.5, 2, 4, 8, 16, 32, 64])
     assert optimizer.noise_multiplier == expected
     assert optimizer.clipper.unclipped_num_std == 3.0
+
+
+def test_no_learning_rate_overflows_the_bound():
+    """η·|f − γ| beyond exp's range: the bound goes to the largest finite float (or the smallest
+    positive one) instead of raising after the noisy gradient was set."""
+    import sys
+
+    up = AdaptiveClipper(1.0, target_unclipped_quantile=1.0, clipbound_learning_rate=1e300, max_clipbound=math.inf,
+                         min_clipbound=0.0, unclipped_num_std=0.0)
+    assert up.update(-5.0, 10.0) == pytest.approx(sys.float_info.max, rel=1e-12)  # f = 0: grow
+    down = AdaptiveClipper(1.0, target_unclipped_quantile=0.0, clipbound_learning_rate=1e300, max_clipbound=math.inf,
+                           min_clipbound=0.0, unclipped_num_std=0.0)
+    assert down.update(5.0, 10.0) == sys.float_info.min  # f = 1: shrink, stays > 0
+    engine, gsm, optimizer, loader = _private(clipbound_learning_rate=2000.0)
+    _train(gsm, optimizer, loader, steps=3)
+    assert len(engine.accountant) == 3 and math.isfinite(optimizer.max_grad_norm)
+
+
+@pytest.mark.parametrize("name", ["clipbound_learning_rate", "unclipped_num_std", "min_clipbound"])
+def test_infinite_settings_are_refused(name):
+    with pytest.raises(ValueError, match=name):
+        _make(**{name: math.inf, "max_clipbound": math.inf})

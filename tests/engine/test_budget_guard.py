@@ -185,3 +185,62 @@ def test_guard_checks_every_step_near_the_budget_exactly():
             acc.step(noise_multiplier=1.0, sample_rate=0.1)
             assert acc.get_epsilon(1e-5) <= 0.4987
     assert len(acc) == 498
+
+
+@pytest.mark.parametrize("clipping", ["flat", "adaptive"])
+def test_refused_step_inside_batch_memory_manager_drops_its_whole_logical_batch(clipping):
+    """The guard refuses the last piece's step of a logical batch; the user raises σ and goes
+    on. The next step must be that of its own batch alone: the refused batch's earlier pieces
+    (clipped sums, unclipped count) are dropped. Oracle: autograd per-sample gradients of the
+    next logical batch, clipped by hand, plus the noise replayed from the generator's state."""
+    from opacus_dp.data import BatchMemoryManager
+    from tests.distributed.oracle import clipped_sum, per_sample_grads
+
+    model = small_model()
+    engine = PrivacyEngine(accountant="rdp", max_epsilon=3.0, max_epsilon_delta=1e-5)
+    extra = {"unclipped_num_std": 5.0} if clipping == "adaptive" else {}
+    gsm, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=small_loader(n=60, batch_size=20), noise_multiplier=1.0, max_grad_norm=0.5,
+        clipping=clipping, **extra)
+    generator = opt.noise.generator_for(torch.device("cpu"))
+    refused, pieces, checked = False, [], False
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt) as physical:
+        for _ in range(60):
+            for x, y in physical:
+                pieces.append((x, y))
+                opt.zero_grad()
+                nn.functional.cross_entropy(gsm(x), y).backward()
+                recorded, noise_state, bound = len(engine.accountant), generator.get_state(), opt.max_grad_norm
+                before = [p.detach().clone() for p in model.parameters()]
+                try:
+                    opt.step()
+                except PrivacyBudgetExceededError:
+                    assert len(pieces) > 1, "the refused batch must have earlier pieces"
+                    refused, pieces = True, []
+                    opt.noise_multiplier = opt.noise_multiplier * 1.5
+                    continue
+                if len(engine.accountant) == recorded:
+                    continue
+                if refused and sum(len(px) for px, _ in pieces):
+                    got = [p.detach().clone() for p in model.parameters()]
+                    oracle = small_model()
+                    with torch.no_grad():
+                        for p, b in zip(oracle.parameters(), before):
+                            p.copy_(b)
+                    xs, ys = torch.cat([px for px, _ in pieces]), torch.cat([py for _, py in pieces])
+                    params = list(oracle.parameters())
+                    summed = clipped_sum(per_sample_grads(oracle, nn.CrossEntropyLoss(), xs, ys), bound, params)
+                    replay = torch.Generator()
+                    replay.set_state(noise_state)
+                    std = opt.clipper.gradient_noise_multiplier(opt.noise_multiplier) * bound
+                    expected = [b - (s + torch.normal(0.0, std, size=p.shape, generator=replay, dtype=p.dtype))
+                                / opt.expected_batch_size for p, s, b in zip(params, summed, before)]
+                    checked = True
+                    break
+                pieces = []
+            if checked:
+                break
+    assert checked, "a refusal followed by a completed step must have happened"
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
