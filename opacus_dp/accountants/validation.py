@@ -7,6 +7,7 @@ says what a valid value looks like; each returns the value as a plain Python num
 import math
 import numbers
 import warnings
+from typing import Optional
 
 
 def _as_real(value, name: str) -> float:
@@ -41,10 +42,11 @@ def check_delta(delta, name: str = "delta") -> float:
     return d
 
 
-def warn_if_delta_not_small(delta: float, num_records: int, name: str = "target_delta") -> None:
+def warn_if_delta_not_small(delta: float, num_records: Optional[int], name: str = "target_delta") -> None:
     """Warn when ``δ ≥ 1/N``: releasing one random record in the clear is then (0, δ)-DP, so
-    the guarantee says little; δ ≪ 1/N is the usual choice (Dwork & Roth 2014, §2.3)."""
-    if num_records > 0 and delta >= 1.0 / num_records:
+    the guarantee says little; δ ≪ 1/N is the usual choice (Dwork & Roth 2014, §2.3). Nothing
+    to check when ``N`` is unknown (None)."""
+    if num_records is not None and num_records > 0 and delta >= 1.0 / num_records:
         warnings.warn(
             f"{name}={delta!r} is not below 1/N = 1/{num_records}: a mechanism that publishes one "
             f"random record in the clear satisfies (0, {delta!r})-DP, so this guarantee says "

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from opacus_dp.distributed import data_parallel
 from opacus_dp.errors import UnsupportedModuleError
+from opacus_dp.grad_sample.frozen_batch_norm import guard_batch_norms
 from opacus_dp.grad_sample.functorch import explained_fallback_error, functorch_grad_sample
 from opacus_dp.grad_sample.layer_call import LayerCall, call_batch_dim, hook_output_grad, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
@@ -125,6 +126,7 @@ class GradSampleModule(nn.Module):
         self._handles: List[Any] = []
         data_parallel.refuse_unsupported_replicas(module, lambda m: self._sampler_for(m) is not None)
         self._add_hooks()
+        self._handles.extend(guard_batch_norms(module, self._recording))
         if self._handles:
             data_parallel.acquire(self)
         self.skips_weight_grads = bool(skip_weight_grads) and not _has_replicas(module)

@@ -99,9 +99,10 @@ class ModuleValidator:
     ) -> nn.Module:
         """A fixed deep copy of ``module`` (the argument is left untouched).
 
-        * BatchNorm1d/2d/3d, SyncBatchNorm -> GroupNorm(``num_groups`` or gcd(32, C), as Opacus,
-          C) with the affine weights copied; with ``replace_bn_with_in=True`` the
-          InstanceNorm of the same dimensionality instead;
+        * trainable BatchNorm1d/2d/3d, SyncBatchNorm -> GroupNorm(``num_groups`` or gcd(32, C),
+          as Opacus, C) with the affine weights copied; with ``replace_bn_with_in=True`` the
+          InstanceNorm of the same dimensionality instead. A frozen BatchNorm is kept (as
+          Opacus): it must run in eval mode (checked at every recorded forward call);
         * InstanceNorm with ``track_running_stats=True`` -> the same without running statistics;
         * trainable nn.LSTM / nn.GRU / nn.RNN -> DPLSTM / DPGRU / DPRNN, nn.MultiheadAttention ->
           DPMultiheadAttention, with the same weights (outputs unchanged).
@@ -152,7 +153,7 @@ class ModuleValidator:
 
 
 def _builtin_replacement(module: nn.Module, num_groups, replace_bn_with_in) -> Optional[nn.Module]:
-    if isinstance(module, _BatchNorm):
+    if isinstance(module, _BatchNorm) and has_trainable_parameters(module):
         if replace_bn_with_in:
             return fixers.batchnorm_to_instancenorm(module)
         return fixers.batchnorm_to_groupnorm(module, num_groups=num_groups)

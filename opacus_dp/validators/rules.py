@@ -40,12 +40,11 @@ class Problem:
 
 
 def check_batch_norm(module: nn.Module) -> Optional[Problem]:
-    """BatchNorm normalises with batch statistics: every output depends on the other samples.
-
-    Flagged even when frozen or in eval mode: ``model.train()`` turns batch statistics back on
-    and the running statistics are updated from the batch without noise.
-    """
-    if not isinstance(module, _BatchNorm):
+    """A trainable BatchNorm normalises with batch statistics: every output depends on the
+    other samples. A frozen one (as in Opacus) passes here; the wrappers check at every
+    forward call that it applies its running statistics (see
+    :mod:`opacus_dp.grad_sample.frozen_batch_norm`)."""
+    if not isinstance(module, _BatchNorm) or not has_trainable_parameters(module):
         return None
     return Problem(
         "BatchNorm mixes samples' statistics (each output depends on the whole batch)",

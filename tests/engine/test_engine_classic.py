@@ -197,6 +197,9 @@ def test_target_epsilon_calibrates_noise():
                            target_epsilon=2.0, target_delta=1e-5, epochs=3)
     eps, _ = reference_epsilon(0.05, engine.noise_multiplier, 60, alphas, 1e-5)
     assert 2.0 * 0.97 <= eps <= 2.0
+    by_rate = PrivacyEngine(small_model(), sample_rate=0.05, alphas=alphas, max_grad_norm=1.0,
+                            target_epsilon=2.0, target_delta=1e-5, epochs=3)  # N unknown: no δ check
+    assert by_rate.noise_multiplier == engine.noise_multiplier
 
 
 @pytest.mark.parametrize(

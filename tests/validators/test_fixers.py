@@ -50,9 +50,17 @@ def test_groupnorm_replacement_keeps_affine_eps_dtype_and_trainability():
     torch.testing.assert_close(fixed(x), group_norm_oracle(x, 2, bn.weight.detach(), bn.bias.detach(), 1e-3))
 
 
-def test_non_affine_batchnorm_gives_non_affine_groupnorm():
-    fixed = ModuleValidator.fix(nn.BatchNorm1d(4, affine=False))
-    assert isinstance(fixed, nn.GroupNorm) and not fixed.affine and list(fixed.parameters()) == []
+def test_batchnorm_without_trainable_parameters_is_kept_as_in_opacus():
+    """Nothing to clip: kept (it must then run in eval mode, checked at every forward call,
+    tests/grad_sample/test_frozen_batch_norm.py). Oracle: Opacus's fix."""
+    from opacus.validators import ModuleValidator as OpacusValidator
+
+    frozen = nn.BatchNorm2d(6).requires_grad_(False)
+    for module in (nn.BatchNorm1d(4, affine=False), frozen):
+        model = nn.Sequential(nn.Linear(4, 4), module)
+        ours, theirs = ModuleValidator.fix(model), OpacusValidator.fix(model)
+        assert type(ours[1]) is type(theirs[1]) is type(module)
+        assert ModuleValidator.validate(model) == [] and OpacusValidator.validate(model) == []
 
 
 @pytest.mark.parametrize(

@@ -74,12 +74,15 @@ def test_per_sample_layers_are_valid(layer):
     assert ModuleValidator.validate(nn.Sequential(layer)) == []
 
 
-def test_frozen_recurrent_and_attention_layers_are_fine_but_frozen_batchnorm_is_not():
+def test_frozen_recurrent_attention_and_batchnorm_layers_pass_validation():
+    """A frozen BatchNorm passes (as in Opacus); that it runs in eval mode is checked at every
+    forward call (tests/grad_sample/test_frozen_batch_norm.py). A trainable one is flagged."""
     lstm, attention, batch_norm = nn.LSTM(3, 4), nn.MultiheadAttention(4, 2), nn.BatchNorm1d(4)
     for module in (lstm, attention, batch_norm):
         module.requires_grad_(False)
-    batch_norm.eval()
     model = nn.Sequential(nn.Linear(3, 3), lstm, attention, batch_norm)
+    assert ModuleValidator.validate(model) == []
+    batch_norm.weight.requires_grad_(True)
     (error,) = ModuleValidator.validate(model)
     assert str(error).startswith("model.3 (BatchNorm1d)")
 
