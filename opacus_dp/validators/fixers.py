@@ -88,14 +88,15 @@ def batchnorm_to_groupnorm(module: _BatchNorm, num_groups: Optional[int] = None)
 
 
 def batchnorm_to_instancenorm(module: _BatchNorm) -> nn.Module:
-    """InstanceNorm of the same dimensionality (GroupNorm(C, C), i.e. instance norm, for SyncBatchNorm)."""
+    """InstanceNorm of the same dimensionality without affine parameters, the architecture
+    Opacus builds (so its checkpoints load); for SyncBatchNorm, which Opacus refuses here,
+    ``GroupNorm(C, C)`` (instance norm) keeping the affine weights."""
     channels = _channel_count(module)
     target = _INSTANCE_NORMS.get(type(module))
     if target is None:
         replacement = nn.GroupNorm(channels, channels, eps=module.eps, **_affine(module), **_factory(module))
-    else:
-        replacement = target(channels, eps=module.eps, **_affine(module), **_factory(module))
-    return _copy_affine(module, replacement)
+        return _copy_affine(module, replacement)
+    return target(channels, eps=module.eps, **_factory(module)).train(module.training)
 
 
 def instancenorm_without_running_stats(module: _InstanceNorm) -> _InstanceNorm:

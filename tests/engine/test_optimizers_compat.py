@@ -127,3 +127,17 @@ def test_expanded_weights_mode_updates_like_opacus_ew():
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(results[1], start))
     for ours, theirs in zip(results[1], results[0]):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_sub_packages_are_attributes_after_import_as_in_opacus():
+    """``import opacus; opacus.validators.ModuleValidator`` works in Opacus; a fresh interpreter
+    checks the same for opacus_dp (nothing imported beforehand)."""
+    import subprocess
+    import sys
+
+    code = ("import opacus_dp as opacus\n"
+            "print(opacus.validators.ModuleValidator.__name__, opacus.accountants.RDPAccountant.__name__,"
+            " opacus.optimizers.AdaClipDPOptimizer.__name__, opacus.schedulers.StepNoise.__name__)\n"
+            "try:\n    opacus.no_such_module\nexcept AttributeError as e:\n    print('refused')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["ModuleValidator", "RDPAccountant", "AdaClipDPOptimizer", "StepNoise", "refused"]

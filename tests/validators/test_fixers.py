@@ -73,8 +73,13 @@ def test_batchnorm_without_trainable_parameters_is_kept_as_in_opacus():
     ],
 )
 def test_instancenorm_replacement_normalises_each_channel_of_each_sample(bn, target, shape):
+    from opacus.validators import ModuleValidator as OpacusValidator
+
     fixed = ModuleValidator.fix(nn.Sequential(bn.to(F64)), replace_bn_with_in=True)[0]
     assert type(fixed) is target
+    if target is not nn.GroupNorm:  # Opacus refuses SyncBatchNorm here; else the same architecture
+        theirs = OpacusValidator.fix(nn.Sequential(bn), replace_bn_with_in=True)[0]
+        assert type(theirs) is target and set(theirs.state_dict()) == set(fixed.state_dict())
     x = torch.randn(*shape, dtype=F64)
     expected = group_norm_oracle(x, 4, torch.ones(4, dtype=F64), torch.zeros(4, dtype=F64), 1e-5)
     torch.testing.assert_close(fixed(x), expected)
