@@ -9,6 +9,7 @@ from opacus_dp.version import __version__
 _LAZY = {
     "PrivacyEngine": "opacus_dp.privacy_engine",
     "GradSampleModule": "opacus_dp.grad_sample",
+    "GradSampleModuleFastGradientClipping": "opacus_dp.grad_sample",
     "DPOptimizer": "opacus_dp.optim",
     "DPDataLoader": "opacus_dp.data",
     "BatchMemoryManager": "opacus_dp.data",

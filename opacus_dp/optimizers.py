@@ -15,7 +15,8 @@ from opacus_dp.optim import DPOptimizer
 from opacus_dp.optim.adaptive_clipping import AdaptiveClipper
 from opacus_dp.optim.clipping import PerLayerClipper
 
-__all__ = ["DPOptimizer", "DPPerLayerOptimizer", "AdaClipDPOptimizer", "get_optimizer_class"]
+__all__ = ["DPOptimizer", "DPPerLayerOptimizer", "AdaClipDPOptimizer", "DPOptimizerFastGradientClipping",
+           "get_optimizer_class"]
 
 
 class _ClipsWith(type):
@@ -52,15 +53,47 @@ class AdaClipDPOptimizer(DPOptimizer, metaclass=_ClipsWith):
                          clipping=clipper, **kwargs)
 
 
+class _AwaitingLoss:
+    """The per-sample source of a DPOptimizerFastGradientClipping before a
+    DPLossFastGradientClipping connects it to the model."""
+
+    def clear(self, params) -> None:
+        pass
+
+    def per_sample_norms(self, params):
+        raise ValueError(
+            "DPOptimizerFastGradientClipping takes the per-sample norms from the model: build the "
+            "loss with DPLossFastGradientClipping(model, optimizer, criterion) and call backward() on "
+            "its losses (or use make_private(..., grad_sample_mode='ghost')); no update was made")
+
+    clipped_sums = pop = per_sample_norms
+
+
+class DPOptimizerFastGradientClipping(DPOptimizer):
+    """Opacus 1.6's optimizer for fast gradient clipping (flat clipping, one process): a
+    ``DPOptimizer`` connected to the model by ``DPLossFastGradientClipping`` (see
+    :mod:`opacus_dp.grad_sample.grad_sample_module_fast_gradient_clipping`)."""
+
+    def __init__(self, optimizer, *, noise_multiplier: float, max_grad_norm: float, expected_batch_size,
+                 loss_reduction: str = "mean", generator=None, secure_mode: bool = False, **kwargs):
+        super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                         expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
+                         generator=generator, secure_mode=secure_mode, clipping="flat",
+                         grad_source=_AwaitingLoss(), **kwargs)
+
+
 _BUILDERS = {"flat": DPOptimizer, "per_layer": DPPerLayerOptimizer, "adaptive": AdaClipDPOptimizer}
 
 
 def get_optimizer_class(clipping: str, distributed: bool, grad_sample_mode: str = "hooks"):
     """The constructor Opacus's ``get_optimizer_class`` names for a single-process run with
-    per-sample gradients in ``p.grad_sample`` (``hooks``/``functorch``); the other
-    combinations are refused with the way to get them."""
+    per-sample gradients in ``p.grad_sample`` (``hooks``/``functorch``/``ew``), or with flat
+    fast gradient clipping (``ghost``); the other combinations are refused with the way to
+    get them."""
     if clipping not in _BUILDERS:
         raise ValueError(f"clipping must be 'flat', 'per_layer' or 'adaptive', got {clipping!r}")
+    if (clipping, distributed, grad_sample_mode) == ("flat", False, "ghost"):
+        return DPOptimizerFastGradientClipping
     if distributed or grad_sample_mode not in ("hooks", "functorch", "ew"):
         raise ValueError(
             f"get_optimizer_class(distributed={distributed}, grad_sample_mode={grad_sample_mode!r}): "

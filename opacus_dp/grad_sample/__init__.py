@@ -8,6 +8,7 @@ from opacus_dp.grad_sample.functorch import functorch_grad_sample
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample import norm_samplers  # noqa: F401,E402  (ghost / bk layer functions)
 from opacus_dp.grad_sample.bookkeeping_module import BookkeepingGradSampleModule
+from opacus_dp.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from opacus_dp.grad_sample.registry import (
     GRAD_SAMPLERS,
     NORM_SAMPLERS,
@@ -18,6 +19,7 @@ from opacus_dp.grad_sample.registry import (
 __all__ = [
     "GradSampleModule",
     "BookkeepingGradSampleModule",
+    "GradSampleModuleFastGradientClipping",
     "GRAD_SAMPLERS",
     "NORM_SAMPLERS",
     "register_grad_sampler",

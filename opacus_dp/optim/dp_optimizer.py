@@ -106,10 +106,8 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         self.expected_batch_size = expected_batch_size  # checked by the setter
         self.noise = GaussianNoise(generator=generator, secure_mode=secure_mode)
         self.reducer = reducer if reducer is not None else LocalReducer()
-        self.grad_source = grad_source if grad_source is not None else AttributeGradSource()
-        if hasattr(self.grad_source, "set_factor_function"):
-            self.grad_source.set_factor_function(self._own_norm_factors)
         self.param_names = dict(param_names or {})
+        self._use_grad_source(grad_source if grad_source is not None else AttributeGradSource())
         self._inner_step = optimizer.step
         self._inner_zero_grad = optimizer.zero_grad
         self._summed: Dict[torch.Tensor, torch.Tensor] = {}
@@ -125,6 +123,20 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         # Poisson batches (make_private): one sampled batch per step, split only by
         # BatchMemoryManager (``signal_chunk_step``); set by the engine
         self.poisson_batches = False
+
+    def _use_grad_source(self, source) -> None:
+        self.grad_source = source
+        if hasattr(source, "set_factor_function"):
+            source.set_factor_function(self._own_norm_factors)
+
+    def connect_grad_source(self, module) -> None:
+        """Take per-sample gradients (or norms) from ``module``, a per-sample-gradient wrapper
+        of the model this optimizer trains; names its parameters in error messages."""
+        from opacus_dp.engine_setup import parameter_names
+        from opacus_dp.optim.grad_source import grad_source_for
+
+        self._use_grad_source(grad_source_for(module))
+        self.param_names.update(parameter_names(module))
 
     # ----------------------------------------------------------------- the private step
     # torch.amp.GradScaler then hands the step its scale (``grad_scale``) instead of unscaling

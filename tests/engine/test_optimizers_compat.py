@@ -61,7 +61,7 @@ def test_get_optimizer_class():
     with pytest.raises(ValueError, match="use PrivacyEngine.make_private"):
         get_optimizer_class("flat", True)
     with pytest.raises(ValueError, match="use PrivacyEngine.make_private"):
-        get_optimizer_class("flat", False, "ghost")
+        get_optimizer_class("per_layer", False, "ghost")
     with pytest.raises(ValueError, match="clipping must be"):
         get_optimizer_class("automatic", False)
 
@@ -141,3 +141,32 @@ def test_sub_packages_are_attributes_after_import_as_in_opacus():
             "try:\n    opacus.no_such_module\nexcept AttributeError as e:\n    print('refused')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["ModuleValidator", "RDPAccountant", "AdaClipDPOptimizer", "StepNoise", "refused"]
+
+
+def test_module_and_grad_sample_utils_agree_with_opacus():
+    from opacus.utils import module_utils as theirs
+
+    from opacus_dp.grad_sample import BookkeepingGradSampleModule, GradSampleModule
+    from opacus_dp.grad_sample.utils import get_gsm_class, register_grad_sampler, wrap_model
+    from opacus_dp.utils import module_utils as ours
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)), nn.LayerNorm(2))
+    model[2].requires_grad_(False)
+    model[0].bias.requires_grad_(False)
+    for name in ("parametrized_modules", "trainable_modules", "trainable_parameters"):
+        assert [n for n, _ in getattr(ours, name)(model)] == [n for n, _ in getattr(theirs, name)(model)], name
+    for sub in model.modules():
+        assert ours.has_trainable_params(sub) == theirs.has_trainable_params(sub)
+        for recurse in (False, True):
+            assert ours.requires_grad(sub, recurse=recurse) == theirs.requires_grad(sub, recurse=recurse)
+    clone = ours.clone_module(model)
+    assert clone is not model and ours.are_state_dict_equal(clone.state_dict(), model.state_dict())
+    assert ours.get_submodule(model, "1.1") is model[1][1] is theirs.get_submodule(model, "1.1")
+    with torch.no_grad():
+        clone[0].weight.add_(1.0)
+    assert not ours.are_state_dict_equal(clone.state_dict(), model.state_dict())
+    assert get_gsm_class("hooks") is GradSampleModule and issubclass(get_gsm_class("bk"), BookkeepingGradSampleModule)
+    wrapped = wrap_model(nn.Linear(3, 2), "hooks")
+    wrapped(torch.randn(5, 3)).sum().backward()
+    assert wrapped._module.weight.grad_sample.shape == (5, 2, 3) and wrapped._module.weight.grad is not None
+    assert callable(register_grad_sampler)

@@ -1,0 +1,32 @@
+"""Opacus 1.x's ``opacus.grad_sample.utils`` path (compatibility): the sampler registration
+decorators, and the per-sample-gradient wrapper of each ``grad_sample_mode``."""
+
+from typing import Type
+
+import torch.nn as nn
+
+from opacus_dp.grad_sample.bookkeeping_module import BookkeepingGradSampleModule
+from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
+from opacus_dp.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from opacus_dp.grad_sample.registry import register_grad_sampler, register_norm_sampler
+
+__all__ = ["register_grad_sampler", "register_norm_sampler", "get_gsm_class", "wrap_model"]
+
+_CLASSES = {"hooks": GradSampleModule, "functorch": GradSampleModule, "ew": GradSampleModule,
+            "ghost": GradSampleModuleFastGradientClipping, "bk": BookkeepingGradSampleModule}
+
+
+def get_gsm_class(grad_sample_mode: str) -> Type[GradSampleModule]:
+    """The wrapper class of ``grad_sample_mode`` ("hooks", "functorch", "ew", "ghost", "bk")."""
+    if grad_sample_mode not in _CLASSES:
+        raise ValueError(f"grad_sample_mode must be one of {', '.join(map(repr, _CLASSES))}, got {grad_sample_mode!r}")
+    return _CLASSES[grad_sample_mode]
+
+
+def wrap_model(model: nn.Module, grad_sample_mode: str, *, batch_first: bool = True,
+               loss_reduction: str = "mean") -> GradSampleModule:
+    """``model`` in the wrapper of ``grad_sample_mode``, built as its class builds it directly
+    (so ``hooks`` keeps autograd's ``p.grad`` beside ``p.grad_sample``, as in Opacus)."""
+    wrapper = get_gsm_class(grad_sample_mode)
+    extra = {"force_functorch": True} if grad_sample_mode == "functorch" else {}
+    return wrapper(model, batch_first=batch_first, loss_reduction=loss_reduction, **extra)
