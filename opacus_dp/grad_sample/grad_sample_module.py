@@ -420,6 +420,13 @@ class GradSampleModule(nn.Module):
 
     _close = close
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; a state dict of the wrapped model itself (keys without
+        ``_module.``, as ``save_checkpoint`` writes them) loads into the wrapped model."""
+        if state_dict and not any(key.startswith("_module.") for key in state_dict):
+            return self._module.load_state_dict(state_dict, strict=strict, assign=assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def to_standard_module(self) -> nn.Module:
         """Remove all hooks and return the wrapped module."""
         self.close()

@@ -347,3 +347,24 @@ def test_opacus_wrap_model_and_rand_on_empty_flags():
         PrivacyEngine().make_private(module=small_model(), optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                      data_loader=small_loader(), noise_multiplier=1.0, max_grad_norm=1.0,
                                      wrap_model="no")
+
+
+def test_checkpoint_module_state_loads_into_the_wrapped_model_too(tmp_path):
+    """Opacus scripts load ``torch.load(path)["module_state_dict"]`` into the model make_private
+    returned; the saved keys have no wrapper prefix, and either form loads."""
+    model = small_model()
+    engine = PrivacyEngine(accountant="rdp")
+    gsm, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=small_loader(), noise_multiplier=1.0, max_grad_norm=1.0)
+    engine.save_checkpoint(path=tmp_path / "c.pt", module=gsm, optimizer=opt)
+    saved = torch.load(tmp_path / "c.pt", weights_only=False)["module_state_dict"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    gsm.load_state_dict(saved)
+    assert all(torch.equal(p, saved[name]) for name, p in model.named_parameters())
+    gsm.load_state_dict({f"_module.{k}": torch.ones_like(v) for k, v in saved.items()})
+    assert all(bool((p == 1).all()) for p in model.parameters())
+    with pytest.raises(RuntimeError, match="Missing key"):
+        gsm.load_state_dict({k: v for k, v in list(saved.items())[1:]})
