@@ -58,7 +58,7 @@ class _AwaitingLoss:
     DPLossFastGradientClipping connects it to the model."""
 
     def clear(self, params) -> None:
-        pass
+        """Nothing is held before the loss wrapper connects the model (``zero_grad`` calls this)."""
 
     def per_sample_norms(self, params):
         raise ValueError(

@@ -84,6 +84,7 @@ class AdaptiveClipper(Clipper):
         self.unclipped_num_std = _real(unclipped_num_std, "unclipped_num_std", low=0.0, high=FINITE)
         self.max_grad_norm = self._checked_bound(max_grad_norm, "max_grad_norm (the initial bound)")
         self.last_unclipped_fraction: Optional[float] = None
+        self._pending_count: Optional[torch.Tensor] = None  # of the logical batch being accumulated
 
     def _checked_bound(self, value, name: str) -> float:
         bound = check_max_grad_norm(value, name)
@@ -103,12 +104,22 @@ class AdaptiveClipper(Clipper):
     def clip_factors(self, per_param_norms):
         return flat_factors(per_param_norms, self.max_grad_norm)
 
-    def centred_unclipped_count(self, per_param_norms: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``Σ_i (1{‖g_i‖ ≤ C} − ½)`` over the samples of these norms (float64 scalar)."""
+    def observe(self, per_param_norms: Sequence[torch.Tensor]) -> None:
+        """Add ``Σ_i (1{‖g_i‖ ≤ C} − ½)`` of this backward pass to the logical batch's count."""
         if not per_param_norms:
-            return torch.zeros((), dtype=torch.float64)
+            return
         unclipped = (total_norms(per_param_norms) <= self.max_grad_norm).to(torch.float64)
-        return (unclipped - 0.5).sum()
+        count = (unclipped - 0.5).sum()
+        self._pending_count = count if self._pending_count is None else self._pending_count + count
+
+    def take_observation(self) -> torch.Tensor:
+        """The logical batch's centred count (float64 scalar; 0 for an empty batch), now reset."""
+        count = self._pending_count if self._pending_count is not None else torch.zeros((), dtype=torch.float64)
+        self._pending_count = None
+        return count
+
+    def forget_observations(self) -> None:
+        self._pending_count = None
 
     def update(self, noisy_centred_count: float, expected_batch_size: float) -> float:
         """Move the bound after a step from the released count ``U`` (module doc); returns it.

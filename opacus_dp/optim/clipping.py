@@ -14,7 +14,7 @@ adapts during training is in :mod:`opacus_dp.optim.adaptive_clipping`.
 import abc
 import math
 import numbers
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -105,6 +105,16 @@ class Clipper(abc.ABC):
 
     def check_num_params(self, num_params: int) -> None:
         """Raise ValueError if this clipper cannot handle ``num_params`` tensors."""
+
+    def observe(self, per_param_norms: Sequence[torch.Tensor]) -> None:
+        """See the norms of one backward pass of the logical batch (a fixed bound needs nothing)."""
+
+    def take_observation(self) -> Optional[torch.Tensor]:
+        """The statistic the step releases with the gradient (None for a fixed bound)."""
+        return None
+
+    def forget_observations(self) -> None:
+        """Drop what :meth:`observe` gathered for a logical batch that is not stepped."""
 
     def gradient_noise_multiplier(self, noise_multiplier: float) -> float:
         """The part of the step's noise multiplier ``σ`` that goes to the gradient sum: all of

@@ -112,7 +112,6 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         self._inner_zero_grad = optimizer.zero_grad
         self._summed: Dict[torch.Tensor, torch.Tensor] = {}
         self._num_accumulated = 0
-        self._unclipped_count: Optional[torch.Tensor] = None  # adaptive clipping: Σ_i (b_i − ½)
         self._last_num_accumulated = 0
         self._skip_signals = deque()
         self._pre_step_hooks: "OrderedDict[int, Callable]" = OrderedDict()
@@ -177,7 +176,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         self._accumulate_or_discard(check_size=not skip)
         if skip:
             return False
-        count = self._take_unclipped_count()
+        count = self.clipper.take_observation()  # adaptive clipping: its unclipped count
         sums = self._take_summed_grads()
         if self.reducer.adds_noise:
             sums = self.add_noise(sums)
@@ -299,7 +298,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         batch_size = self._check_grad_samples(params, grad_samples)
         norms = [self._per_sample_norms(p, grad_samples.get(p), batch_size) for p in params]
         factors = self._clip_factors(params, norms)
-        self._count_unclipped(norms)
+        self.clipper.observe(norms)
         for p, factor in zip(params, factors):
             g = grad_samples.get(p)
             if g is None:
@@ -314,7 +313,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         and, given the factors, ``Σ_i f_il · g_il`` without materialised per-sample gradients."""
         norms = [self._check_finite(p, n) for p, n in zip(params, self.grad_source.per_sample_norms(params))]
         factors = self._clip_factors(params, norms)
-        self._count_unclipped(norms)
+        self.clipper.observe(norms)
         for p, clipped in zip(params, self.grad_source.clipped_sums(params, factors)):
             if clipped is not None:
                 clipped = clipped.to(sum_dtype(p.dtype))
@@ -400,20 +399,6 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
         return self.expected_batch_size * self.reducer.world_size * self.accumulated_iterations
 
     # ------------------------------------------------ adaptive clipping: the unclipped count
-    def _count_unclipped(self, norms: List[torch.Tensor]) -> None:
-        """``Σ_i (1{‖g_i‖ ≤ C} − ½)`` of this backward pass, added to the step's count."""
-        if not isinstance(self.clipper, AdaptiveClipper):
-            return
-        count = self.clipper.centred_unclipped_count(norms)
-        self._unclipped_count = count if self._unclipped_count is None else self._unclipped_count + count
-
-    def _take_unclipped_count(self) -> Optional[torch.Tensor]:
-        if not isinstance(self.clipper, AdaptiveClipper):
-            return None
-        count = self._unclipped_count if self._unclipped_count is not None else torch.zeros((), dtype=torch.float64)
-        self._unclipped_count = None
-        return count
-
     def _add_count_noise(self, count: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """``U = count + N(0, σ_u²)`` (after the gradient noise, from the same source)."""
         if count is None:
@@ -434,7 +419,7 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
     def _drop_accumulated(self) -> None:
         """Forget the clipped sums (and unclipped count) of an unfinished logical batch."""
         self._summed, self._num_accumulated = {}, 0
-        self._unclipped_count = None
+        self.clipper.forget_observations()
 
     # ---------------------------------------------------------------------- helpers
     def _take_summed_grads(self) -> List[torch.Tensor]:
