@@ -20,13 +20,11 @@ __all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name):
-    """The lazy entry points, and any sub-module by attribute (``opacus_dp.validators`` after
-    ``import opacus_dp``, as ``import opacus`` makes Opacus's sub-packages available)."""
-    import importlib
-    import importlib.util
-
+    """The lazy entry points, and any sub-module by attribute (see :mod:`opacus_dp.submodules`)."""
     if name in _LAZY:
+        import importlib
+
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module 'opacus_dp' has no attribute {name!r}")
+    from opacus_dp.submodules import submodule_getattr
+
+    return submodule_getattr(__name__)(name)

@@ -25,3 +25,7 @@ __all__ = [
     "get_noise_multiplier",
     "register_accountant",
 ]
+
+from opacus_dp.submodules import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)  # sub-modules as attributes, as in Opacus

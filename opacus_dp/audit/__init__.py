@@ -53,3 +53,7 @@ __all__ = [
     "run_with_canaries",
     "threshold_audit",
 ]
+
+from opacus_dp.submodules import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)  # sub-modules as attributes, as in Opacus

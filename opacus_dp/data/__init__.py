@@ -33,3 +33,7 @@ __all__ = [
     "switch_generator",
     "wrap_data_loader",
 ]
+
+from opacus_dp.submodules import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)  # sub-modules as attributes, as in Opacus

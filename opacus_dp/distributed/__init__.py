@@ -37,3 +37,7 @@ __all__ = [
     "validate_parallel_module",
     "world_size_of",
 ]
+
+from opacus_dp.submodules import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)  # sub-modules as attributes, as in Opacus

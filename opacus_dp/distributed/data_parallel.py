@@ -121,13 +121,15 @@ def _fallback_refusal(describe_layer: str) -> ValueError:
 
 
 def refuse_unsupported_replicas(module: nn.Module, has_registered_sampler: Callable) -> None:
-    """At wrapping time: every layer with parameters inside an ``nn.DataParallel`` of
-    ``module`` must have a registered grad sampler (replicas own no ``parameters()``)."""
+    """At wrapping time: every layer with trainable parameters inside an ``nn.DataParallel`` of
+    ``module`` must have a registered grad sampler (replicas own no ``parameters()``); one
+    unfrozen later is refused at its call (:func:`chunk_of`)."""
     for outer_path, data_parallel in module.named_modules():
         if not isinstance(data_parallel, DataParallel):
             continue
         for path, layer in data_parallel.named_modules(prefix=outer_path):
-            if layer._parameters and not has_registered_sampler(layer):
+            trainable = any(p is not None and p.requires_grad for p in layer._parameters.values())
+            if trainable and not has_registered_sampler(layer):
                 raise _fallback_refusal(f"{path} ({type(layer).__name__})")
 
 

@@ -26,3 +26,8 @@ __all__ = [
     "register_norm_sampler",
     "functorch_grad_sample",
 ]
+
+from opacus_dp.submodules import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)  # sub-modules as attributes, as in Opacus
+from opacus_dp.grad_sample.utils import get_gsm_class, wrap_model  # noqa: E402  (Opacus's names here too)

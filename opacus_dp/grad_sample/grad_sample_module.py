@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from opacus_dp.distributed import data_parallel
 from opacus_dp.errors import UnsupportedModuleError
-from opacus_dp.grad_sample.frozen_batch_norm import guard_batch_norms
+from opacus_dp.grad_sample.running_statistics import guard_running_statistics
 from opacus_dp.grad_sample.functorch import explained_fallback_error, functorch_grad_sample
 from opacus_dp.grad_sample.layer_call import LayerCall, call_batch_dim, hook_output_grad, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
@@ -126,7 +126,7 @@ class GradSampleModule(nn.Module):
         self._handles: List[Any] = []
         data_parallel.refuse_unsupported_replicas(module, lambda m: self._sampler_for(m) is not None)
         self._add_hooks()
-        self._handles.extend(guard_batch_norms(module, self._recording))
+        self._handles.extend(guard_running_statistics(module, self._recording))
         if self._handles:
             data_parallel.acquire(self)
         self.skips_weight_grads = bool(skip_weight_grads) and not _has_replicas(module)
@@ -421,10 +421,13 @@ class GradSampleModule(nn.Module):
     _close = close
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``; a state dict of the wrapped model itself (keys without
-        ``_module.``, as ``save_checkpoint`` writes them) loads into the wrapped model."""
+        """``nn.Module.load_state_dict``; a state dict of the user's model itself (keys without
+        ``_module.``, as ``save_checkpoint`` writes them) loads into that model, also when it
+        sits in a DataParallel/DDP wrapper here."""
         if state_dict and not any(key.startswith("_module.") for key in state_dict):
-            return self._module.load_state_dict(state_dict, strict=strict, assign=assign)
+            from opacus_dp.engine_setup import unwrap_model
+
+            return unwrap_model(self._module).load_state_dict(state_dict, strict=strict, assign=assign)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def to_standard_module(self) -> nn.Module:

@@ -24,9 +24,11 @@ def get_gsm_class(grad_sample_mode: str) -> Type[GradSampleModule]:
 
 
 def wrap_model(model: nn.Module, grad_sample_mode: str, *, batch_first: bool = True,
-               loss_reduction: str = "mean") -> GradSampleModule:
+               loss_reduction: str = "mean", **wrapper_options) -> GradSampleModule:
     """``model`` in the wrapper of ``grad_sample_mode``, built as its class builds it directly
-    (so ``hooks`` keeps autograd's ``p.grad`` beside ``p.grad_sample``, as in Opacus)."""
+    (so ``hooks`` keeps autograd's ``p.grad`` beside ``p.grad_sample``, as in Opacus);
+    ``wrapper_options`` go to that class (e.g. ``max_grad_norm`` for "ghost")."""
     wrapper = get_gsm_class(grad_sample_mode)
-    extra = {"force_functorch": True} if grad_sample_mode == "functorch" else {}
-    return wrapper(model, batch_first=batch_first, loss_reduction=loss_reduction, **extra)
+    if grad_sample_mode == "functorch":
+        wrapper_options.setdefault("force_functorch", True)
+    return wrapper(model, batch_first=batch_first, loss_reduction=loss_reduction, **wrapper_options)

@@ -37,3 +37,7 @@ import opacus_dp.grad_sample.dp_layers  # noqa: E402,F401  (registers the sample
 from opacus_dp.layers.dpddp import (  # noqa: E402,F401  (Opacus 0.x import path)
     DifferentiallyPrivateDistributedDataParallel,
 )
+
+from opacus_dp.submodules import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)  # sub-modules as attributes, as in Opacus

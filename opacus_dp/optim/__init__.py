@@ -19,3 +19,7 @@ __all__ = [
     "ModuleGradSource",
     "grad_source_for",
 ]
+
+from opacus_dp.submodules import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)  # sub-modules as attributes, as in Opacus

@@ -18,3 +18,7 @@ __all__ = [
     "LambdaNoise",
     "StepNoise",
 ]
+
+from opacus_dp.submodules import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)  # sub-modules as attributes, as in Opacus

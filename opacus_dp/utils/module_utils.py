@@ -38,7 +38,8 @@ def trainable_parameters(module: nn.Module) -> Iterator[Tuple[str, nn.Parameter]
 
 
 def clone_module(module: nn.Module) -> nn.Module:
-    """An independent copy of ``module`` (parameters, buffers and hooks-free structure)."""
+    """An independent deep copy of ``module`` (with whatever hooks it carries: clone a model
+    before wrapping it, not the wrapped one)."""
     return copy.deepcopy(module)
 
 

@@ -51,3 +51,7 @@ __all__ = [
     "register_module_fixer",
     "register_module_validator",
 ]
+
+from opacus_dp.submodules import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)  # sub-modules as attributes, as in Opacus

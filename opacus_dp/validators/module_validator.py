@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from opacus_dp.grad_sample.running_statistics import needs_replacement
 from opacus_dp.grad_sample.support import has_trainable_parameters, trains_anything
 from opacus_dp.validators import fixers
 from opacus_dp.validators.errors import UnsupportedModuleError, combined_error
@@ -101,8 +102,9 @@ class ModuleValidator:
 
         * trainable BatchNorm1d/2d/3d, SyncBatchNorm -> GroupNorm(``num_groups`` or gcd(32, C),
           as Opacus, C) with the affine weights copied; with ``replace_bn_with_in=True`` the
-          InstanceNorm of the same dimensionality instead. A frozen BatchNorm is kept (as
-          Opacus): it must run in eval mode (checked at every recorded forward call);
+          InstanceNorm of the same dimensionality instead; also one without running statistics.
+          A frozen BatchNorm with running statistics is kept (as Opacus): it must run in eval
+          mode (checked at every recorded forward call);
         * InstanceNorm with ``track_running_stats=True`` -> the same without running statistics;
         * trainable nn.LSTM / nn.GRU / nn.RNN -> DPLSTM / DPGRU / DPRNN, nn.MultiheadAttention ->
           DPMultiheadAttention, with the same weights (outputs unchanged).
@@ -153,7 +155,7 @@ class ModuleValidator:
 
 
 def _builtin_replacement(module: nn.Module, num_groups, replace_bn_with_in) -> Optional[nn.Module]:
-    if isinstance(module, _BatchNorm) and has_trainable_parameters(module):
+    if isinstance(module, _BatchNorm) and needs_replacement(module):
         if replace_bn_with_in:
             return fixers.batchnorm_to_instancenorm(module)
         return fixers.batchnorm_to_groupnorm(module, num_groups=num_groups)

@@ -14,6 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import UninitializedParameter
 
+from opacus_dp.grad_sample.running_statistics import needs_replacement
 from opacus_dp.grad_sample.support import (
     PARAMETRIZATION_CAUSE, PARAMETRIZATION_FIX, has_trainable_parameters, is_parametrization, trains_anything)
 from opacus_dp.validators.errors import (
@@ -40,11 +41,11 @@ class Problem:
 
 
 def check_batch_norm(module: nn.Module) -> Optional[Problem]:
-    """A trainable BatchNorm normalises with batch statistics: every output depends on the
-    other samples. A frozen one (as in Opacus) passes here; the wrappers check at every
-    forward call that it applies its running statistics (see
-    :mod:`opacus_dp.grad_sample.frozen_batch_norm`)."""
-    if not isinstance(module, _BatchNorm) or not has_trainable_parameters(module):
+    """A trainable BatchNorm, or one without running statistics (it always normalises with the
+    batch's), mixes the samples of a batch. A frozen one with running statistics passes here
+    (as in Opacus); the wrappers check at every forward call that it applies them (see
+    :mod:`opacus_dp.grad_sample.running_statistics`)."""
+    if not isinstance(module, _BatchNorm) or not needs_replacement(module):
         return None
     return Problem(
         "BatchNorm mixes samples' statistics (each output depends on the whole batch)",

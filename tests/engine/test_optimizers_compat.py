@@ -137,10 +137,14 @@ def test_sub_packages_are_attributes_after_import_as_in_opacus():
 
     code = ("import opacus_dp as opacus\n"
             "print(opacus.validators.ModuleValidator.__name__, opacus.accountants.RDPAccountant.__name__,"
-            " opacus.optimizers.AdaClipDPOptimizer.__name__, opacus.schedulers.StepNoise.__name__)\n"
+            " opacus.optimizers.AdaClipDPOptimizer.__name__, opacus.schedulers.StepNoise.__name__,"
+            " opacus.grad_sample.utils.get_gsm_class.__name__, opacus.grad_sample.get_gsm_class.__name__,"
+            " opacus.utils.module_utils.clone_module.__name__,"
+            " opacus.utils.fast_gradient_clipping_utils.DPLossFastGradientClipping.__name__)\n"
             "try:\n    opacus.no_such_module\nexcept AttributeError as e:\n    print('refused')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["ModuleValidator", "RDPAccountant", "AdaClipDPOptimizer", "StepNoise", "refused"]
+    assert out == ["ModuleValidator", "RDPAccountant", "AdaClipDPOptimizer", "StepNoise", "get_gsm_class",
+                   "get_gsm_class", "clone_module", "DPLossFastGradientClipping", "refused"]
 
 
 def test_module_and_grad_sample_utils_agree_with_opacus():
@@ -166,6 +170,8 @@ def test_module_and_grad_sample_utils_agree_with_opacus():
         clone[0].weight.add_(1.0)
     assert not ours.are_state_dict_equal(clone.state_dict(), model.state_dict())
     assert get_gsm_class("hooks") is GradSampleModule and issubclass(get_gsm_class("bk"), BookkeepingGradSampleModule)
+    ghost = wrap_model(nn.Linear(3, 2), "ghost", max_grad_norm=0.3, use_ghost_clipping=True)  # Opacus's keywords
+    assert ghost.max_grad_norm == 0.3
     wrapped = wrap_model(nn.Linear(3, 2), "hooks")
     wrapped(torch.randn(5, 3)).sum().backward()
     assert wrapped._module.weight.grad_sample.shape == (5, 2, 3) and wrapped._module.weight.grad is not None

@@ -72,7 +72,11 @@ def test_batch_statistics_are_refused_before_anything_is_recorded(mode):
     no_stats = _model()
     no_stats[0][1].track_running_stats = False
     no_stats[0][1].running_mean = no_stats[0][1].running_var = None
-    _, gsm2, _, _ = _private(no_stats, mode)
+    with pytest.raises(UnsupportedModuleError, match=r"0\.1 \(BatchNorm2d\)"):
+        _private(no_stats, mode)  # validation: it can never apply running statistics
+    from opacus_dp.grad_sample.utils import wrap_model
+
+    gsm2 = wrap_model(no_stats, "bk" if mode == "ghost" else mode)  # built directly: no validation
     no_stats[0].eval()
     with pytest.raises(UnsupportedModuleError, match="no running statistics"):
         gsm2(x)
@@ -96,3 +100,52 @@ def test_forward_with_hooks_disabled_is_not_checked():
     gsm.enable_hooks()
     with pytest.raises(UnsupportedModuleError):
         gsm(next(iter(loader))[0])
+
+
+def test_batchnorm_without_running_statistics_is_flagged_and_replaced():
+    """It normalises with the batch's statistics in every mode: never private as it is."""
+    from opacus_dp.validators import ModuleValidator
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False, track_running_stats=False))
+    (error,) = ModuleValidator.validate(model)
+    assert str(error).startswith("model.1 (BatchNorm1d)")
+    assert isinstance(ModuleValidator.fix(model)[1], nn.GroupNorm)
+
+
+def test_instance_norm_with_running_statistics_is_refused_in_training_mode():
+    """A wrapper built directly (no ModuleValidator): the running statistics would be learned
+    from the batch without noise; in eval mode they are only applied."""
+    from opacus_dp.grad_sample import GradSampleModule
+
+    norm = nn.InstanceNorm1d(3, affine=True, track_running_stats=True)
+    gsm = GradSampleModule(nn.Sequential(norm), strict=False)
+    x = torch.randn(4, 3, 5)
+    stats = norm.running_mean.clone()
+    with pytest.raises(UnsupportedModuleError, match=r"0 \(InstanceNorm1d\) has track_running_stats=True"):
+        gsm(x)
+    assert torch.equal(stats, norm.running_mean)
+    norm.eval()
+    gsm(x).sum().backward()
+    assert norm.weight.grad_sample.shape == (4, 3)
+
+
+def test_frozen_batchnorm_inside_data_parallel_trains_exactly():
+    """Frozen layers inside nn.DataParallel need no grad sampler (CPU: DataParallel calls the
+    model directly; the replica path is covered on GPUs)."""
+    model = _model()
+    oracle = _model()
+    engine, gsm, optimizer, loader = _private(nn.DataParallel(model), "hooks")
+    model[0].eval()
+    oracle[0].eval()
+    for x, y in loader:
+        optimizer.zero_grad()
+        nn.CrossEntropyLoss()(gsm(x), y).backward()
+        optimizer.step()
+        sgd_step(oracle, clipped_mean_update(oracle, nn.CrossEntropyLoss(), x, y, 0.05, 8), 0.5)
+    for got, want in zip(model.parameters(), oracle.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model[1].weight.zero_()
+    gsm.load_state_dict(saved)  # the user's keys, through GradSampleModule and DataParallel
+    assert torch.equal(model[1].weight, saved["1.weight"])

@@ -10,3 +10,7 @@ from opacus_dp.grad_sample.norm_samplers import conv, embedding, embedding_bag, 
 from opacus_dp.grad_sample.norm_samplers.table import GHOST_LAYERS, GhostLayer, register_ghost_layer
 
 __all__ = ["GHOST_LAYERS", "GhostLayer", "register_ghost_layer"]
+
+from opacus_dp.submodules import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)  # sub-modules as attributes, as in Opacus
