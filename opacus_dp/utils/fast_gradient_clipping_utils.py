@@ -34,4 +34,5 @@ class DPLossFastGradientClipping(GhostCriterion):
                 "samples would be clipped to one bound and the noise calibrated to the other; pass the "
                 "same max_grad_norm to both")
         optimizer.connect_grad_source(module)
+        optimizer.grad_source.clear(optimizer.params)  # a pass seen before: never part of a private step
         super().__init__(criterion, loss_reduction, module=module, optimizer=optimizer)

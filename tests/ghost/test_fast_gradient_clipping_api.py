@@ -96,3 +96,5 @@ def test_optimizer_without_the_loss_wrapper_refuses_to_step():
     with pytest.raises(ValueError, match="DPLossFastGradientClipping"):
         optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    _ours()[2](model, optimizer, nn.CrossEntropyLoss())  # the pass above must not join the next step
+    assert optimizer._pending_iterations() == 1 and model.pending_passes() == 0
