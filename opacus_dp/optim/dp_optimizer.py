@@ -31,14 +31,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
-from opacus_dp.optim.adaptive_clipping import AdaptiveClipper
 from opacus_dp.optim.clipping import (
-    Clipper, FlatClipper, PerLayerClipper, check_finite_norms, make_clipper, per_sample_norms, sum_dtype,
-    weighted_sum)
+    PerLayerClipper, check_finite_norms, make_clipper, per_sample_norms, sum_dtype, weighted_sum)
+from opacus_dp.optim.dp_optimizer_settings import DPOptimizerSettingsMixin
 from opacus_dp.optim.grad_source import AttributeGradSource
-from opacus_dp.optim.noise import GaussianNoise, check_noise_multiplier, noise_std
+from opacus_dp.optim.noise import GaussianNoise, noise_std
 from opacus_dp.optim.reduction import LocalReducer
 from opacus_dp.optim.wrapped_optimizer import WrappedOptimizerMixin
 
@@ -62,7 +60,7 @@ def dp_optimizer_behind(optimizer) -> Optional["DPOptimizer"]:
     return getattr(getattr(optimizer, "privacy_engine", None), "_dp_optimizer", None)
 
 
-class DPOptimizer(WrappedOptimizerMixin, Optimizer):
+class DPOptimizer(DPOptimizerSettingsMixin, WrappedOptimizerMixin, Optimizer):
     """Differentially private wrapper of ``optimizer`` (SGD, Adam, AdamW, RMSprop, ...).
 
     Args:
@@ -478,100 +476,6 @@ class DPOptimizer(WrappedOptimizerMixin, Optimizer):
     def _run_hooks(self, hooks) -> None:
         for fn in list(hooks.values()):
             fn(self)
-
-    # -------------------------------------------------------------- hooks and views
-    def attach_step_hook(self, fn: Callable[["DPOptimizer"], None]) -> RemovableHandle:
-        """Call ``fn(optimizer)`` after every (non-skipped) step; returns a removable handle."""
-        handle = RemovableHandle(self._step_hooks)
-        self._step_hooks[handle.id] = fn
-        return handle
-
-    def attach_pre_step_hook(self, fn: Callable[["DPOptimizer"], None]) -> RemovableHandle:
-        """Call ``fn(optimizer)`` before a (non-skipped) step changes anything; may raise."""
-        handle = RemovableHandle(self._pre_step_hooks)
-        self._pre_step_hooks[handle.id] = fn
-        return handle
-
-    @property
-    def params(self) -> List[torch.Tensor]:
-        """Trainable tensors of the wrapped optimizer, in ``param_groups`` order."""
-        return [p for g in self.original_optimizer.param_groups for p in g["params"] if p.requires_grad]
-
-    @property
-    def noise_multiplier(self) -> float:
-        """σ, read at every step (noise std σ · the clipper's sensitivity; the accountant
-        records the σ of each step). Checked when set, as a scheduler may change it."""
-        return self._noise_multiplier
-
-    @noise_multiplier.setter
-    def noise_multiplier(self, value) -> None:
-        value = check_noise_multiplier(value)
-        if hasattr(self, "clipper"):
-            noise_std(value, self.clipper)
-        self._noise_multiplier = value
-
-    def _set_clipper(self, clipper: Clipper) -> None:
-        clipper.check_num_params(len(self.params))
-        noise_std(self.noise_multiplier, clipper)  # an infinite bound cannot be noised
-        self.clipper = clipper
-
-    @property
-    def max_grad_norm(self) -> float:
-        """C for flat clipping; ‖(C_l)‖₂ for per-layer clipping."""
-        return self.clipper.sensitivity
-
-    @max_grad_norm.setter
-    def max_grad_norm(self, value: float) -> None:
-        self._refuse_with_adaptive_clipping("max_grad_norm")
-        if not isinstance(self.clipper, FlatClipper):
-            raise ValueError("max_grad_norm can only be changed for flat clipping; set max_grad_norms")
-        self._set_clipper(FlatClipper(value))
-
-    @property
-    def max_grad_norms(self) -> List[float]:
-        """Per-layer bounds (per-layer clipping) or ``[C]`` (flat)."""
-        if isinstance(self.clipper, PerLayerClipper):
-            return list(self.clipper.max_grad_norms)
-        return [self.clipper.sensitivity]
-
-    @max_grad_norms.setter
-    def max_grad_norms(self, values: Sequence[float]) -> None:
-        self._refuse_with_adaptive_clipping("max_grad_norms")
-        self._set_clipper(PerLayerClipper(values))
-        self._bound_index = {p: i for i, p in enumerate(self.params)}
-
-    def _refuse_with_adaptive_clipping(self, name: str) -> None:
-        if isinstance(self.clipper, AdaptiveClipper):
-            raise ValueError(
-                f"optimizer.{name} cannot be set with clipping='adaptive': the bound follows the "
-                "private estimate of the unclipped fraction at every step (a clipping-bound schedule "
-                "would fight it). Tune target_unclipped_quantile / clipbound_learning_rate, or use "
-                "clipping='flat' with a schedule")
-
-    def clipping_state_dict(self) -> dict:
-        """What the clipper learned (the current adaptive bound; empty for fixed bounds)."""
-        return self.clipper.state_dict()
-
-    def load_clipping_state_dict(self, state: dict) -> None:
-        self.clipper.load_state_dict(state)
-
-    @property
-    def secure_mode(self) -> bool:
-        return self.noise.secure_mode
-
-    @property
-    def generator(self) -> Optional[torch.Generator]:
-        return self.noise.generator
-
-    def noise_state_dict(self) -> dict:
-        """State of the noise generator, for reproducible resumption."""
-        params = self.params
-        if params and not self.noise.secure_mode:
-            self.noise.generator_for(params[0].device)  # materialise it where the noise is drawn
-        return self.noise.state_dict()
-
-    def load_noise_state_dict(self, state: dict) -> None:
-        self.noise.load_state_dict(state)
 
     def __repr__(self):
         return (f"DPOptimizer({self.original_optimizer!r}, noise_multiplier={self.noise_multiplier}, "
