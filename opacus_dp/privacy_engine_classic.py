@@ -29,6 +29,7 @@ from opacus_dp.engine_setup import (
 )
 from opacus_dp.privacy_engine import PrivacyEngine, _check_distributed
 from opacus_dp.privacy_engine_classic_setup import (
+    check_misc_settings,
     DEFAULT_ALPHAS,
     PATCHED_ATTRIBUTES,
     calibrate_noise_multiplier,
@@ -47,7 +48,9 @@ class ClassicPrivacyEngine(PrivacyEngine):
     and ``epochs`` to calibrate it); ``max_grad_norm`` (C, or a list for per-layer clipping);
     ``secure_rng``; ``batch_first``; ``target_delta``; ``loss_reduction``; ``poisson`` (the
     data loader samples Poisson batches, possibly empty: each is a real step);
-    ``clip_per_layer``; ``max_epsilon`` (budget guard at ``target_delta``). Beyond Opacus 0.x:
+    ``clip_per_layer``; ``max_epsilon`` (budget guard at ``target_delta``); Opacus 0.x's
+    ``enable_stat``, ``experimental`` and its clipping settings (see :func:`check_misc_settings`
+    in :mod:`~opacus_dp.privacy_engine_classic_setup`). Beyond Opacus 0.x:
     ``grad_sample_mode`` ("hooks", "functorch", "ghost", "bk", "auto"; see
     :mod:`opacus_dp.grad_sample.mode_selection`).
     """
@@ -61,7 +64,11 @@ class ClassicPrivacyEngine(PrivacyEngine):
                  target_epsilon: Optional[float] = None, epochs: Optional[float] = None,
                  loss_reduction: str = "mean", poisson: bool = False, clip_per_layer: bool = False,
                  grad_norm_type: int = 2, max_epsilon: Optional[float] = None,
-                 noise_generator: Optional[torch.Generator] = None, grad_sample_mode: str = "hooks"):
+                 noise_generator: Optional[torch.Generator] = None, grad_sample_mode: str = "hooks",
+                 enable_stat: bool = False, experimental: bool = False, clipping_method=None,
+                 clipping_ratio=None, clipping_momentum=None):
+        check_misc_settings(enable_stat=enable_stat, experimental=experimental, clipping_method=clipping_method,
+                            clipping_ratio=clipping_ratio, clipping_momentum=clipping_momentum)
         super().__init__(accountant="rdp", secure_mode=secure_rng)
         if max_grad_norm is None:
             raise ValueError("max_grad_norm is required (the per-sample clipping bound C)")

@@ -336,3 +336,18 @@ def test_state_dict_restores_the_noise_stream_before_or_after_attach(load_before
         resumed.load_state_dict(state)
     torch.testing.assert_close(noise_of_one_step(model2, optimizer2), expected, rtol=0, atol=0)
     assert resumed.steps == 2
+
+
+def test_opacus_0x_misc_settings():
+    """Opacus 0.x scripts pass ``enable_stat=True`` (its examples did) and may pass the
+    experimental clipping settings: the first trains unchanged (with a warning), the
+    experimental dynamic bounds (taken from the batch without noise) are refused."""
+    with pytest.warns(UserWarning, match="enable_stat=True"):
+        engine = PrivacyEngine(small_model(), 5, 100, noise_multiplier=1.0, max_grad_norm=1.0, enable_stat=True)
+    reference = PrivacyEngine(small_model(), 5, 100, noise_multiplier=1.0, max_grad_norm=1.0)
+    assert (engine.noise_multiplier, engine.sample_rate) == (reference.noise_multiplier, reference.sample_rate)
+    with pytest.raises(ValueError, match="not differentially private"):
+        PrivacyEngine(small_model(), 5, 100, noise_multiplier=1.0, max_grad_norm=1.0, experimental=True,
+                      clipping_method="median")
+    with pytest.warns(UserWarning, match="clipping_ratio only apply with experimental=True"):
+        PrivacyEngine(small_model(), 5, 100, noise_multiplier=1.0, max_grad_norm=1.0, clipping_ratio=0.5)
