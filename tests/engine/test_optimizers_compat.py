@@ -176,3 +176,27 @@ def test_module_and_grad_sample_utils_agree_with_opacus():
     wrapped(torch.randn(5, 3)).sum().backward()
     assert wrapped._module.weight.grad_sample.shape == (5, 2, 3) and wrapped._module.weight.grad is not None
     assert callable(register_grad_sampler)
+
+
+@pytest.mark.parametrize("padding", [(1, 2), "same", "valid"])
+def test_tensor_utils_agree_with_opacus(padding):
+    from opacus.utils import tensor_utils as theirs
+
+    from opacus_dp.utils import tensor_utils as ours
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 9, 8, generator=g, dtype=torch.float64)
+    options = dict(kernel_size=(3, 2), padding=padding, stride=(1, 1) if padding == "same" else (2, 1),
+                   dilation=(2, 1))
+    torch.testing.assert_close(ours.unfold2d(x, **options), theirs.unfold2d(x, **options), rtol=0, atol=0)
+    v = torch.randn(2, 2, 5, 6, 4, generator=g, dtype=torch.float64)
+    for kwargs in (dict(kernel_size=2), dict(kernel_size=(3, 2, 2), padding=1, stride=(1, 2, 1), dilation=(1, 1, 2))):
+        torch.testing.assert_close(ours.unfold3d(v, **kwargs), theirs.unfold3d(v, **kwargs), rtol=0, atol=0)
+    grads = [("a", torch.randn(4, 3, 2, generator=g)), ("b", torch.randn(4, 5, generator=g))]
+    for flat in (True, False):
+        for a, b in zip(ours.calc_sample_norms(grads, flat=flat), theirs.calc_sample_norms(grads, flat=flat)):
+            torch.testing.assert_close(a, b)
+    t = torch.randn(2, 3, 4, 5, generator=g)
+    for n in (1, 2, 3):
+        torch.testing.assert_close(ours.sum_over_all_but_batch_and_last_n(t, n),
+                                   theirs.sum_over_all_but_batch_and_last_n(t, n))
