@@ -200,3 +200,15 @@ def test_tensor_utils_agree_with_opacus(padding):
     for n in (1, 2, 3):
         torch.testing.assert_close(ours.sum_over_all_but_batch_and_last_n(t, n),
                                    theirs.sum_over_all_but_batch_and_last_n(t, n))
+
+
+def test_opacus_optimizer_module_paths():
+    from opacus_dp.optimizers import (AdaClipDPOptimizer, DPOptimizer, DPOptimizerFastGradientClipping,
+                                      DPPerLayerOptimizer)
+    from opacus_dp.optimizers.adaclipoptimizer import AdaClipDPOptimizer as adaclip
+    from opacus_dp.optimizers.optimizer import DPOptimizer as plain
+    from opacus_dp.optimizers.optimizer_fast_gradient_clipping import DPOptimizerFastGradientClipping as fgc
+    from opacus_dp.optimizers.perlayeroptimizer import DPPerLayerOptimizer as per_layer
+
+    assert (plain, per_layer, adaclip, fgc) == (DPOptimizer, DPPerLayerOptimizer, AdaClipDPOptimizer,
+                                                DPOptimizerFastGradientClipping)

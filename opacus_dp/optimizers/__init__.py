@@ -101,3 +101,7 @@ def get_optimizer_class(clipping: str, distributed: bool, grad_sample_mode: str 
             "or a norms-only mode and connects its all-reduce and per-sample source"
         )
     return _BUILDERS[clipping]
+
+from opacus_dp.submodules import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)  # sub-modules as attributes, as in Opacus
