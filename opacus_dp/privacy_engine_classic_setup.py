@@ -160,11 +160,11 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: Dict[str, object]
 def check_misc_settings(*, enable_stat: bool, experimental: bool, clipping_method, clipping_ratio,
                         clipping_momentum) -> None:
     """Opacus 0.x's extra settings: ``enable_stat`` (clipping statistics for TensorBoard; not
-    kept here, a warning says so, training is unchanged); ``experimental=True`` is refused: its
-    dynamic clipping methods set the bound from the batch's norms without noise, which is not
-    differentially private; the clipping method, ratio and momentum were ignored without it (a
-    warning says so)."""
-    if experimental:
+    kept here, a warning says so, training is unchanged); ``experimental=True`` with a dynamic
+    ``clipping_method`` (anything but the default, static one) is refused: those methods set the
+    bound from the batch's norms without noise, which is not differentially private; the
+    clipping settings were ignored without ``experimental`` (a warning says so)."""
+    if experimental and not _static_clipping(clipping_method):
         raise ValueError(
             "experimental=True selects Opacus 0.x's dynamic clipping bounds, computed from each "
             "batch's gradient norms without noise: not differentially private. Use a fixed "
@@ -172,9 +172,15 @@ def check_misc_settings(*, enable_stat: bool, experimental: bool, clipping_metho
             "estimate of a quantile of the norms)")
     ignored = [name for name, value in (("clipping_method", clipping_method), ("clipping_ratio", clipping_ratio),
                                         ("clipping_momentum", clipping_momentum)) if value is not None]
-    if ignored:
+    if ignored and not experimental:
         warnings.warn(f"{', '.join(ignored)} only apply with experimental=True (as in Opacus 0.x): ignored",
                       UserWarning, stacklevel=3)
     if enable_stat:
         warnings.warn("enable_stat=True: Opacus 0.x's clipping statistics (opacus.utils.stats) are not "
                       "kept; training and privacy are unchanged", UserWarning, stacklevel=3)
+
+
+def _static_clipping(method) -> bool:
+    """True for Opacus 0.x's default ``ClippingMethod.STATIC`` (None, 0, "static" or the enum)."""
+    name = getattr(method, "name", method)
+    return method is None or name == 0 or str(name).upper() == "STATIC"

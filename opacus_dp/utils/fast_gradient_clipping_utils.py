@@ -33,6 +33,7 @@ class DPLossFastGradientClipping(GhostCriterion):
                 f"module.max_grad_norm={bound} but optimizer.max_grad_norm={optimizer.max_grad_norm}: the "
                 "samples would be clipped to one bound and the noise calibrated to the other; pass the "
                 "same max_grad_norm to both")
-        optimizer.connect_grad_source(module)
-        optimizer.grad_source.clear(optimizer.params)  # a pass seen before: never part of a private step
+        if optimizer.grad_source is not module:  # first connection: a pass seen before it is not private
+            optimizer.connect_grad_source(module)
+            optimizer.grad_source.clear(optimizer.params)
         super().__init__(criterion, loss_reduction, module=module, optimizer=optimizer)

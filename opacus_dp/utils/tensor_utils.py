@@ -14,7 +14,7 @@ IntOrTuple = Union[int, Tuple[int, ...]]
 
 def calc_sample_norms(named_params: Iterable[Tuple[str, torch.Tensor]], *, flat: bool = True) -> List[torch.Tensor]:
     """``‖g_i‖₂`` of each per-sample tensor ``(B, ...)``; with ``flat`` one list entry, the norm
-    over all of them."""
+    over all of them (in float32 for half-precision tensors, where Opacus keeps their dtype)."""
     norms = [per_sample_norms(g) for _, g in named_params]
     return [torch.stack(norms, dim=0).norm(2, dim=0)] if flat else norms
 

@@ -351,3 +351,6 @@ def test_opacus_0x_misc_settings():
                       clipping_method="median")
     with pytest.warns(UserWarning, match="clipping_ratio only apply with experimental=True"):
         PrivacyEngine(small_model(), 5, 100, noise_multiplier=1.0, max_grad_norm=1.0, clipping_ratio=0.5)
+    for static in (None, 0, "static"):  # 0.x's default method keeps the fixed bound: private
+        PrivacyEngine(small_model(), 5, 100, noise_multiplier=1.0, max_grad_norm=1.0, experimental=True,
+                      clipping_method=static)

@@ -98,3 +98,31 @@ def test_optimizer_without_the_loss_wrapper_refuses_to_step():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     _ours()[2](model, optimizer, nn.CrossEntropyLoss())  # the pass above must not join the next step
     assert optimizer._pending_iterations() == 1 and model.pending_passes() == 0
+
+
+def test_rebuilding_the_loss_wrapper_keeps_the_passes_of_the_coming_step():
+    """Only the first connection drops what the optimizer saw before (a loss built per
+    iteration must not lose the earlier backward passes of an accumulated step)."""
+    from tests.distributed.oracle import clipped_sum, per_sample_grads
+
+    GSM, Optimizer, Loss = _ours()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+    start = [p.detach().clone() for p in model.parameters()]
+    gsm = GSM(model, max_grad_norm=BOUND, loss_reduction="sum")
+    optimizer = Optimizer(torch.optim.SGD(gsm.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=BOUND,
+                          expected_batch_size=8, loss_reduction="sum")
+    batches = [(x.double(), y) for x, y in _data()[:2]]
+    for x, y in batches:
+        criterion = Loss(gsm, optimizer, nn.CrossEntropyLoss(reduction="sum"), loss_reduction="sum")
+        criterion(gsm(x), y).backward()
+    optimizer.step()
+    oracle = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+    with torch.no_grad():
+        for p, s in zip(oracle.parameters(), start):
+            p.copy_(s)
+    xs, ys = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+    expected = clipped_sum(per_sample_grads(oracle, nn.CrossEntropyLoss(reduction="sum"), xs, ys), BOUND,
+                           list(oracle.parameters()))
+    for p, s, e in zip(model.parameters(), start, expected):
+        torch.testing.assert_close(s - p.detach(), e, rtol=1e-9, atol=1e-12)
