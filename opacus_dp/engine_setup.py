@@ -50,8 +50,6 @@ GRAD_SAMPLE_MODES: Dict[str, Callable] = {
 }
 
 CLIPPING_MODES = ("flat", "per_layer", "adaptive")
-ADAPTIVE_OPTIONS = ("target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound",
-                    "min_clipbound", "unclipped_num_std")
 
 
 def check_choice(value, choices: Sequence[str], name: str) -> str:

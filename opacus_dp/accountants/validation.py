@@ -10,7 +10,8 @@ import warnings
 from typing import Optional
 
 
-def _as_real(value, name: str) -> float:
+def as_real(value, name: str) -> float:
+    """``value`` as float if it is a real number (NumPy scalars included; not bool), else TypeError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r})")
     return float(value)
@@ -18,7 +19,7 @@ def _as_real(value, name: str) -> float:
 
 def check_noise_multiplier(noise_multiplier, name: str = "noise_multiplier") -> float:
     """σ must be a finite real number ≥ 0 (σ = 0 means no noise, ε = ∞)."""
-    sigma = _as_real(noise_multiplier, name)
+    sigma = as_real(noise_multiplier, name)
     if not (math.isfinite(sigma) and sigma >= 0):
         raise ValueError(f"{name} must be finite and >= 0, got {noise_multiplier!r}")
     return sigma
@@ -26,7 +27,7 @@ def check_noise_multiplier(noise_multiplier, name: str = "noise_multiplier") -> 
 
 def check_sample_rate(sample_rate, name: str = "sample_rate") -> float:
     """q is a probability: a real number in [0, 1]."""
-    q = _as_real(sample_rate, name)
+    q = as_real(sample_rate, name)
     if not 0.0 <= q <= 1.0:
         raise ValueError(
             f"{name} must lie in [0, 1] (probability that a record joins a batch), got {sample_rate!r}"
@@ -36,7 +37,7 @@ def check_sample_rate(sample_rate, name: str = "sample_rate") -> float:
 
 def check_delta(delta, name: str = "delta") -> float:
     """δ must lie strictly between 0 and 1."""
-    d = _as_real(delta, name)
+    d = as_real(delta, name)
     if not 0.0 < d < 1.0:
         raise ValueError(f"{name} must lie in the open interval (0, 1), got {delta!r}")
     return d
@@ -77,7 +78,7 @@ def check_steps(steps, name: str = "steps") -> int:
 
 def check_target_epsilon(target_epsilon, name: str = "target_epsilon") -> float:
     """A privacy budget ε must be finite and > 0."""
-    eps = _as_real(target_epsilon, name)
+    eps = as_real(target_epsilon, name)
     if not (math.isfinite(eps) and eps > 0):
         raise ValueError(f"{name} must be finite and > 0, got {target_epsilon!r}")
     return eps
@@ -90,7 +91,7 @@ def check_orders(orders, name: str = "alphas") -> list:
         raise ValueError(f"{name} must contain at least one RDP order > 1")
     result = []
     for order in values:
-        alpha = _as_real(order, name)
+        alpha = as_real(order, name)
         if not alpha > 1.0:
             raise ValueError(f"{name} must contain only RDP orders > 1, got {order!r}")
         result.append(alpha)

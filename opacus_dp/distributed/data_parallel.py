@@ -37,6 +37,8 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DataParallel
 
+from opacus_dp.grad_sample.support import has_trainable_parameters
+
 _CHUNK_OF: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 _TAKEN_OVER: "weakref.WeakSet[DataParallel]" = weakref.WeakSet()
 _OWNERS: "weakref.WeakKeyDictionary[object, weakref.finalize]" = weakref.WeakKeyDictionary()
@@ -128,8 +130,7 @@ def refuse_unsupported_replicas(module: nn.Module, has_registered_sampler: Calla
         if not isinstance(data_parallel, DataParallel):
             continue
         for path, layer in data_parallel.named_modules(prefix=outer_path):
-            trainable = any(p is not None and p.requires_grad for p in layer._parameters.values())
-            if trainable and not has_registered_sampler(layer):
+            if has_trainable_parameters(layer) and not has_registered_sampler(layer):
                 raise _fallback_refusal(f"{path} ({type(layer).__name__})")
 
 

@@ -19,12 +19,12 @@ post-processing.
 """
 
 import math
-import numbers
 import sys
 from typing import Dict, Optional, Sequence
 
 import torch
 
+from opacus_dp.accountants.validation import as_real
 from opacus_dp.optim.clipping import Clipper, check_max_grad_norm, flat_factors, total_norms
 
 PAPER_TARGET_QUANTILE = 0.5  # clip to the median (the paper's recommendation)
@@ -38,9 +38,7 @@ FINITE = sys.float_info.max
 
 def _real(value, name: str, *, low: float, high: float = math.inf, low_open: bool = False) -> float:
     """``value`` as float if it is a real number in the stated range, else a named error."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r})")
-    value = float(value)
+    value = as_real(value, name)
     below = value <= low if low_open else value < low
     if math.isnan(value) or below or value > high:
         interval = f"{'(' if low_open else '['}{low}, {high}]"
