@@ -27,6 +27,9 @@ layer resolved twice in one pass raises instead of computing a wrong norm. Resol
   alive at the backward pass's peak;
 * **materialised**: per-sample gradients from the layer's grad sampler or the ``torch.func``
   fallback, summed over calls and over layers sharing a parameter; only those are kept.
+* **chunked** (per-layer clipping on CPU, where the layer type prefers it): per-sample
+  gradients a few samples at a time in a reused buffer, clipped and summed at once
+  (:mod:`~opacus_dp.grad_sample.chunked_sums`); only the norms and sums are kept.
 
 A *sums pass* (:meth:`Bookkeeper.begin_sums`) is a second backward pass over the same graph
 after a norms-only pass: the clip factors are known, so each ghost layer's weighted gradient
@@ -48,6 +51,7 @@ import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping_pass import (
     LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, resolve_calls)
+from opacus_dp.grad_sample.chunked_sums import ChunkBuffer
 from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.per_sample_store import second_batch_error
 from opacus_dp.grad_sample.recomputed_inputs import materialise
@@ -89,6 +93,7 @@ class Bookkeeper:
         self._resolved: List[Pass] = []
         self.tasks: Set[int] = set()  # graph tasks that opened a pass since the last take/clear
         self._summing: Optional[_SumsPass] = None
+        self._chunk_buffer = ChunkBuffer()  # per-layer clipping's chunked sums (under the lock)
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ recording
@@ -156,7 +161,8 @@ class Bookkeeper:
         resolve_calls(current, layer, calls, per_sample_grads=self._per_sample_grads,
                       layer_rule=self.layer_rule, shared=layer in self.shared_layers,
                       keep_ghost_calls=self.keep_ghost_calls,
-                      factor_function=self.factor_function if self.keep_ghost_calls else None)
+                      factor_function=self.factor_function if self.keep_ghost_calls else None,
+                      chunk_buffer=self._chunk_buffer)
 
     def _close(self, task: int) -> None:
         with self._lock:
@@ -204,7 +210,7 @@ class Bookkeeper:
         return len(self._resolved)
 
     def layer_modes(self) -> Dict[str, str]:
-        """``{layer name: "ghost" | "materialised"}`` of the passes not yet consumed."""
+        """``{layer name: "ghost" | "materialised" | "chunked"}`` of the passes not yet consumed."""
         modes: Dict[str, str] = {}
         for resolved in self._resolved:
             modes.update(resolved.modes)

@@ -204,7 +204,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
         self.zero_grad_sample()
 
     def layer_modes(self):
-        """``{layer: "ghost" | "materialised"}`` chosen for the unconsumed passes."""
+        """``{layer: "ghost" | "materialised" | "chunked"}`` chosen for the unconsumed passes."""
         return self._bookkeeper.layer_modes()
 
     # ------------------------------------------------------------------ state

@@ -3,8 +3,10 @@
 See :mod:`opacus_dp.grad_sample.bookkeeping` for the method. A layer's calls are resolved
 either **ghost** (squared norms from the norm sampler, the merged call kept for the weighted
 sum; a parameter whose per-sample gradients the norm sampler returned, such as a bias, is
-kept as materialised) or **materialised** (per-sample gradients, summed over the calls and
-layers).
+kept as materialised), **materialised** (per-sample gradients, summed over the calls and
+layers) or, with per-layer clipping on CPU where the layer type prefers it, **chunked**
+(per-sample gradients a few samples at a time, clipped and summed at once:
+:mod:`~opacus_dp.grad_sample.chunked_sums`).
 """
 
 from dataclasses import dataclass, field
@@ -13,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
+from opacus_dp.grad_sample.chunked_sums import ChunkBuffer, chunked_clipped_sums
 from opacus_dp.grad_sample.modification_guard import KeptVersions
 from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
 from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput, recomputed_in
@@ -59,14 +62,22 @@ class Pass:
 
 def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sample_grads: Callable,
                   layer_rule: str, shared: bool, keep_ghost_calls: bool,
-                  factor_function: Optional[Callable] = None) -> None:
-    """Resolve all ``calls`` of ``layer`` in ``current``: ghost or materialised (module doc).
+                  factor_function: Optional[Callable] = None,
+                  chunk_buffer: Optional[ChunkBuffer] = None) -> None:
+    """Resolve all ``calls`` of ``layer`` in ``current``: ghost, materialised or chunked
+    (module doc).
 
     ``factor_function(param, norms) -> factors or None``: when it gives the clip factors of
     each of the layer's parameters from that parameter's own norms (per-layer clipping), the
     layer's clipped sums are computed now and nothing else of the call is kept (the factors
-    used are recorded in ``current.factors`` and checked at the step).
+    used are recorded in ``current.factors`` and checked at the step); with a
+    ``chunk_buffer``, in chunks where the layer type prefers it.
     """
+    if factor_function is not None and chunk_buffer is not None and keep_ghost_calls \
+            and layer_rule == "mixed" and not shared \
+            and _sum_in_chunks(current, layer, calls, factor_function, chunk_buffer):
+        current.modes[calls[0].name] = "chunked"
+        return
     merged = None if shared else _ghost_call(layer, calls, layer_rule, keep_ghost_calls)
     if merged is None:
         _materialise(current, calls, per_sample_grads)
@@ -173,12 +184,9 @@ def add_to(sums: Dict[torch.Tensor, torch.Tensor], p: torch.Tensor, value: torch
     sums[p] = value if previous is None else previous + value
 
 
-def _ghost_call(layer: nn.Module, calls: List[Call], layer_rule: str, keeps_calls: bool):
-    """``(activations, backprops, scale)`` of the layer's calls as one, if it goes ghost
-    (``keeps_calls``: the ghost path would keep them for the clipped sum)."""
-    spec = ghost_layer_of(layer)
-    if spec is None or type(layer) not in NORM_SAMPLERS:
-        return None
+def _merged_call(layer: nn.Module, calls: List[Call], spec):
+    """``(activations, backprops, scale)`` of the layer's calls as one, or None if they do not
+    merge (``spec``: the layer type's ``GhostLayer`` entry)."""
     if any(c.backprops[0] is None or c.scale != calls[0].scale for c in calls):
         return None
     pairs = [(c.call.activations(layer), c.backprops[0]) for c in calls]
@@ -188,13 +196,58 @@ def _ghost_call(layer: nn.Module, calls: List[Call], layer_rule: str, keeps_call
             return None
         pairs = [merged]
     activations, backprops = pairs[0]
+    return activations, backprops, calls[0].scale
+
+
+def _sum_in_chunks(current: Pass, layer: nn.Module, calls: List[Call], factor_function: Callable,
+                   buffer: ChunkBuffer) -> bool:
+    """The layer's norms, factors and clipped sums from chunked per-sample gradients, if its
+    type prefers that for these calls on CPU and each of its parameters has factors of its
+    own; False (nothing done) otherwise."""
+    spec = ghost_layer_of(layer)
+    if spec is None or spec.chunk_grads is None or spec.prefers_chunks is None:
+        return False
+    merged = _merged_call(layer, calls, spec)
+    if merged is None:
+        return False
+    activations, backprops, scale = merged
+    if backprops.device.type != "cpu" or backprops.shape[0] == 0 \
+            or not spec.prefers_chunks(layer, activations):
+        return False
+    activations, backprops = _in_sum_dtype(activations, backprops)
+    params, grads, whole = spec.chunk_grads(layer, activations, backprops)
+    probe = backprops.new_ones(1)
+    if not params or any(factor_function(p, probe) is None for p in [*params, *whole]):
+        return False
+    for p in [*params, *whole]:
+        _check_new(current, p)
+    sq_norms, factors, sums = chunked_clipped_sums(params, grads, whole, backprops.shape[0], scale,
+                                                   factor_function, buffer, backprops.dtype,
+                                                   backprops.device)
+    current.sq_norms.update(sq_norms)
+    current.factors = {**(current.factors or {}), **factors}
+    for p, s in sums.items():
+        add_to(current.sums, p, s)
+    return True
+
+
+def _ghost_call(layer: nn.Module, calls: List[Call], layer_rule: str, keeps_calls: bool):
+    """``(activations, backprops, scale)`` of the layer's calls as one, if it goes ghost
+    (``keeps_calls``: the ghost path would keep them for the clipped sum)."""
+    spec = ghost_layer_of(layer)
+    if spec is None or type(layer) not in NORM_SAMPLERS:
+        return None
+    merged = _merged_call(layer, calls, spec)
+    if merged is None:
+        return None
+    activations, backprops, _ = merged
     if layer_rule == "mixed":
         if spec.prefers_ghost is not None and not spec.prefers_ghost(layer, activations):
             return None
         if keeps_calls and spec.materialise_if_kept is not None \
                 and spec.materialise_if_kept(layer, activations):
             return None
-    return activations, backprops, calls[0].scale
+    return merged
 
 
 def _materialise(current: Pass, calls: List[Call], per_sample_grads: Callable) -> None:

@@ -96,13 +96,49 @@ def layer_norm_grad_sample(
     _check_trailing_shape(layer, x)
     reduce_dims = range(1, x.dim() - len(layer.normalized_shape))
 
+    fit = statistics is not None and _layer_statistics_fit(layer, x, statistics)
+    if fit and _per_sample_kernel_pays(layer, x, backprops):
+        return _layer_norm_grads_per_sample(layer, x, backprops, statistics)
+
     def x_hat():
-        if statistics is not None and _layer_statistics_fit(layer, x, statistics):
+        if fit:
             mean, rstd = statistics
             return torch.addcmul(-mean * rstd, x, rstd)
         return F.layer_norm(x, layer.normalized_shape, eps=layer.eps)
 
     return _affine_grads(layer, x_hat, backprops, reduce_dims)
+
+
+# Per-sample elements from which one kernel call per sample beats the batched form on CPU
+# (B = 32, T = 128, D = 256: 1.3-2.0 ms against 2.9-3.1 ms per layer, 1 thread).
+PER_SAMPLE_KERNEL_MIN_ELEMENTS = 16384
+
+
+def _per_sample_kernel_pays(layer: nn.LayerNorm, x: torch.Tensor, backprops: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+            and all(p is None or p.dtype == x.dtype for p in (layer.weight, layer.bias))
+            and x.shape[0] > 0 and x[0].numel() >= PER_SAMPLE_KERNEL_MIN_ELEMENTS
+            and backprops.shape == x.shape)
+
+
+def _layer_norm_grads_per_sample(layer: nn.LayerNorm, x: torch.Tensor, backprops: torch.Tensor,
+                                 statistics) -> Dict[nn.Parameter, torch.Tensor]:
+    """``Σ x_hat·gy`` and ``Σ gy`` of each sample from torch's own LayerNorm backward kernel
+    (weight and bias gradients only), called on one sample at a time with the forward's
+    saved statistics: one fused pass over ``x`` and ``gy``, where the batched form
+    (``x_hat``, its product with ``gy``, two sums) makes four and a new tensor."""
+    mean, rstd = statistics
+    wanted = [False, trainable(layer.weight), trainable(layer.bias)]
+    shape = list(layer.normalized_shape)
+    rows = [torch.ops.aten.native_layer_norm_backward(backprops[i], x[i], shape, mean[i], rstd[i],
+                                                      layer.weight, layer.bias, wanted)
+            for i in range(x.shape[0])]
+    grads = {}
+    if wanted[1]:
+        grads[layer.weight] = torch.stack([r[1] for r in rows])
+    if wanted[2]:
+        grads[layer.bias] = torch.stack([r[2] for r in rows])
+    return grads
 
 
 def _layer_statistics_fit(layer: nn.LayerNorm, x: torch.Tensor, statistics) -> bool:

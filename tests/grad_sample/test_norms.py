@@ -1,6 +1,8 @@
 """Per-sample gradients of LayerNorm, GroupNorm, InstanceNorm and RMSNorm against a
 batch-size-1 autograd oracle (samplers called directly with a random output gradient)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -316,6 +318,33 @@ def test_layer_norm_from_the_forwards_saved_statistics(normalized, leading, batc
     assert statistics[0].shape == (batch, *leading, *[1] * len(normalized))
     gy = torch.randn_like(out)
     got = norms.layer_norm_grad_sample(layer, [x], gy, statistics=statistics)
+    expected = oracle_per_sample_grads(layer, x, gy)
+    assert set(got) == set(expected)
+    for p, g in expected.items():
+        torch.testing.assert_close(got[p], g, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("normalized, leading", [((256,), (64,)), ((16, 32), (4, 8)), ((8,), (3,))])
+@pytest.mark.parametrize("trained", ["both", "weight", "bias", "no bias"])
+def test_layer_norm_per_sample_kernel_on_long_samples(monkeypatch, normalized, leading, trained):
+    """On CPU, samples of ≥ PER_SAMPLE_KERNEL_MIN_ELEMENTS values get their gradients from
+    torch's LayerNorm backward kernel, one call per sample (the small case with the threshold
+    lowered): the oracle's per-sample gradients, with frozen or absent parameters."""
+    if math.prod(normalized) * math.prod(leading) < norms.PER_SAMPLE_KERNEL_MIN_ELEMENTS:
+        monkeypatch.setattr(norms, "PER_SAMPLE_KERNEL_MIN_ELEMENTS", 1)
+    calls = []
+    kernel = norms._layer_norm_grads_per_sample
+    monkeypatch.setattr(norms, "_layer_norm_grads_per_sample",
+                        lambda *a: calls.append(1) or kernel(*a))
+    layer = randomise_affine(nn.LayerNorm(normalized, bias=trained != "no bias", dtype=F64))
+    layer.weight.requires_grad_(trained != "bias")
+    if layer.bias is not None:
+        layer.bias.requires_grad_(trained != "weight")
+    x = 5 + 3 * torch.randn(3, *leading, *normalized, dtype=F64)
+    out = layer(x)
+    gy = torch.randn_like(out)
+    got = norms.layer_norm_grad_sample(layer, [x], gy, statistics=norms.saved_statistics(layer, out))
+    assert calls == [1]
     expected = oracle_per_sample_grads(layer, x, gy)
     assert set(got) == set(expected)
     for p, g in expected.items():

@@ -25,7 +25,13 @@ when it has
   - ``materialise_if_kept(layer, activations) -> bool`` (optional, default False): when the
     ghost path would keep the call's inputs and output gradients for the clipped sum (the
     ``bk`` mode), materialise instead if this holds — e.g. per-sample gradients no larger
-    than what the ghost path keeps, whose clipped sum then needs no matrix product.
+    than what the ghost path keeps, whose clipped sum then needs no matrix product;
+  - ``chunk_grads(layer, activations, backprops) -> (params, grads(rows, out), whole)`` and
+    ``prefers_chunks(layer, activations) -> bool`` (optional): with per-layer clipping on CPU,
+    the per-sample gradients of a few samples at a time, written into reused buffers, clipped
+    and summed at once where ``prefers_chunks`` holds (``whole``: ``{param: (B, *shape)}``
+    of the small parameters, such as a bias, formed for the whole batch)
+    (:mod:`~opacus_dp.grad_sample.chunked_sums`).
 
 All functions receive batch-first tensors and the output gradient of the *summed* loss; they
 are linear (weighted grads) or quadratic (norms) in ``backprops``, which lets callers apply a
@@ -46,6 +52,8 @@ class GhostLayer:
     merge_calls: Optional[Callable] = None
     prefers_ghost: Optional[Callable] = None
     materialise_if_kept: Optional[Callable] = None
+    chunk_grads: Optional[Callable] = None
+    prefers_chunks: Optional[Callable] = None
 
 
 GHOST_LAYERS: Dict[Type[nn.Module], GhostLayer] = {}
@@ -54,11 +62,14 @@ GHOST_LAYERS: Dict[Type[nn.Module], GhostLayer] = {}
 def register_ghost_layer(target_types: Union[Type[nn.Module], Iterable[Type[nn.Module]]], *,
                          weighted_grad: Callable, merge_calls: Optional[Callable] = None,
                          prefers_ghost: Optional[Callable] = None,
-                         materialise_if_kept: Optional[Callable] = None) -> None:
+                         materialise_if_kept: Optional[Callable] = None,
+                         chunk_grads: Optional[Callable] = None,
+                         prefers_chunks: Optional[Callable] = None) -> None:
     """Register the :class:`GhostLayer` functions of ``target_types`` (exact types)."""
     types = target_types if isinstance(target_types, (list, tuple)) else [target_types]
     for t in types:
-        GHOST_LAYERS[t] = GhostLayer(weighted_grad, merge_calls, prefers_ghost, materialise_if_kept)
+        GHOST_LAYERS[t] = GhostLayer(weighted_grad, merge_calls, prefers_ghost, materialise_if_kept,
+                                     chunk_grads, prefers_chunks)
 
 
 def ghost_layer_of(layer: nn.Module) -> Optional[GhostLayer]:
