@@ -55,6 +55,7 @@ from opacus_dp.grad_sample.chunked_sums import ChunkBuffer
 from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.per_sample_store import second_batch_error
 from opacus_dp.grad_sample.recomputed_inputs import materialise
+from opacus_dp.grad_sample.support import own_tensors
 from opacus_dp.optim.clipping import weighted_sum
 
 
@@ -295,7 +296,7 @@ def _owned(layer: nn.Module, by_param: Dict[torch.Tensor, torch.Tensor], scale: 
     the pass ``resolved``, but not those kept there as per-sample gradients (summed apart).
     A parameter without norms did not require grad during the backward pass; unfrozen before
     the step, its kept output gradients would otherwise add an unclipped sum."""
-    return {p: by_param[p][window] * scale for p in layer.parameters(recurse=False)
+    return {p: by_param[p][window] * scale for p in own_tensors(layer)
             if p in by_param and p in resolved.sq_norms and p not in resolved.grads}
 
 

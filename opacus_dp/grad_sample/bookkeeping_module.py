@@ -35,7 +35,7 @@ from opacus_dp.grad_sample.bookkeeping import Bookkeeper
 from opacus_dp.grad_sample.bookkeeping_pass import shared_layers
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.support import describe, has_trainable_parameters
-from opacus_dp.optim.clipping import check_finite_norms
+from opacus_dp.optim.clipping import check_finite_norm_list
 
 
 def _refuse_data_parallel(module: nn.Module) -> None:
@@ -120,10 +120,11 @@ class BookkeepingGradSampleModule(GradSampleModule):
         self._check_unrecorded_grads(params)
         self._store.clear()  # empty batches merged into this step add no rows
         norms = [sq.clamp(min=0).sqrt() for sq in self._bookkeeper.sq_norms(params)]
-        names = {p: n for n, p in self._module.named_parameters()}
-        for p, n in zip(params, norms):
-            check_finite_norms(n, str(names.get(p, tuple(p.shape))))
-        return norms
+        return check_finite_norm_list(norms, lambda index: self._param_name(params[index]))
+
+    def _param_name(self, p: torch.Tensor) -> str:
+        """``p``'s name in the wrapped model (its shape if it is not there), for messages."""
+        return next((n for n, q in self._module.named_parameters() if q is p), str(tuple(p.shape)))
 
     def _norms_without_passes(self, params) -> List[torch.Tensor]:
         """Empty batches leave zero-row ``grad_sample`` views (see GradSampleModule)."""
@@ -138,11 +139,10 @@ class BookkeepingGradSampleModule(GradSampleModule):
 
     def _check_unrecorded_grads(self, params) -> None:
         recorded = self._bookkeeper.recorded_params()
-        names = {p: n for n, p in self._module.named_parameters()}
         for p in params:
             if p not in recorded and p.grad is not None and bool(torch.any(p.grad != 0)):
                 raise ValueError(
-                    f"parameter {names.get(p, tuple(p.shape))} has a gradient but no per-sample "
+                    f"parameter {self._param_name(p)} has a gradient but no per-sample "
                     "gradient: it is used outside the modules that own it, or its module is not "
                     "handled by the wrapper"
                 )

@@ -20,6 +20,7 @@ from opacus_dp.grad_sample.modification_guard import KeptVersions
 from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
 from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput, recomputed_in
 from opacus_dp.grad_sample.registry import NORM_SAMPLERS, PerSampleGrads
+from opacus_dp.grad_sample.support import own_tensors
 from opacus_dp.optim.clipping import per_sample_norms, sum_dtype, weighted_sum
 from opacus_dp.optim.float32_products import ieee_float32_products
 
@@ -155,7 +156,7 @@ def _factors_now(current: Pass, layer: nn.Module,
     if factor_function is None:
         return None
     factors = {}
-    for p in (q for q in layer.parameters(recurse=False) if q in current.sq_norms):
+    for p in (q for q in own_tensors(layer) if q in current.sq_norms):
         f = factor_function(p, current.sq_norms[p].clamp(min=0).sqrt())
         if f is None:
             return None
@@ -295,7 +296,7 @@ def shared_layers(layers: List[nn.Module]) -> Set[nn.Module]:
     """Layers owning a trainable parameter that another of ``layers`` also owns (tied weights)."""
     owners: Dict[int, List[nn.Module]] = {}
     for layer in layers:
-        for p in layer.parameters(recurse=False):
+        for p in own_tensors(layer):
             if p.requires_grad:
                 owners.setdefault(id(p), []).append(layer)
     return {layer for group in owners.values() if len(group) > 1 for layer in group}

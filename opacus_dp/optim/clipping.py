@@ -14,7 +14,7 @@ adapts during training is in :mod:`opacus_dp.optim.adaptive_clipping`.
 import abc
 import math
 import numbers
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -61,6 +61,20 @@ def check_finite_norms(norms: torch.Tensor, name: str) -> torch.Tensor:
             f"gradient, or one so large that its squared norm overflows {norms.dtype} — check the "
             "loss and inputs of this batch, or scale the loss down (no update was made)"
         )
+    return norms
+
+
+def check_finite_norm_list(norms: Sequence[torch.Tensor], name_of: Callable[[int], str]) -> List[torch.Tensor]:
+    """``norms`` if all are finite, else :func:`check_finite_norms`'s error naming the first
+    tensor with a non-finite norm (``name_of(index)``). One check over all of them when they
+    share a device (a step checks every tensor's norms; one check each cost more than the rest
+    of a small layer's bookkeeping)."""
+    norms = list(norms)
+    same_device = len({n.device for n in norms}) <= 1
+    if same_device and (not norms or bool(torch.isfinite(torch.cat([n.reshape(-1) for n in norms])).all())):
+        return norms
+    for index, n in enumerate(norms):
+        check_finite_norms(n, name_of(index))
     return norms
 
 

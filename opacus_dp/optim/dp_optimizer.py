@@ -33,7 +33,8 @@ import torch
 from torch.optim import Optimizer
 
 from opacus_dp.optim.clipping import (
-    PerLayerClipper, check_finite_norms, make_clipper, per_sample_norms, sum_dtype, weighted_sum)
+    PerLayerClipper, check_finite_norm_list, check_finite_norms, make_clipper, per_sample_norms,
+    sum_dtype, weighted_sum)
 from opacus_dp.optim.dp_optimizer_settings import DPOptimizerSettingsMixin
 from opacus_dp.optim.grad_source import AttributeGradSource
 from opacus_dp.optim.noise import GaussianNoise, noise_std
@@ -309,7 +310,8 @@ class DPOptimizer(DPOptimizerSettingsMixin, WrappedOptimizerMixin, Optimizer):
         """The same three steps with a *norm provider* (``ghost``/``bk`` modes, see
         :mod:`opacus_dp.grad_sample.bookkeeping_module`): it returns the per-sample norms
         and, given the factors, ``Σ_i f_il · g_il`` without materialised per-sample gradients."""
-        norms = [self._check_finite(p, n) for p, n in zip(params, self.grad_source.per_sample_norms(params))]
+        norms = check_finite_norm_list(self.grad_source.per_sample_norms(params),
+                                       lambda index: self._name(params[index]))
         factors = self._clip_factors(params, norms)
         self.clipper.observe(norms)
         for p, clipped in zip(params, self.grad_source.clipped_sums(params, factors)):

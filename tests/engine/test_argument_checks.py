@@ -116,3 +116,16 @@ def test_non_real_max_grad_norm_is_refused_with_its_name(bad):
 
     with pytest.raises(TypeError, match="max_grad_norm must be a positive real number"):
         check_max_grad_norm(bad)
+
+
+def test_one_finiteness_check_still_names_the_tensor_with_a_non_finite_norm():
+    """All norms are checked at once; an error names the first tensor whose norm is NaN or inf."""
+    from opacus_dp.optim.clipping import check_finite_norm_list
+
+    finite = [torch.ones(3), torch.full((3,), 2.0, dtype=torch.float64)]
+    assert check_finite_norm_list(finite, lambda i: f"t{i}") == finite
+    assert check_finite_norm_list([], lambda i: "none") == []
+    for bad in (float("nan"), float("inf")):
+        norms = finite + [torch.tensor([1.0, bad]), torch.tensor([bad])]
+        with pytest.raises(ValueError, match=r"parameter t2:"):
+            check_finite_norm_list(norms, lambda i: f"t{i}")
