@@ -9,13 +9,12 @@ import warnings
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from opacus_dp import PrivacyEngine
 from opacus_dp.data import BatchMemoryManager
 from tests.distributed.workers import (
     LR, N_CLASSES, N_FEATURES, N_SAMPLES, _clipping_args, dataset, make_model, params_of, wrap)
-from torch.utils.data import TensorDataset
 
 POSITIONS = 12
 
