@@ -8,7 +8,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Refuse a run that collects too few tests (pytest's own exit 5 covers zero): the whole
 # suite has several hundred tests, so a broken collection cannot pass as a green run.
 if [ "$#" -eq 0 ]; then min_tests="${OPACUS_DP_MIN_TESTS:-500}"; else min_tests=1; fi
-collected=$("$VENV/bin/python" -m pytest --collect-only -q "$@" | grep -cE '::' || true)
+collected=$("$VENV/bin/python" scripts/collected_tests.py "$@")
 echo "collected $collected tests"
 if [ "$collected" -lt "$min_tests" ]; then
   echo "error: only $collected tests collected; the suite is incomplete" >&2
