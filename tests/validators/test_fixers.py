@@ -5,6 +5,7 @@ Oracles: group counts by hand; normalisation recomputed from its definition
 """
 
 import copy
+
 import pytest
 import torch
 import torch.nn as nn
