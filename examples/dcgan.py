@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from common import checkpoints
-from common.cli import add_privacy_args, check_common_args
+from common.cli import add_privacy_args, add_unsafe_resume_arg, check_common_args
 from common.distributed import barrier, init_distributed, shutdown, wrap_model
 from common.privacy import prepare_training
 from common.reporting import MetricsLog, privacy_line
@@ -70,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--outf", default="dcgan_out", help="folder for images and checkpoints")
     parser.add_argument("--checkpoint-file", default=None, help="default: <outf>/dcgan.pt")
     parser.add_argument("--resume", default="", metavar="PATH")
+    add_unsafe_resume_arg(parser)
     parser.add_argument("--metrics-file", default=None, metavar="PATH")
     parser.add_argument("--tensorboard", default=None, metavar="DIR")
     parser.add_argument("--no-progress", action="store_true")
@@ -95,14 +96,15 @@ def build(args, setup, dataset, channels: int):
     netD = Discriminator(args.ndf, channels, args.image_size).to(setup.device)
     netG = wrap_model(netG, setup, private=False)
     netD = wrap_model(netD, setup, private=not args.disable_dp)
-    saved = checkpoints.read(args.resume) if args.resume else {}
+    saved = checkpoints.read(args.resume, args.unsafe_resume) if args.resume else {}
     sigma = checkpoints.saved_noise_multiplier(args, saved, lambda text: setup.is_main and print(text))
     run = prepare_training(args, netD, _adam(args, netD.parameters()), dataset, setup,
                            noise_multiplier=sigma)
     optimizer_g = _adam(args, netG.parameters())
     entries = {}
     if args.resume:
-        entries = checkpoints.restore(run, args.resume, map_location=setup.device)
+        entries = checkpoints.restore(run, args.resume, map_location=setup.device,
+                                       unsafe=args.unsafe_resume)
         checkpoints.unwrap(netG).load_state_dict(entries.pop("generator_state_dict"))
         optimizer_g.load_state_dict(entries.pop("generator_optimizer_state_dict"))
     return run, netG, optimizer_g, entries

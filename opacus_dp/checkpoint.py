@@ -14,7 +14,14 @@ Saved entries (a dict written with ``torch.save``):
   secure mode neither is saved nor loaded: the sampling generator is seeded once per run from
   the OS, and its state would let anyone holding the checkpoint replay which records formed
   every batch (the noise generator is reseeded every step anyway);
-* ``<name>_state_dict`` for the optional schedulers.
+* ``<name>_state_dict`` for the optional schedulers;
+* ``dp_optimizer_steps`` — the private steps the optimizer released, compared with the history on
+  loading (:mod:`~opacus_dp.checkpoint_consistency`).
+
+The file is written and read by :mod:`~opacus_dp.checkpoint_file`: only entries torch's safe
+loader reads (checked before writing), loaded with ``weights_only=True`` by default (a pickled
+object that would run code is refused, not called), optionally signed with an HMAC
+(``signing_key``), and a damaged file is reported as such. See ``docs/security.md``.
 
 Loading checks the accountant entry (present, and loadable into the given accountant) before
 anything is changed, and undoes everything if a later part fails (model, accountant, optimizer,
@@ -29,7 +36,10 @@ from typing import Dict, Optional
 import torch
 import torch.nn as nn
 
+from opacus_dp import checkpoint_file
+from opacus_dp.checkpoint_consistency import STEPS_ENTRY, check_history_agrees
 from opacus_dp.engine_setup import unwrap_model
+from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
 WRAPPER_PREFIXES = ("_module.", "module.")
 
@@ -53,8 +63,10 @@ def _sampler_generator(data_loader) -> Optional[torch.Generator]:
 
 def save(path, *, module: nn.Module, optimizer=None, accountant=None, data_loader=None,
          schedulers: Optional[Dict[str, object]] = None, checkpoint_dict=None,
-         module_state_dict_kwargs=None, torch_save_kwargs=None, secure_mode: bool = False) -> dict:
-    """Write the checkpoint described in the module doc to ``path``; return the dict."""
+         module_state_dict_kwargs=None, torch_save_kwargs=None, secure_mode: bool = False,
+         signing_key=None) -> dict:
+    """Write the checkpoint described in the module doc to ``path`` (signed with ``signing_key``
+    if given); return the dict."""
     if secure_mode:
         data_loader = None  # its generator state would reveal every batch (module doc)
     state = dict(checkpoint_dict or {})
@@ -68,26 +80,31 @@ def save(path, *, module: nn.Module, optimizer=None, accountant=None, data_loade
         learned = _clipping_state(optimizer)
         if learned:
             state["clipping_state"] = learned
+        dp_optimizer = dp_optimizer_behind(optimizer)
+        if dp_optimizer is not None:
+            state[STEPS_ENTRY] = dp_optimizer.steps_taken
     generator = _sampler_generator(data_loader)
     if generator is not None:
         state["sampler_generator_state"] = generator.get_state()
     for name, scheduler in (schedulers or {}).items():
         if scheduler is not None:
             state[f"{name}_state_dict"] = scheduler.state_dict()
-    torch.save(state, path, **(torch_save_kwargs or {}))
+    checkpoint_file.write(state, path, signing_key=signing_key, torch_save_kwargs=torch_save_kwargs)
     return state
 
 
 def load(path, *, module: nn.Module, optimizer=None, accountant=None, data_loader=None,
          schedulers: Optional[Dict[str, object]] = None, map_location=None,
-         module_load_dict_kwargs=None, torch_load_kwargs=None, secure_mode: bool = False) -> dict:
-    """Restore a checkpoint written by :func:`save`; return the entries not consumed."""
-    load_kwargs = dict(torch_load_kwargs or {})
-    load_kwargs.setdefault("weights_only", False)
-    if map_location is not None:
-        load_kwargs["map_location"] = map_location
-    state = torch.load(path, **load_kwargs)
+         module_load_dict_kwargs=None, torch_load_kwargs=None, secure_mode: bool = False,
+         signing_key=None) -> dict:
+    """Restore a checkpoint written by :func:`save`; return the entries not consumed. The file is
+    read safely (``torch_load_kwargs={"weights_only": False}`` opts out, for trusted old files) and
+    verified with ``signing_key`` if given; a history that contradicts the step count is refused."""
+    state = checkpoint_file.read(path, signing_key=signing_key, map_location=map_location,
+                                 torch_load_kwargs=torch_load_kwargs)
     _check_accountant_entry(path, state, accountant)
+    if accountant is not None:
+        check_history_agrees(path, state)
     target = unwrap_model(module)
     generator = None if secure_mode else _sampler_generator(data_loader)
     schedulers = {k: v for k, v in (schedulers or {}).items() if v is not None}
@@ -125,6 +142,8 @@ class _Snapshot:
             self.noise = (optimizer, copy.deepcopy(optimizer.noise_state_dict()))
             self.clipping = (optimizer, copy.deepcopy(optimizer.clipping_state_dict()))
         self.generator = (generator, generator.get_state()) if generator is not None else None
+        dp_optimizer = dp_optimizer_behind(optimizer)
+        self.steps = (dp_optimizer, dp_optimizer.steps_taken) if dp_optimizer is not None else None
 
     def restore(self) -> None:
         for obj, state in self.parts:
@@ -135,6 +154,8 @@ class _Snapshot:
             self.clipping[0].load_clipping_state_dict(self.clipping[1])
         if self.generator is not None:
             self.generator[0].set_state(self.generator[1])
+        if self.steps is not None:
+            self.steps[0].steps_taken = self.steps[1]
 
 
 def _check_accountant_entry(path, state: dict, accountant) -> None:
@@ -159,12 +180,16 @@ def _check_accountant_entry(path, state: dict, accountant) -> None:
 def _load_optimizer(state: dict, optimizer) -> None:
     saved = state.pop("optimizer_state_dict", None)
     noise = state.pop("noise_generator_state", None)
+    steps = state.pop(STEPS_ENTRY, None)
     if optimizer is None or saved is None:
         if (optimizer is None) != (saved is None):
             warnings.warn("checkpoint and arguments disagree on the optimizer: its state was not restored",
                           UserWarning)
         return
     optimizer.load_state_dict(saved)
+    dp_optimizer = dp_optimizer_behind(optimizer)
+    if isinstance(steps, int) and dp_optimizer is not None:
+        dp_optimizer.steps_taken = steps
     if noise is not None and hasattr(optimizer, "load_noise_state_dict"):
         optimizer.load_noise_state_dict(noise)
     _load_clipping_state(state.pop("clipping_state", None), optimizer)

@@ -301,26 +301,30 @@ class PrivacyEngine:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, *, path, module: nn.Module, optimizer=None, noise_scheduler=None,
                         grad_clip_scheduler=None, checkpoint_dict=None, data_loader=None,
-                        module_state_dict_kwargs=None, torch_save_kwargs=None) -> None:
-        """Save model (unwrapped keys), optimizer, accountant and generator states to ``path``."""
+                        module_state_dict_kwargs=None, torch_save_kwargs=None, signing_key=None) -> None:
+        """Save model (unwrapped keys), optimizer, accountant and generator states to ``path``;
+        ``signing_key`` (bytes, kept by the user) adds an HMAC that :meth:`load_checkpoint` verifies.
+        Every entry must be loadable by torch's safe loader (checked before writing)."""
         checkpoint.save(
             path, module=module, optimizer=optimizer, accountant=self.accountant,
             data_loader=data_loader if data_loader is not None else self._data_loader,
             schedulers={"noise_scheduler": noise_scheduler, "grad_clip_scheduler": grad_clip_scheduler},
             checkpoint_dict=checkpoint_dict, module_state_dict_kwargs=module_state_dict_kwargs,
-            torch_save_kwargs=torch_save_kwargs, secure_mode=self.secure_mode,
+            torch_save_kwargs=torch_save_kwargs, secure_mode=self.secure_mode, signing_key=signing_key,
         )
 
     def load_checkpoint(self, *, path, module: nn.Module, optimizer=None, noise_scheduler=None,
                         grad_clip_scheduler=None, data_loader=None, map_location=None,
-                        module_load_dict_kwargs=None, torch_load_kwargs=None) -> dict:
-        """Restore what :meth:`save_checkpoint` saved; returns the remaining checkpoint entries."""
+                        module_load_dict_kwargs=None, torch_load_kwargs=None, signing_key=None) -> dict:
+        """Restore what :meth:`save_checkpoint` saved; returns the remaining checkpoint entries.
+        Loads with ``weights_only=True`` (``torch_load_kwargs={"weights_only": False}`` opts out for
+        trusted old files); with ``signing_key`` an unsigned or altered file is refused."""
         return checkpoint.load(
             path, module=module, optimizer=optimizer, accountant=self.accountant,
             data_loader=data_loader if data_loader is not None else self._data_loader,
             schedulers={"noise_scheduler": noise_scheduler, "grad_clip_scheduler": grad_clip_scheduler},
             map_location=map_location, module_load_dict_kwargs=module_load_dict_kwargs,
-            torch_load_kwargs=torch_load_kwargs, secure_mode=self.secure_mode,
+            torch_load_kwargs=torch_load_kwargs, secure_mode=self.secure_mode, signing_key=signing_key,
         )
 
 

@@ -7,6 +7,10 @@ generator state, σ, and the example's own entries (epoch, best accuracy, ...).
 * modern API: ``PrivacyEngine.save_checkpoint`` / ``load_checkpoint``;
 * classic API: ``engine.state_dict()`` (steps and privacy history) next to model and optimizer;
 * no privacy: model and optimizer only.
+
+Files are read with torch's safe loader (``weights_only=True``): a checkpoint that holds a
+pickled object which would run code is refused. ``--unsafe-resume`` reads an old file of your own
+with the full unpickler instead.
 """
 
 import os
@@ -15,6 +19,8 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+
+from opacus_dp import checkpoint_file
 
 from common.privacy import TrainingRun
 
@@ -33,11 +39,19 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def read(path: str) -> dict:
-    """The raw checkpoint dictionary (on CPU), e.g. to read σ before building the run."""
+def _load_kwargs(unsafe: bool) -> dict:
+    return {"weights_only": not unsafe}
+
+
+def read(path: str, unsafe: bool = False) -> dict:
+    """The raw checkpoint dictionary (on CPU), e.g. to read σ before building the run; read
+    safely unless ``unsafe`` (module doc)."""
     if not os.path.isfile(path):
         raise SystemExit(f"--resume {path}: no such checkpoint file")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return checkpoint_file.read(path, map_location="cpu", torch_load_kwargs=_load_kwargs(unsafe))
+    except Exception as error:
+        raise SystemExit(f"--resume {path}: {error}") from error
 
 
 def saved_noise_multiplier(args, saved: dict, say) -> Optional[float]:
@@ -69,7 +83,7 @@ def save(run: TrainingRun, path: str, entries: dict, *, best: bool = False) -> N
         if run.api == "classic":
             state["privacy_engine_state_dict"] = run.engine.state_dict()
             state["sampler_generator_state"] = run.train_loader.generator.get_state()
-        torch.save(state, path)
+        checkpoint_file.write(state, path)
     if best:
         shutil.copyfile(path, best_path(path))
 
@@ -79,16 +93,17 @@ def best_path(path: str) -> str:
     return f"{root}_best{ext or '.pt'}"
 
 
-def restore(run: TrainingRun, path: str, map_location: Optional[torch.device] = None) -> dict:
+def restore(run: TrainingRun, path: str, map_location: Optional[torch.device] = None,
+            unsafe: bool = False) -> dict:
     """Load ``path`` into ``run``; return the example's own entries (epoch, ...)."""
-    saved_api = read(path).get("api")
+    saved_api = read(path, unsafe).get("api")
     if saved_api != run.api:
         raise SystemExit(f"--resume {path}: the checkpoint was written with api={saved_api!r}, "
                          f"this run uses {run.api!r}; pass the same --api/--disable-dp flags")
     if run.api == "modern":
         return run.engine.load_checkpoint(path=path, module=run.model, optimizer=run.optimizer,
-                                          map_location=map_location)
-    state = torch.load(path, map_location=map_location, weights_only=False)
+                                          map_location=map_location, torch_load_kwargs=_load_kwargs(unsafe))
+    state = checkpoint_file.read(path, map_location=map_location, torch_load_kwargs=_load_kwargs(unsafe))
     unwrap(run.model).load_state_dict(state.pop("module_state_dict"))
     run.optimizer.load_state_dict(state.pop("optimizer_state_dict"))
     if run.api == "classic":

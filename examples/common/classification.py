@@ -38,11 +38,12 @@ def build_run(args, build_model: Callable[[], nn.Module], train_set: Dataset, se
         model = nn.DataParallel(model)
     model = wrap_model(model, setup, private=not args.disable_dp)
     optimizer = make_optimizer(args, model.parameters())
-    saved = checkpoints.read(args.resume) if args.resume else {}
+    saved = checkpoints.read(args.resume, args.unsafe_resume) if args.resume else {}
     sigma = checkpoints.saved_noise_multiplier(args, saved, lambda text: _say(setup, text))
     run = prepare_training(args, model, optimizer, train_set, setup, collate_fn=collate_fn,
                            noise_multiplier=sigma)
-    entries = checkpoints.restore(run, args.resume, map_location=setup.device) if args.resume else {}
+    entries = checkpoints.restore(run, args.resume, map_location=setup.device,
+                                  unsafe=args.unsafe_resume) if args.resume else {}
     return run, entries
 
 

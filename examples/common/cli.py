@@ -61,12 +61,19 @@ def add_training_args(parser: argparse.ArgumentParser, *, epochs: int, batch_siz
                        help="refresh ε in the progress bar every this many steps")
 
 
+def add_unsafe_resume_arg(parser) -> None:
+    parser.add_argument("--unsafe-resume", action="store_true",
+                        help="read --resume with the full unpickler, which runs any code pickled in "
+                             "the file: only for an old checkpoint you wrote yourself")
+
+
 def add_output_args(parser: argparse.ArgumentParser, *, checkpoint_file: str) -> None:
     group = parser.add_argument_group("outputs")
     group.add_argument("--checkpoint-file", default=checkpoint_file,
                        help="path of the last checkpoint; the best one gets the suffix _best")
     group.add_argument("--resume", default="", metavar="PATH",
                        help="continue from this checkpoint (model, optimizer, privacy history)")
+    add_unsafe_resume_arg(group)
     group.add_argument("--evaluate", action="store_true",
                        help="only evaluate the model (of --resume) on the test set")
     group.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON metrics")

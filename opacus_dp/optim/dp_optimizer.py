@@ -121,6 +121,7 @@ class DPOptimizer(DPOptimizerSettingsMixin, WrappedOptimizerMixin, Optimizer):
         # Poisson batches (make_private): one sampled batch per step, split only by
         # BatchMemoryManager (``signal_chunk_step``); set by the engine
         self.poisson_batches = False
+        self.steps_taken = 0  # private steps released (checkpoints compare it with the history)
 
     def _use_grad_source(self, source) -> None:
         self.grad_source = source
@@ -185,6 +186,7 @@ class DPOptimizer(DPOptimizerSettingsMixin, WrappedOptimizerMixin, Optimizer):
         self._set_grads(self.scale_grad(reduced[:len(sums)]))
         if count is not None:  # the bound of the next step, from released values only
             self.clipper.update(float(reduced[-1]), self._expected_global_batch_size())
+        self.steps_taken += 1
         self._run_hooks(self._step_hooks)
         return True
 

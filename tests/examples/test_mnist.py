@@ -146,3 +146,24 @@ def test_out_of_range_flags_are_argparse_errors_naming_the_flag(data_root, tmp_p
         example_module("mnist").main([str(a) for a in _argv(data_root, tmp_path, flag, value)])
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+class _RunsCode:
+    """Unpickling this creates ``marker``: the side effect a malicious checkpoint would have."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+        return (os.makedirs, (self.marker,))
+
+
+@pytest.mark.parametrize("api", ["modern", "classic"])
+def test_resume_from_a_malicious_checkpoint_runs_nothing(data_root, tmp_path, capsys, api):
+    marker = tmp_path / "ran"
+    torch.save({"api": api, "epoch": 1, "x": _RunsCode(marker)}, tmp_path / "evil.pt")
+    with pytest.raises(SystemExit, match="safe loader refuses"):
+        run_example("mnist", _argv(data_root, tmp_path, "--batch-size", 12, "--api", api,
+                                   "--resume", tmp_path / "evil.pt"), capsys)
+    assert not marker.exists()
