@@ -14,6 +14,9 @@ be any nest of tensors; ``backprops`` lists one gradient (or None) per tensor le
 (non-tensor leaves are not counted).
 Random operations inside the layer (e.g. dropout) raise inside ``vmap`` by design: a
 recomputed random forward would not reproduce the gradient.
+The formula needs ``f(theta, x)_i = f(theta, x_i)``: on a layer's first call with two samples or
+more, its per-sample outputs are compared with the batched ones and a layer whose outputs depend
+on other samples is refused (see :mod:`~opacus_dp.grad_sample.sample_independence`).
 """
 
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -23,11 +26,19 @@ import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from opacus_dp.errors import UnsupportedModuleError
+from opacus_dp.grad_sample.sample_independence import (
+    SamplesMixedError,
+    check_sample_independence,
+    needs_check,
+)
+
 Backprops = Union[torch.Tensor, Sequence[Optional[torch.Tensor]]]
 
 
-def _per_sample_objective(layer, leaves, spec, tensor_slots, output_slots, batch_dim):
-    """``(params, sample tensors, sample backprops) -> sum(f(params, x_i) * g_i)``."""
+def _per_sample_objective(layer, leaves, spec, tensor_slots, output_slots, batch_dim, keep_outputs):
+    """``(params, sample tensors, sample backprops) -> (sum(f(params, x_i) * g_i), aux)``;
+    ``aux``: the outputs in ``output_slots`` if ``keep_outputs`` (for the independence check)."""
 
     def objective(params, sample_tensors, sample_backprops):
         filled = list(leaves)
@@ -39,7 +50,8 @@ def _per_sample_objective(layer, leaves, spec, tensor_slots, output_slots, batch
         total = 0
         for slot, backprop in zip(output_slots, sample_backprops):
             total = total + (outputs[slot] * backprop.unsqueeze(batch_dim)).sum()
-        return total
+        kept = [outputs[slot].detach() for slot in output_slots] if keep_outputs else []
+        return total, kept
 
     return objective
 
@@ -91,10 +103,14 @@ def functorch_grad_sample(
     leaves, spec = tree_flatten((activations, kwargs))
     tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     sample_tensors = [leaves[i] for i in tensor_slots]
-    objective = _per_sample_objective(layer, leaves, spec, tensor_slots, output_slots, batch_dim)
-    per_sample = vmap(grad(objective), in_dims=(None, 0, 0))(
-        {n: p.detach() for n, p in params.items()}, sample_tensors, sample_backprops
+    check = bool(sample_backprops) and needs_check(layer, sample_backprops[0].shape[0])
+    objective = _per_sample_objective(layer, leaves, spec, tensor_slots, output_slots, batch_dim, check)
+    detached = {n: p.detach() for n, p in params.items()}
+    per_sample, outputs = vmap(grad(objective, has_aux=True), in_dims=(None, 0, 0))(
+        detached, sample_tensors, sample_backprops
     )
+    if check:
+        check_sample_independence(layer, detached, leaves, spec, outputs, output_slots, batch_dim)
     return {params[n]: per_sample[n] for n in params}
 
 
@@ -112,6 +128,14 @@ _KNOWN_FAILURES = (  # (words of torch's error, what the layer did, the way out)
 def explained_fallback_error(error: RuntimeError, layer_name: str) -> Exception:
     """A ``ValueError`` naming the layer, what it did and the fix, for the ``torch.func`` failures
     a layer's forward pass causes; other errors are returned unchanged."""
+    if isinstance(error, SamplesMixedError):
+        return UnsupportedModuleError(
+            f"{layer_name} gets per-sample gradients from the generic torch.func fallback, which "
+            f"computes each sample alone, but its outputs depend on other samples of the batch "
+            f"({error}), so its per-sample gradients would be wrong. Make the layer per-sample "
+            f"(e.g. statistics over each sample's own features, GroupNorm/LayerNorm, instead of "
+            f"batch statistics), or register a grad sampler for its type "
+            f"(opacus_dp.grad_sample.register_grad_sampler)")
     text = str(error).lower()
     for words, cause, fix in _KNOWN_FAILURES:
         if words in text:
