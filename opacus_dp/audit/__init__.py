@@ -7,7 +7,7 @@ GDP-based and (ε, δ) bounds from Clopper–Pearson limits on the membership te
 rates, and the one-run bound of Steinke, Nasr & Jagielski 2023 ("Privacy Auditing with One
 (1) Training Run"). A lower bound above the accountant's ε refutes the privacy claim.
 Command line: ``python -m opacus_dp.audit --help``. What this does and does not prove:
-``docs/AUDIT.md``.
+``docs/auditing.md``.
 """
 
 from opacus_dp.audit.canaries import CanaryLayout, CanaryLoss, canary_dataset, canary_model
