@@ -95,7 +95,7 @@ class PrivacyEngine:
                      rand_on_empty: bool = False, target_unclipped_quantile: Optional[float] = None,
                      clipbound_learning_rate: Optional[float] = None,
                      max_clipbound: Optional[float] = None, min_clipbound: Optional[float] = None,
-                     unclipped_num_std: Optional[float] = None):
+                     unclipped_num_std: Optional[float] = None, step_timeout=None):
         """Return ``(GradSampleModule, DPOptimizer, DataLoader)`` ready for private training.
 
         With ``poisson_sampling`` the loader is replaced by a ``DPDataLoader`` with
@@ -129,7 +129,7 @@ class PrivacyEngine:
         module's own layers, so the original module trains privately whether it or the returned
         wrapper is called (``wrap_model=False``); empty batches are delivered as empty batches
         in every mode, so ``rand_on_empty=True`` (random data instead) is not needed (a warning
-        says so).
+        says so). ``step_timeout`` (DDP/DPDDP, seconds or timedelta): :mod:`opacus_dp.distributed.step_wait`.
         """
         _check_opacus_flags(wrap_model, rand_on_empty)
         check_privacy_arguments(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
@@ -154,7 +154,7 @@ class PrivacyEngine:
                 gsm, module, optimizer, data_loader, noise_multiplier=noise_multiplier,
                 max_grad_norm=max_grad_norm, loss_reduction=loss_reduction, clipping=clipping,
                 poisson_sampling=poisson_sampling, batch_first=batch_first,
-                noise_generator=noise_generator, world_size=world_size, adaptive=adaptive)
+                noise_generator=noise_generator, world_size=world_size, adaptive=adaptive, step_timeout=step_timeout)
         except Exception:
             if gsm is not module:
                 gsm.close()
@@ -177,7 +177,7 @@ class PrivacyEngine:
                                   clipbound_learning_rate: Optional[float] = None,
                                   max_clipbound: Optional[float] = None,
                                   min_clipbound: Optional[float] = None,
-                                  unclipped_num_std: Optional[float] = None, **epsilon_kwargs):
+                                  unclipped_num_std: Optional[float] = None, step_timeout=None, **epsilon_kwargs):
         """:meth:`make_private` with σ calibrated so that ``epochs`` passes spend ≤ target ε;
         ``epsilon_kwargs`` go to the accountant's ``get_epsilon`` during the calibration (as in
         Opacus: ``alphas`` for RDP, ``eps_error`` for PRV). With ``clipping="adaptive"`` the
@@ -202,13 +202,13 @@ class PrivacyEngine:
             grad_sample_mode=grad_sample_mode, criterion=criterion, wrap_model=wrap_model,
             rand_on_empty=rand_on_empty, target_unclipped_quantile=target_unclipped_quantile,
             clipbound_learning_rate=clipbound_learning_rate, max_clipbound=max_clipbound,
-            min_clipbound=min_clipbound, unclipped_num_std=unclipped_num_std,
+            min_clipbound=min_clipbound, unclipped_num_std=unclipped_num_std, step_timeout=step_timeout,
         )
 
     def _private_loader_and_optimizer(self, gsm, module, optimizer, data_loader, *,
                                       noise_multiplier, max_grad_norm, loss_reduction, clipping,
                                       poisson_sampling, batch_first, noise_generator, world_size,
-                                      adaptive=None):
+                                      adaptive=None, step_timeout=None):
         if poisson_sampling:
             gsm.forbid_grad_accumulation()
         loader = self._prepare_data_loader(data_loader, poisson_sampling=poisson_sampling,
@@ -229,7 +229,7 @@ class PrivacyEngine:
             dp_optimizer.max_batch_size = _fixed_batch_size(loader)
         else:  # Poisson batches: one per step, split only by BatchMemoryManager
             dp_optimizer.poisson_batches = True
-        self._connect(module, dp_optimizer, sample_rate)  # all ranks agree from here on
+        self._connect(module, dp_optimizer, sample_rate, step_timeout)  # all ranks agree from here on
         if poisson_sampling and world_size > 1:
             from opacus_dp.distributed.checks import share_generator_state
             share_generator_state(loader.generator)  # one global Poisson stream
@@ -255,11 +255,11 @@ class PrivacyEngine:
                 f"could be replaced by the secure one ({error}); use poisson_sampling=True "
                 "(recommended) or a shuffled loader (shuffle=True)") from None
 
-    def _connect(self, module, dp_optimizer, sample_rate: float) -> None:
+    def _connect(self, module, dp_optimizer, sample_rate: float, step_timeout=None) -> None:
         """Distributed reduction, budget guard (pre-step) and accountant (post-step) hooks."""
         from opacus_dp.distributed import configure_optimizer
 
-        configure_optimizer(module, dp_optimizer, sample_rate=sample_rate)
+        configure_optimizer(module, dp_optimizer, sample_rate=sample_rate, step_timeout=step_timeout)
         if self.max_epsilon is not None:
             dp_optimizer.attach_pre_step_hook(BudgetGuard(
                 self.accountant, max_epsilon=self.max_epsilon, delta=self.max_epsilon_delta,

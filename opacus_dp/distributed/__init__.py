@@ -1,7 +1,9 @@
 """Distributed DP-SGD: across processes (DDP / DPDDP) and across nn.DataParallel replicas.
 
 * :class:`DifferentiallyPrivateDistributedDataParallel` — model wrapper (rank-0 broadcast).
-* :class:`AllReduceReducer` — one all-reduce of the clipped sums per step, noise on rank 0.
+* :class:`AllReduceReducer` — one all-reduce of the clipped sums per step, noise on rank 0;
+  a step refused on one rank is refused on all (:class:`StepRefusedError`), and a rank that does
+  not join within ``step_timeout`` is named (:class:`StepCollectiveError`).
 * :func:`local_gradients_hook` — DDP comm hook that stops DDP's unclipped all-reduce.
 * :mod:`~opacus_dp.distributed.configure` — what the PrivacyEngine calls.
 * :mod:`~opacus_dp.distributed.data_parallel` — per-sample gradients inside nn.DataParallel.
@@ -19,6 +21,8 @@ from opacus_dp.distributed.configure import (
 from opacus_dp.distributed.ddp_hooks import install_local_gradients_hook, local_gradients_hook
 from opacus_dp.distributed.dpddp import DifferentiallyPrivateDistributedDataParallel
 from opacus_dp.distributed.reducers import AllReduceReducer
+from opacus_dp.distributed.step_wait import StepCollectiveError
+from opacus_dp.optim.step_refusal import StepRefusedError
 
 DPDDP = DifferentiallyPrivateDistributedDataParallel
 
@@ -26,6 +30,8 @@ __all__ = [
     "AllReduceReducer",
     "DPDDP",
     "DifferentiallyPrivateDistributedDataParallel",
+    "StepCollectiveError",
+    "StepRefusedError",
     "check_data_loader_world_size",
     "check_same_on_all_ranks",
     "configure_optimizer",

@@ -8,7 +8,8 @@ The engine calls three functions and nothing else from this package:
   (classic API: ``q = batch_size · world_size / sample_size``),
 * :func:`check_data_loader_world_size` for a loader the modern API receives,
 * :func:`configure_optimizer` once the DP optimizer exists (installs the all-reduce
-  reducer, the no-op DDP comm hook, and checks that all ranks agree on the parameters).
+  reducer with its step timeout, the no-op DDP comm hook, and checks that all ranks agree
+  on the parameters).
 """
 
 from typing import Optional, Union
@@ -21,6 +22,7 @@ from opacus_dp.distributed.checks import check_same_on_all_ranks, process_group_
 from opacus_dp.distributed.ddp_hooks import detach_ddp_synchronisation, install_local_gradients_hook
 from opacus_dp.distributed.dpddp import DifferentiallyPrivateDistributedDataParallel
 from opacus_dp.distributed.reducers import AllReduceReducer
+from opacus_dp.distributed.step_wait import StepTimeout, timeout_seconds
 
 DistributedWrapper = Union[DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel]
 _MAX_UNWRAP_DEPTH = 8
@@ -116,17 +118,24 @@ def _process_group(wrapper: DistributedWrapper):
     return getattr(wrapper, "process_group", None)
 
 
-def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[float]) -> None:
+def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[float],
+                        step_timeout: StepTimeout = None) -> None:
     """Make ``optimizer`` (a DPOptimizer) reduce over the processes of ``module``'s wrapper.
 
     No-op for a local model. For DDP it also registers the comm hook that stops DDP's
     own all-reduce of unclipped gradients. Before anything is installed, all ranks check
     (collectively) that they agree on world size, sample rate, noise multiplier, clipping
     bound, expected batch size and loss reduction; a mismatch raises on every rank.
+    ``step_timeout`` (seconds or timedelta; default: the DPDDP wrapper's, else the process
+    group's timeout) bounds how long a step waits for the other ranks
+    (:mod:`~opacus_dp.distributed.step_wait`).
     """
+    step_timeout = timeout_seconds(step_timeout)
     wrapper = find_distributed_wrapper(module)
     if wrapper is None:
         return
+    if step_timeout is None:
+        step_timeout = getattr(wrapper, "step_timeout", None)
     group = _process_group(wrapper)
     check_same_on_all_ranks(
         {
@@ -146,7 +155,7 @@ def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[f
     if isinstance(wrapper, DistributedDataParallel):
         install_local_gradients_hook(wrapper)
         detach_ddp_synchronisation(wrapper)
-    optimizer.reducer = AllReduceReducer(process_group=group)
+    optimizer.reducer = AllReduceReducer(process_group=group, step_timeout=step_timeout)
 
 
 def _check_mean_divisor(optimizer) -> None:

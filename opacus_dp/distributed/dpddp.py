@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from opacus_dp.distributed.checks import require_process_group
+from opacus_dp.distributed.step_wait import StepTimeout, timeout_seconds
 
 
 def _grouped_by_dtype_and_device(tensors: List[torch.Tensor]) -> Dict[Tuple, List[torch.Tensor]]:
@@ -45,13 +46,17 @@ class DifferentiallyPrivateDistributedDataParallel(nn.Module):
     Args:
         module: the model; it must already live on this rank's device.
         process_group: the group to synchronise over (default: the global group).
+        step_timeout: seconds (or a timedelta) a private step waits for the other ranks
+            before it raises an error naming those missing (default: the group's timeout;
+            ``make_private(step_timeout=...)`` overrides it).
 
     At construction rank 0's parameters and buffers are broadcast to all ranks. ``forward``
     calls ``module`` unchanged. Gradients are summed across ranks by the DP optimizer
     after per-sample clipping, never here.
     """
 
-    def __init__(self, module: nn.Module, *, process_group: Optional[object] = None):
+    def __init__(self, module: nn.Module, *, process_group: Optional[object] = None,
+                 step_timeout: StepTimeout = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(
@@ -61,6 +66,7 @@ class DifferentiallyPrivateDistributedDataParallel(nn.Module):
         require_process_group("DifferentiallyPrivateDistributedDataParallel")
         self.module = module
         self.process_group = process_group
+        self.step_timeout = timeout_seconds(step_timeout)
         tensors = [p.data for p in module.parameters()] + list(module.buffers())
         if tensors:
             broadcast_tensors_(tensors, src=0, group=process_group)

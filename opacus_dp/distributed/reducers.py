@@ -20,14 +20,23 @@ scheduler or a branch on the rank may have changed on one rank after the setup c
 ``r`` writes its values into row ``r`` of a ``(W, m)`` table of zeros appended to the bucket,
 so the same all-reduce delivers every rank's values exactly (a sum with zeros), and a
 disagreement raises the same error on every rank (no rank is left waiting in a collective).
+
+The same rows carry a step refused by one rank's own checks (``refusal``, a code of
+:mod:`~opacus_dp.optim.step_refusal`): that rank sends zero sums and the row ``[NaN, code, …]``
+(NaN never is a setting), and every rank raises
+:class:`~opacus_dp.optim.step_refusal.StepRefusedError` — no extra collective, no extra byte.
+The all-reduce is waited for at most ``step_timeout`` (:mod:`~opacus_dp.distributed.step_wait`).
 """
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from opacus_dp.distributed.checks import require_process_group
+from opacus_dp.distributed.step_wait import StepTimeout, step_bounds, timeout_seconds, wait_for_step
+from opacus_dp.optim.step_refusal import OTHER, refused_elsewhere
 
 NOISE_RANK = 0
 
@@ -40,7 +49,7 @@ class AllReduceReducer:
     ``bytes_reduced`` and ``num_all_reduces`` count what this rank sent into collectives.
     """
 
-    def __init__(self, *, process_group=None):
+    def __init__(self, *, process_group=None, step_timeout: StepTimeout = None):
         require_process_group("AllReduceReducer")
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -48,41 +57,62 @@ class AllReduceReducer:
         self.adds_noise = self.rank == NOISE_RANK
         self.bytes_reduced = 0
         self.num_all_reduces = 0
+        self.step_timeout = step_timeout
+
+    @property
+    def step_timeout(self) -> Optional[float]:
+        """Seconds a step waits for the other ranks (None: the process group's timeout)."""
+        return self._step_timeout
+
+    @step_timeout.setter
+    def step_timeout(self, value: StepTimeout) -> None:
+        self._step_timeout = timeout_seconds(value)
+        self._bounds = step_bounds(self._step_timeout, self.process_group)
 
     @torch.no_grad()
-    def reduce(self, tensors: List[torch.Tensor],
-               agreed: Optional[Dict[str, float]] = None) -> List[torch.Tensor]:
+    def reduce(self, tensors: List[torch.Tensor], agreed: Optional[Dict[str, float]] = None,
+               refusal: Optional[int] = None) -> List[torch.Tensor]:
         """Replace every tensor, in place, by its sum over all ranks; return ``tensors``;
-        raise on every rank if the ranks disagree on ``agreed`` (module doc).
+        raise on every rank if a rank refused the step or the ranks disagree on ``agreed``
+        (module doc); ``refusal`` needs ``agreed`` (its rows carry it).
 
         Every rank must pass tensors of the same shapes in the same order (the same model).
         """
         names = sorted(agreed or {})
-        for index, same_kind in enumerate(_grouped(tensors).values()):
-            parts = [t.reshape(-1) for t in same_kind]
-            if index == 0 and names:
-                parts.append(self._agreement_rows([agreed[n] for n in names], same_kind[0]).reshape(-1))
-            flat = torch.cat(parts)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
-            self.bytes_reduced += flat.numel() * flat.element_size()
-            self.num_all_reduces += 1
-            offset = 0
-            for t in same_kind:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-            if index == 0 and names:
-                _check_agreement(names, flat[offset:].view(self.world_size, len(names)))
+        if refusal is not None and not names:
+            raise ValueError("AllReduceReducer.reduce: a refusal travels in the rows of agreed")
+        groups = list(_grouped(tensors).values())
+        rows = None
+        if names and groups:
+            rows = self._agreement_rows([agreed[n] for n in names], groups[0][0], refusal)
+        extra = [] if rows is None else [rows.reshape(-1)]  # the table rides in the first bucket
+        flats = [torch.cat([t.reshape(-1) for t in same_kind] + (extra if index == 0 else []))
+                 for index, same_kind in enumerate(groups)]
+        works = [dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+                 for flat in flats]
+        self.bytes_reduced += sum(flat.numel() * flat.element_size() for flat in flats)
+        self.num_all_reduces += len(flats)
+        wait_for_step(works, self._bounds, self.process_group)
+        for same_kind, flat in zip(groups, flats):
+            _unflatten(flat, same_kind)
+        if rows is not None:
+            table = flats[0][flats[0].numel() - rows.numel():].view_as(rows)
+            _check_refusals(table)
+            _check_agreement(names, table)
         return tensors
 
-    def _agreement_rows(self, values: List[float], like: torch.Tensor) -> torch.Tensor:
+    def _agreement_rows(self, values: List[float], like: torch.Tensor,
+                        refusal: Optional[int] = None) -> torch.Tensor:
         rows = like.new_zeros(self.world_size, len(values))
+        if refusal is not None:  # [NaN, code, code, ...]: no setting is NaN
+            values = [math.nan] + [float(refusal)] * (len(values) - 1)
         rows[self.rank] = torch.tensor(values, dtype=torch.float64).to(like.dtype)
         return rows
 
     def __repr__(self) -> str:
         return (
             f"AllReduceReducer(world_size={self.world_size}, rank={self.rank}, "
-            f"adds_noise={self.adds_noise})"
+            f"adds_noise={self.adds_noise}, step_timeout={self.step_timeout})"
         )
 
 
@@ -93,6 +123,21 @@ def _grouped(tensors: List[torch.Tensor]) -> Dict[Tuple, List[torch.Tensor]]:
             raise TypeError(f"AllReduceReducer.reduce expects tensors, got {type(t).__name__}")
         groups.setdefault((t.dtype, t.device), []).append(t)
     return groups
+
+
+def _unflatten(flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def _check_refusals(table: torch.Tensor) -> None:
+    """Raise :class:`StepRefusedError` if a row of ``table`` is a refusal (``[NaN, code, …]``)."""
+    refused = torch.isnan(table[:, 0])
+    if bool(refused.any()):
+        codes = table[:, 1] if table.shape[1] > 1 else torch.full_like(table[:, 0], OTHER)
+        raise refused_elsewhere({int(r): int(codes[r]) for r in refused.nonzero().flatten().tolist()})
 
 
 def _check_agreement(names: List[str], table: torch.Tensor) -> None:

@@ -18,7 +18,13 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from opacus_dp.optim.float32_products import ieee_float32_products
+from opacus_dp.maths.per_sample import (  # noqa: F401  (also this module's names, as before)
+    check_finite_norm_list,
+    check_finite_norms,
+    per_sample_norms,
+    sum_dtype,
+    weighted_sum,
+)
 
 CLIP_EPSILON = 1e-6
 
@@ -39,51 +45,6 @@ def check_max_grad_norm(value, name: str = "max_grad_norm") -> float:
     if math.isnan(value) or value <= 0:
         raise ValueError(f"{name} must be > 0 (the clipping bound C), got {value!r}")
     return value
-
-
-def sum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for the half-precision floats, else ``dtype``: clip factors, clipped sums and noise
-    of half-precision parameters are formed in float32 (see :mod:`opacus_dp.optim.dp_optimizer`)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def per_sample_norms(grads: torch.Tensor) -> torch.Tensor:
-    """``‖g_i‖₂`` of per-sample gradients ``(B, ...)``, in :func:`sum_dtype` of theirs."""
-    flat = grads.reshape(grads.shape[0], math.prod(grads.shape[1:]))  # also for an empty batch
-    return torch.linalg.vector_norm(flat, dim=1, dtype=sum_dtype(grads.dtype))
-
-
-def check_finite_norms(norms: torch.Tensor, name: str) -> torch.Tensor:
-    """``norms`` if all are finite, else a ``ValueError`` naming the parameter ``name``."""
-    if not bool(torch.isfinite(norms).all()):
-        raise ValueError(
-            f"non-finite (NaN or inf) per-sample gradient norm in parameter {name}: a NaN or inf "
-            f"gradient, or one so large that its squared norm overflows {norms.dtype} — check the "
-            "loss and inputs of this batch, or scale the loss down (no update was made)"
-        )
-    return norms
-
-
-def check_finite_norm_list(norms: Sequence[torch.Tensor], name_of: Callable[[int], str]) -> List[torch.Tensor]:
-    """``norms`` if all are finite, else :func:`check_finite_norms`'s error naming the first
-    tensor with a non-finite norm (``name_of(index)``). One check over all of them when they
-    share a device (a step checks every tensor's norms; one check each cost more than the rest
-    of a small layer's bookkeeping)."""
-    norms = list(norms)
-    same_device = len({n.device for n in norms}) <= 1
-    if same_device and (not norms or bool(torch.isfinite(torch.cat([n.reshape(-1) for n in norms])).all())):
-        return norms
-    for index, n in enumerate(norms):
-        check_finite_norms(n, name_of(index))
-    return norms
-
-
-def weighted_sum(factors: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
-    """``Σ_i f_i g_i`` of per-sample gradients ``(B, ...)``, in :func:`sum_dtype` of theirs, with
-    IEEE float32 products (:mod:`~opacus_dp.optim.float32_products`)."""
-    dtype = sum_dtype(grads.dtype)
-    with ieee_float32_products():
-        return torch.einsum("i,i...->...", factors.to(device=grads.device, dtype=dtype), grads.to(dtype))
 
 
 def _factor(norms: torch.Tensor, bound: float) -> torch.Tensor:

@@ -5,7 +5,8 @@ One logical step (``step()``), for the trainable tensors ``l`` of the wrapped op
 1. per-sample norms ``n_il = ‖g_il‖₂`` → clip factors ``f_il`` (a :mod:`clipping` strategy);
 2. ``S_l += Σ_i f_il · g_il``, accumulated over virtual steps / skipped physical batches;
 3. if the reducer adds noise: ``S_l += N(0, (σ · sensitivity)²)`` (once per logical step);
-4. ``S = reducer.reduce(S)``;
+4. ``S = reducer.reduce(S)``; with several processes a step refused by one rank's checks is
+   refused on every rank in this same all-reduce (:mod:`~opacus_dp.optim.step_refusal`);
 5. ``mean`` reduction: ``p.grad = S / (expected_batch_size · world_size · k)``; ``sum``: ``S``;
    ``k = accumulated_iterations``, the batches merged by ``k`` backward passes before the
    step (Opacus 1.x; the accountant then records ``k·q``);
@@ -37,8 +38,10 @@ from opacus_dp.optim.clipping import (
     sum_dtype, weighted_sum)
 from opacus_dp.optim.dp_optimizer_settings import DPOptimizerSettingsMixin
 from opacus_dp.optim.grad_source import AttributeGradSource
+from opacus_dp.optim.logical_batches import LogicalBatchMixin
 from opacus_dp.optim.noise import GaussianNoise, noise_std
 from opacus_dp.optim.reduction import LocalReducer
+from opacus_dp.optim.step_refusal import CollectiveRefusalMixin
 from opacus_dp.optim.wrapped_optimizer import WrappedOptimizerMixin
 
 
@@ -61,7 +64,8 @@ def dp_optimizer_behind(optimizer) -> Optional["DPOptimizer"]:
     return getattr(getattr(optimizer, "privacy_engine", None), "_dp_optimizer", None)
 
 
-class DPOptimizer(DPOptimizerSettingsMixin, WrappedOptimizerMixin, Optimizer):
+class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusalMixin, WrappedOptimizerMixin,
+                  Optimizer):
     """Differentially private wrapper of ``optimizer`` (SGD, Adam, AdamW, RMSprop, ...).
 
     Args:
@@ -170,19 +174,13 @@ class DPOptimizer(DPOptimizerSettingsMixin, WrappedOptimizerMixin, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        skip = self._skip_signals.popleft() if self._skip_signals else False
-        if not skip:
-            self._check_step_allowed()
-        self._accumulate_or_discard(check_size=not skip)
-        if skip:
+        if self._skip_signals and self._skip_signals.popleft():
+            self._accumulate_piece()
             return False
+        refusal = self._local_refusal()  # several processes: decided in the all-reduce
         count = self.clipper.take_observation()  # adaptive clipping: its unclipped count
         sums = self._take_summed_grads()
-        if self.reducer.adds_noise:
-            sums = self.add_noise(sums)
-            count = self._add_count_noise(count)
-        agreed = self._step_settings() if self.reducer.world_size > 1 else None
-        reduced = self.reducer.reduce(sums + self._as_bucket_entry(count, sums), agreed=agreed)
+        reduced = self._release(sums, count, refusal)  # noise, reduce (step_refusal.py)
         self._set_grads(self.scale_grad(reduced[:len(sums)]))
         if count is not None:  # the bound of the next step, from released values only
             self.clipper.update(float(reduced[-1]), self._expected_global_batch_size())
@@ -226,56 +224,6 @@ class DPOptimizer(DPOptimizerSettingsMixin, WrappedOptimizerMixin, Optimizer):
     @expected_batch_size.setter
     def expected_batch_size(self, value) -> None:
         self._expected_batch_size = _check_expected_batch_size(value, self.loss_reduction)
-
-    def virtual_step(self) -> None:
-        """Clip and accumulate the current per-sample gradients; no parameter update.
-
-        Everything accumulated until the next ``step()`` is ONE logical batch for the
-        accountant (one record): use it to cut a logical batch into physical pieces, never
-        to merge several sampled batches (that under-reports ε; draw larger batches instead).
-        With the Poisson batches of ``make_private`` it is refused (pieces of one batch and of two
-        look alike here): ``BatchMemoryManager`` splits those batches.
-        """
-        self._refuse_merging_poisson_batches("optimizer.virtual_step()")
-        self._accumulate_or_discard(check_size=False)
-
-    def signal_skip_step(self, do_skip: bool = True) -> None:
-        """Queue whether the next ``step()`` only accumulates (``True``) or steps (``False``);
-        ``True`` is refused with Poisson batches (as :meth:`virtual_step`)."""
-        if do_skip:
-            self._refuse_merging_poisson_batches("optimizer.signal_skip_step(True)")
-        self._skip_signals.append(bool(do_skip))
-
-    def signal_chunk_step(self, do_skip: bool) -> None:
-        """:meth:`signal_skip_step` for the pieces of one sampled batch (``BatchMemoryManager``)."""
-        self._skip_signals.append(bool(do_skip))
-
-    def _refuse_merging_poisson_batches(self, call: str) -> None:
-        if self.poisson_batches:
-            raise ValueError(
-                f"{call} with Poisson sampling: the optimizer cannot tell the pieces of one sampled "
-                "batch from two batches, and two batches merged into one step would be recorded as "
-                "one batch of rate q (a sample drawn in both counting twice). Call optimizer.step() "
-                "once per batch of the data loader; to split a batch that does not fit in memory, "
-                "iterate BatchMemoryManager(data_loader=..., max_physical_batch_size=..., "
-                "optimizer=...); for larger batches raise the loader's batch size. No update was made")
-
-    def take_unconsumed_skip_signals(self) -> List[bool]:
-        """The signals of :meth:`signal_skip_step` that no ``step()`` consumed (now dropped)."""
-        signals = list(self._skip_signals)
-        self._skip_signals.clear()
-        return signals
-
-    def discard_unfinished_batch(self) -> int:
-        """Drop what a logical batch that never reached its step left behind: the clipped sums
-        of its earlier pieces, the per-sample state of a backward pass not yet clipped, queued
-        skip signals. Nothing of it was released (no noise, no accountant record). Returns
-        the number of samples whose clipped gradients were dropped."""
-        dropped = self._num_accumulated
-        self._drop_accumulated()
-        self._skip_signals.clear()
-        self.grad_source.clear(self.params)
-        return dropped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``p.grad`` and per-sample gradients; clipped sums of virtual steps are kept."""
@@ -359,25 +307,6 @@ class DPOptimizer(DPOptimizerSettingsMixin, WrappedOptimizerMixin, Optimizer):
             self._drop_accumulated()
             raise
 
-    def _check_max_batch_size(self) -> None:
-        if self.max_batch_size is None:
-            return
-        limit = self.max_batch_size * self.accumulated_iterations
-        if self._num_accumulated > limit:
-            raise ValueError(
-                f"this step combines {self._num_accumulated} samples, more than one logical batch "
-                f"(batch_size={limit}): the accountant would record one batch where several were "
-                "used. Make batch_size the logical batch (physical size x accumulation steps) and "
-                "split it with virtual_step()/BatchMemoryManager; nothing was updated"
-            )
-
-    def _pending_iterations(self) -> int:
-        """Batches merged into the coming step by several backward passes (1 if not counted)."""
-        count = getattr(self.grad_source, "pending_passes", None)
-        if not self.count_iterations or count is None:
-            return 1
-        return max(1, int(count()))
-
     def add_noise(self, sums: List[torch.Tensor]) -> List[torch.Tensor]:
         """``S_l + N(0, (σ · sensitivity)²)``, one draw per coordinate (new tensors)."""
         std = noise_std(self.noise_multiplier, self.clipper)
@@ -399,24 +328,6 @@ class DPOptimizer(DPOptimizerSettingsMixin, WrappedOptimizerMixin, Optimizer):
         if self.expected_batch_size is None:
             return max(self._last_num_accumulated, 1)
         return self.expected_batch_size * self.reducer.world_size * self.accumulated_iterations
-
-    # ------------------------------------------------ adaptive clipping: the unclipped count
-    def _add_count_noise(self, count: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """``U = count + N(0, σ_u²)`` (after the gradient noise, from the same source)."""
-        if count is None:
-            return None
-        if not self.params:
-            self.noise.begin_step(count.device)
-        return count + self.noise.sample(count, self.clipper.unclipped_num_std)
-
-    @staticmethod
-    def _as_bucket_entry(count: Optional[torch.Tensor], sums: List[torch.Tensor]) -> List[torch.Tensor]:
-        """The count as a one-element tensor beside the sums (same dtype and device as the
-        first, so a distributed reducer sends it in the same all-reduce)."""
-        if count is None:
-            return []
-        like = sums[0] if sums else count
-        return [count.reshape(1).to(device=like.device, dtype=like.dtype)]
 
     def _drop_accumulated(self) -> None:
         """Forget the clipped sums (and unclipped count) of an unfinished logical batch."""
