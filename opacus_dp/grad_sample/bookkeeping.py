@@ -56,7 +56,8 @@ from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.per_sample_store import second_batch_error
 from opacus_dp.grad_sample.recomputed_inputs import materialise
 from opacus_dp.grad_sample.support import own_tensors
-from opacus_dp.optim.clipping import weighted_sum
+from opacus_dp.maths.per_sample import weighted_sum
+from opacus_dp.torch_internals import current_graph_task_id, queue_end_of_backward_callback
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Bookkeeper:
                scale: float) -> None:
         """Keep (or resolve) one call of ``layer`` (``name`` for messages) seen by the current
         backward pass."""
-        task = call.outer_task if call.outer_task != -1 else torch._C._current_graph_task_id()
+        task = call.outer_task if call.outer_task != -1 else current_graph_task_id()
         if task == -1:
             raise RuntimeError("layer calls can only be recorded during a backward pass")
         with self._lock:
@@ -139,7 +140,7 @@ class Bookkeeper:
         if current is None:
             current = self._open[task] = Pass(batch_size, name)
             self.tasks.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._close(task))
+            queue_end_of_backward_callback(lambda: self._close(task))
         elif current.batch_size != batch_size:
             del self._open[task]
             raise ValueError(

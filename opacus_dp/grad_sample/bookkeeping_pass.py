@@ -21,8 +21,8 @@ from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
 from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput, recomputed_in
 from opacus_dp.grad_sample.registry import NORM_SAMPLERS, PerSampleGrads
 from opacus_dp.grad_sample.support import own_tensors
-from opacus_dp.optim.clipping import per_sample_norms, sum_dtype, weighted_sum
-from opacus_dp.optim.float32_products import ieee_float32_products
+from opacus_dp.maths.per_sample import per_sample_norms, sum_dtype, weighted_sum
+from opacus_dp.maths.float32_products import ieee_float32_products
 
 LAYER_RULES = ("mixed", "ghost")
 
@@ -135,7 +135,7 @@ def _in_sum_dtype(activations: list, backprops: torch.Tensor):
 
 def ghost_norms(layer: nn.Module, activations: list, backprops: torch.Tensor) -> Dict:
     """The layer's norm sampler, on float32 inputs for half-precision ones, with IEEE float32
-    products (:mod:`~opacus_dp.optim.float32_products`)."""
+    products (:mod:`~opacus_dp.maths.float32_products`)."""
     activations, backprops = _in_sum_dtype(activations, backprops)
     with ieee_float32_products():
         return NORM_SAMPLERS[type(layer)](layer, activations, backprops)

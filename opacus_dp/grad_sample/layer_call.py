@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 from opacus_dp.grad_sample.modification_guard import changed_before_backward, first_changed, versions_of
 from opacus_dp.grad_sample.recomputed_inputs import lean, producer_of
+from opacus_dp.torch_internals import view_base
 
 _SIGNATURES: Dict[type, inspect.Signature] = {}
 
@@ -206,7 +207,7 @@ def _recorded_in(value: Any, ids: set) -> bool:
     """Whether ``value`` is one of the recorded tensors ``ids`` or a batch-first view of one."""
     if not isinstance(value, torch.Tensor):
         return False
-    return id(value) in ids or (value._is_view() and id(value._base) in ids)
+    return id(value) in ids or (view_base(value) is not None and id(view_base(value)) in ids)
 
 
 def separate_outputs(output: Any) -> Tuple[Optional[Any], List[torch.Tensor], List[int]]:
@@ -244,7 +245,7 @@ def hook_output_grad(output: torch.Tensor, hook) -> None:
     base is hooked on the node that produced the base: its gradient is the output's, reshaped,
     and still the gradient of the values the layer returned.
     """
-    base = output._base if output._is_view() else None
+    base = view_base(output)
     if base is None or base.grad_fn is None or not _reshapes_whole(output, base):
         output.register_hook(hook)
         return

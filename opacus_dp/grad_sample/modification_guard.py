@@ -18,17 +18,18 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput
+from opacus_dp.torch_internals import version_counter
 
 
 def versions_of(tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
     """The version counters of ``tensors`` now."""
-    return tuple(t._version for t in tensors)
+    return tuple(version_counter(t) for t in tensors)
 
 
 def first_changed(tensors: Sequence[torch.Tensor], versions: Tuple[int, ...]) -> Optional[int]:
     """Index of the first of ``tensors`` written in place since ``versions`` were read."""
     for index, (tensor, version) in enumerate(zip(tensors, versions)):
-        if tensor._version != version:
+        if version_counter(tensor) != version:
             return index
     return None
 

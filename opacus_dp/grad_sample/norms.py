@@ -28,7 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from opacus_dp.grad_sample.registry import register_grad_sampler, register_saved_statistics
-from opacus_dp.grad_sample.support import saved_tensor_hooks_active, sum_over_positions, trainable
+from opacus_dp.grad_sample.support import sum_over_positions, trainable
+from opacus_dp.torch_internals import saved_tensor_hooks_active, saved_value
 
 InstanceNormNd = Union[nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d]
 
@@ -179,7 +180,7 @@ def saved_statistics(layer: nn.Module, output) -> Optional[Tuple[torch.Tensor, t
     expected = next(name for kind, name in _STATISTICS_NODES.items() if isinstance(layer, kind))
     if node is None or type(node).__name__ != expected or saved_tensor_hooks_active():
         return None
-    return node._saved_result1.detach(), node._saved_result2.detach()
+    return saved_value(node, "result1").detach(), saved_value(node, "result2").detach()
 
 
 def _group_statistics_fit(layer: nn.GroupNorm, x: torch.Tensor, backprops: torch.Tensor,

@@ -22,6 +22,8 @@ from typing import Dict, Optional, Set, Tuple
 
 import torch
 
+from opacus_dp.torch_internals import current_graph_task_id, queue_end_of_backward_callback
+
 _UNSET = object()
 
 
@@ -104,7 +106,7 @@ class PerSampleGradStore:
         the call; chunks are kept apart and concatenated in index order when the pass ends.
         """
         if task == -1:
-            task = torch._C._current_graph_task_id()
+            task = current_graph_task_id()
         if task == -1:
             raise RuntimeError("per-sample gradients can only be added during a backward pass")
         with self._lock:
@@ -124,7 +126,7 @@ class PerSampleGradStore:
         current = self._passes.get(task)
         if current is None:
             current = self._passes[task] = _Pass()
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._close_pass(task))
+            queue_end_of_backward_callback(lambda: self._close_pass(task))
         return current
 
     def add_empty(self, param: torch.Tensor) -> None:
@@ -135,7 +137,7 @@ class PerSampleGradStore:
 
     def mark_empty_pass(self) -> None:
         """The running backward pass is over an empty batch: it counts as a pass (a batch)."""
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if task != -1:
             with self._lock:
                 self._pass_of(task).empty_batch = True

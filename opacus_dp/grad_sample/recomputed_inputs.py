@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from opacus_dp.grad_sample.support import saved_tensor_hooks_active
+from opacus_dp.torch_internals import saved_tensor_hooks_active, saved_value, storage_use_count, version_counter
 
 # autograd node -> (the aten op φ, the node's saved scalars that are φ's arguments)
 _RECOMPUTE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
@@ -47,7 +47,7 @@ class RecomputedInput:
     def __init__(self, op_name: str, source: torch.Tensor, arguments: Dict[str, object],
                  batch_dim: int, threads: int):
         self._op, self._source, self._arguments = getattr(torch.ops.aten, op_name), source, arguments
-        self._version = source._version
+        self._version = version_counter(source)
         self._batch_dim, self._threads = batch_dim, threads
         self._result: Optional[torch.Tensor] = None
 
@@ -64,13 +64,13 @@ class RecomputedInput:
     def source_changed(self) -> bool:
         """``h`` was written in place by someone else since it was taken (then ``φ(h)`` would
         not be the layer input; once computed, the result is this object's own)."""
-        return self._source is not None and self._source._version != self._version
+        return self._source is not None and version_counter(self._source) != self._version
 
     def settle(self) -> bool:
         """Compute ``φ(h)`` now if it can be done in ``h``'s memory (autograd has released
         ``h``: the activation's backward has run); True once computed. Called during the
         backward pass, right after that backward, ``h`` is still in cache."""
-        if self._result is None and _storage_holders(self._source) == 1:
+        if self._result is None and storage_use_count(self._source) == 1:
             self._compute(in_place=True)
         return self._result is not None
 
@@ -110,13 +110,7 @@ def producer_of(tensor) -> Optional[tuple]:
     node = tensor.grad_fn
     if node is None or type(node).__name__ not in _RECOMPUTE or saved_tensor_hooks_active():
         return None
-    return node, tensor._version, torch.get_num_threads()
-
-
-def _storage_holders(tensor: torch.Tensor) -> int:
-    """Tensors sharing ``tensor``'s storage (``torch._C._storage_Use_Count`` less the
-    temporary storage object of this call)."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) - 1
+    return node, version_counter(tensor), torch.get_num_threads()
 
 
 def lean(recorded: torch.Tensor, producer: Optional[tuple], batch_dim: int,
@@ -130,16 +124,16 @@ def lean(recorded: torch.Tensor, producer: Optional[tuple], batch_dim: int,
     if producer is None:
         return None
     node, version, threads = producer
-    if recorded._version != version or _storage_holders(recorded) > holders:
+    if version_counter(recorded) != version or storage_use_count(recorded) > holders:
         return None  # modified in place since the call, or kept alive elsewhere
     try:
-        source = node._saved_self  # raises once the activation's backward has freed it
+        source = saved_value(node, "self")  # raises once the activation's backward has freed it
     except RuntimeError:
         return None
     if source.shape != recorded.shape or source.dtype != recorded.dtype:
         return None
     op_name, names = _RECOMPUTE[type(node).__name__]
-    arguments = {name: getattr(node, "_saved_" + name) for name in names}
+    arguments = {name: saved_value(node, name) for name in names}
     return RecomputedInput(op_name, source.detach(), arguments, batch_dim, threads)
 
 

@@ -22,13 +22,6 @@ def trainable(param) -> bool:
     return param is not None and param.requires_grad
 
 
-def saved_tensor_hooks_active() -> bool:
-    """Saved-tensor hooks (activation checkpointing, ``save_on_cpu``) may be packing what
-    autograd saves: its saved tensors are then not to be read directly (unknown: assume so)."""
-    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top_hooks is None or top_hooks(False) is not None
-
-
 def sum_over_positions(x: torch.Tensor) -> torch.Tensor:
     """``Σ_s x[:, s, :]`` of a ``(B, T, p)`` tensor, shape ``(B, p)``, as the product
     ``1ᵀ x_i`` of each sample (a new tensor). On CPU the product reads ``x`` once at memory

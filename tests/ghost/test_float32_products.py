@@ -15,8 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import opacus_dp
 from opacus_dp.grad_sample import bookkeeping_pass
-from opacus_dp.optim import clipping, float32_products
-from opacus_dp.optim.float32_products import ieee_float32_products
+from opacus_dp.maths import float32_products
+from opacus_dp.optim import clipping
+from opacus_dp.maths.float32_products import ieee_float32_products
 from tests.ghost.test_trusted_norms import _cancelling_sequences, _exact_linear_sq_norms, _private_linear
 
 

@@ -23,7 +23,7 @@ what the clipped-sum product's rounding can add to the sample's contribution. Th
 therefore clipped a little more than exactly (by ``√T u N / n`` relative; 3e-5 for random
 positions at ``T = 512``), never less. ``u`` is the inputs' unit roundoff: the callers run these
 products in IEEE float32 (or float64) whatever reduced precision (TF32, bfloat16) the user allowed
-for float32 products (:mod:`opacus_dp.optim.float32_products`).
+for float32 products (:mod:`opacus_dp.maths.float32_products`).
 """
 
 import math

@@ -1,0 +1,53 @@
+"""Every private PyTorch API the package uses, in one place.
+
+A torch upgrade that renames or changes one of these fails here, and in the test of the same
+name in ``tests/architecture/test_torch_internals.py``, not deep inside a hook. Each function
+names the private API it wraps and what the package relies on.
+"""
+
+from typing import Any, Callable, Optional
+
+import torch
+
+
+def current_graph_task_id() -> int:
+    """``torch._C._current_graph_task_id()``: an id of the backward pass now running in this
+    thread (the same for every hook of one ``backward()``), ``-1`` outside a backward pass."""
+    return torch._C._current_graph_task_id()
+
+
+def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
+    """``Variable._execution_engine.queue_callback``: run ``callback`` when the backward pass now
+    running finishes (only valid inside a backward pass)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def saved_tensor_hooks_active() -> bool:
+    """``torch._C._autograd._top_saved_tensors_default_hooks``: True when saved-tensor hooks
+    (activation checkpointing, ``save_on_cpu``) may be packing what autograd saves, so its saved
+    tensors must not be read directly (unknown: assume they may)."""
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top_hooks is None or top_hooks(False) is not None
+
+
+def saved_value(node: Any, name: str) -> Any:
+    """``node._saved_<name>``: what an autograd node saved for its backward (``self``,
+    ``result1``, ``negative_slope``, ...); raises RuntimeError once the backward freed it."""
+    return getattr(node, "_saved_" + name)
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """``torch._C._storage_Use_Count``: tensors (and other holders) sharing ``tensor``'s storage,
+    less the temporary storage object of this call."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) - 1
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """``tensor._version``: bumped by every in-place change of the tensor, its views and its
+    detached aliases (they share the counter)."""
+    return tensor._version
+
+
+def view_base(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """``tensor._base`` if ``tensor`` is a view (``_is_view()``), else None."""
+    return tensor._base if tensor._is_view() else None
