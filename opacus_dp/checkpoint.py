@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from opacus_dp import checkpoint_file
 from opacus_dp.checkpoint_consistency import STEPS_ENTRY, check_history_agrees
-from opacus_dp.engine_setup import unwrap_model
+from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
 WRAPPER_PREFIXES = ("_module.", "module.")

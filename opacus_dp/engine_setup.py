@@ -14,6 +14,7 @@ import torch.nn as nn
 from opacus_dp.optim import DPOptimizer, grad_source_for
 from opacus_dp.optim.clipping import check_max_grad_norm
 from opacus_dp.optim.noise import check_noise_multiplier
+from opacus_dp.model_wrappers import parameter_names, unwrap_model  # noqa: F401  (also imported from here)
 
 
 def _wrap_hooks(module: nn.Module, *, batch_first: bool, loss_reduction: str):
@@ -91,27 +92,6 @@ def adaptive_options(clipping: str, **options) -> Optional[Dict[str, float]]:
     return None
 
 
-def _dpddp_class():
-    from opacus_dp.distributed.dpddp import DifferentiallyPrivateDistributedDataParallel
-
-    return DifferentiallyPrivateDistributedDataParallel
-
-
-def unwrap_model(module: nn.Module) -> nn.Module:
-    """The user's model inside GradSampleModule / (DP)DDP / DataParallel wrappers."""
-    seen = 0
-    while seen < 8:
-        inner = module.__dict__.get("_modules", {}).get("_module")
-        if inner is None and isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            inner = module.module
-        if inner is None and isinstance(module, _dpddp_class()):
-            inner = module.module
-        if inner is None:
-            return module
-        module, seen = inner, seen + 1
-    return module
-
-
 def check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """ValueError if ``optimizer`` holds a tensor that is not a parameter of ``module``."""
     known = {id(p) for p in module.parameters()}
@@ -151,11 +131,6 @@ def wrap_module(module: nn.Module, *, grad_sample_mode: str, batch_first: bool, 
             )
         return module
     return GRAD_SAMPLE_MODES[grad_sample_mode](module, batch_first=batch_first, loss_reduction=loss_reduction)
-
-
-def parameter_names(grad_sample_module) -> Dict[torch.Tensor, str]:
-    """``{param: qualified name}`` for error messages."""
-    return {p: name for name, p in unwrap_model(grad_sample_module).named_parameters()}
 
 
 def secure_generator() -> torch.Generator:

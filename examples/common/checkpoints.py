@@ -18,25 +18,11 @@ import shutil
 from typing import Optional
 
 import torch
-import torch.nn as nn
 
 from opacus_dp import checkpoint_file
+from opacus_dp.model_wrappers import unwrap_model as unwrap  # noqa: F401  (used by the examples)
 
 from common.privacy import TrainingRun
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside GradSampleModule / (DP)DDP / DataParallel wrappers."""
-    for _ in range(8):
-        inner = model.__dict__.get("_modules", {}).get("_module")
-        if inner is None and isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            inner = model.module
-        if inner is None and type(model).__name__ == "DifferentiallyPrivateDistributedDataParallel":
-            inner = model.module
-        if inner is None:
-            return model
-        model = inner
-    return model
 
 
 def _load_kwargs(unsafe: bool) -> dict:

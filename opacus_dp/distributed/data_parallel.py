@@ -71,7 +71,8 @@ def _on_module_call(module: nn.Module, args) -> None:
 def acquire(owner: object) -> None:
     """``owner`` (a GradSampleModule) starts: make sure DataParallel calls are taken over.
 
-    Undone by :func:`release` or, at the latest, when ``owner`` is garbage collected.
+    Undone by :func:`release` or, at the latest, when ``owner`` is garbage collected (only
+    weakly referenced here).
     """
     global _CALL_HOOK
     with _LOCK:
@@ -88,13 +89,19 @@ def release(owner: nn.Module) -> None:
     After the last owner is gone the call hook is removed as well.
     """
     finalizer = _OWNERS.pop(owner, None)
+    give_back_within(owner)
+    if finalizer is not None:
+        finalizer()
+
+
+def give_back_within(root: nn.Module) -> None:
+    """Give back the taken-over DataParallel instances around or inside ``root`` (also called
+    for a GradSampleModule collected without ``close()``, with the module it wrapped)."""
     with _LOCK:
-        mine = {id(m) for m in owner.modules()}
+        mine = {id(m) for m in root.modules()}
         for data_parallel in list(_TAKEN_OVER):
             if any(id(m) in mine for m in data_parallel.modules()):
                 _give_back(data_parallel)
-    if finalizer is not None:
-        finalizer()
 
 
 def _give_back(data_parallel: DataParallel) -> None:

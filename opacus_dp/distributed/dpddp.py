@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from opacus_dp.distributed.checks import require_process_group
 from opacus_dp.distributed.step_wait import StepTimeout, timeout_seconds
+from opacus_dp.model_wrappers import register_wrapper_type
 
 
 def _grouped_by_dtype_and_device(tensors: List[torch.Tensor]) -> Dict[Tuple, List[torch.Tensor]]:
@@ -40,6 +41,7 @@ def broadcast_tensors_(tensors: List[torch.Tensor], *, src: int = 0, group=None)
             offset += t.numel()
 
 
+@register_wrapper_type
 class DifferentiallyPrivateDistributedDataParallel(nn.Module):
     """Data-parallel wrapper for DP-SGD across ``torch.distributed`` processes.
 

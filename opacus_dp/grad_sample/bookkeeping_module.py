@@ -24,6 +24,8 @@ after ``loss.backward()`` (the optimizer sets it in ``step()``); call
 supported (use ``grad_sample_mode="hooks"``).
 """
 
+import inspect
+import weakref
 from contextlib import contextmanager
 from typing import List, Optional, Sequence
 
@@ -33,7 +35,7 @@ from torch.nn.parallel import DataParallel
 
 from opacus_dp.grad_sample.bookkeeping import Bookkeeper
 from opacus_dp.grad_sample.bookkeeping_pass import shared_layers
-from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
+from opacus_dp.grad_sample.grad_sample_module import GradSampleModule, weakly
 from opacus_dp.grad_sample.support import describe, has_trainable_parameters
 from opacus_dp.optim.clipping import check_finite_norm_list
 
@@ -66,13 +68,16 @@ class BookkeepingGradSampleModule(GradSampleModule):
                  skip_weight_grads: bool = True):
         if isinstance(module, nn.Module):
             _refuse_data_parallel(module)
-        self._bookkeeper = Bookkeeper(self._per_sample_grads, layer_rule)
+        # no reference cycle through the wrapper, and none from the store (kept by the
+        # wrapper's finalizer) to it: a dropped wrapper is freed (see GradSampleModule)
+        self._bookkeeper = Bookkeeper(weakly(self._per_sample_grads), layer_rule)
         super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction,
                          strict=strict, skip_weight_grads=skip_weight_grads)
         self._bookkeeper.shared_layers = shared_layers(self._hooked_layers())
-        self._bookkeeper.other_batches = lambda: self._store.passes
-        self._store.other_batches = lambda: self._bookkeeper.num_passes
-        self._store.counted_elsewhere = lambda task: task in self._bookkeeper.tasks
+        store, bookkeeper = self._store, weakref.ref(self._bookkeeper)
+        self._bookkeeper.other_batches = lambda: store.passes
+        store.other_batches = lambda: getattr(bookkeeper(), "num_passes", 0)
+        store.counted_elsewhere = lambda task: task in getattr(bookkeeper(), "tasks", ())
 
     @property
     def layer_rule(self) -> str:
@@ -157,7 +162,11 @@ class BookkeepingGradSampleModule(GradSampleModule):
         """``factor_function(param, norms) -> (B,) factors or None`` (the optimizer's clipper):
         where it gives a parameter's factors from its own norms (per-layer clipping), the
         ``bk`` backward pass computes that layer's clipped sum at once and keeps none of its
-        inputs or output gradients (memory close to non-private); None restores keeping them."""
+        inputs or output gradients (memory close to non-private); None restores keeping them.
+        A bound method (the optimizer's) is held weakly, so that the optimizer and this wrapper
+        form no reference cycle; once its object is gone it gives None."""
+        if inspect.ismethod(factor_function):
+            factor_function = weakly(factor_function)
         self._bookkeeper.factor_function = factor_function
 
     def last_per_sample_norms(self, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:

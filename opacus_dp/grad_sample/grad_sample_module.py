@@ -17,8 +17,12 @@ module), so in-place operations after a layer (``ReLU(inplace=True)``), calls wh
 outputs never reach the loss, and evaluation passes leave no stale state behind
 (module-level full backward hooks are not used: torch forbids in-place changes of the
 outputs they wrap).
+
+The hooks on the user's layers refer to their wrapper weakly: a wrapper dropped without ``close()``
+is collected while the model lives on, and a finalizer removes all it attached (:class:`_Attachments`).
 """
 
+import gc
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -30,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from opacus_dp.distributed import data_parallel
 from opacus_dp.errors import UnsupportedModuleError
+from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.grad_sample.running_statistics import guard_running_statistics
 from opacus_dp.grad_sample.functorch import explained_fallback_error, functorch_grad_sample
 from opacus_dp.grad_sample.layer_call import LayerCall, call_batch_dim, hook_output_grad, separate_outputs
@@ -46,8 +51,48 @@ from opacus_dp.grad_sample.support import (
     unsupported_modules,
 )
 
-_HOOKED_BY: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+_HOOKED_BY: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 _RECOMPUTING = threading.local()
+
+
+def _owner(module: nn.Module) -> Optional["GradSampleModule"]:
+    """The live wrapper whose hooks sit on ``module`` (None if none, or if it was collected)."""
+    ref = _HOOKED_BY.get(module)
+    return None if ref is None else ref()
+
+
+def weakly(method, default=None):
+    """``method`` (bound) called through a weak reference to its object, ``default`` once that is
+    gone: how the user's model (and state kept by a finalizer) refers to a wrapper."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        live = ref()
+        return default if live is None else live(*args, **kwargs)
+
+    return call
+
+
+class _Attachments:
+    """What a wrapper attached to the user's model, held without the wrapper (hook handles, weight
+    gradient switches, ownership records, ``p.grad_sample`` views, taken-over DataParallels):
+    :meth:`detach` removes it all, at ``close()`` or when the wrapper is collected."""
+
+    def __init__(self, module: nn.Module, store: PerSampleGradStore, token: weakref.ref):
+        self.module, self.store, self.token = module, store, token
+        self.handles: List[Any] = []
+        self.switches: Optional[Switches] = None
+
+    def detach(self) -> None:
+        while self.handles:
+            self.handles.pop().remove()
+        if self.switches is not None:
+            self.switches.restore()
+        for sub, ref in list(_HOOKED_BY.items()):
+            if ref is self.token:
+                del _HOOKED_BY[sub]
+        data_parallel.give_back_within(self.module)
+        self.store.remove_views()
 
 
 def _master_grad_samples(
@@ -99,7 +144,9 @@ class GradSampleModule(nn.Module):
     over the SAME samples therefore give each sample two rows, each clipped on its own (twice
     the sensitivity): add the losses and call backward once instead. Read them as
     ``p.grad_sample``, or consume them with :meth:`pop_grad_samples`. :meth:`close` removes
-    every hook and attribute.
+    every hook and attribute; so does the collection of a wrapper dropped without it (the
+    model does not keep its wrapper alive: keep the wrapper, or the optimizer reading from it,
+    for as long as the hooks should record).
     """
 
     _tracks_producers = False  # LayerCall.capture(track_producers=...): subclasses that keep inputs
@@ -123,10 +170,13 @@ class GradSampleModule(nn.Module):
         self.hooks_enabled = True
         self.unsupported = [str(e) for e in errors]
         self._store = PerSampleGradStore(batch_first, loss_reduction)
-        self._handles: List[Any] = []
+        self._attached = _Attachments(module, self._store, weakref.ref(self))
+        self._handles = self._attached.handles
+        self._finalizer = weakref.finalize(self, self._attached.detach)
+        self._finalizer.atexit = False
         data_parallel.refuse_unsupported_replicas(module, lambda m: self._sampler_for(m) is not None)
         self._add_hooks()
-        self._handles.extend(guard_running_statistics(module, self._recording))
+        self._handles.extend(guard_running_statistics(module, weakly(self._recording, False)))
         if self._handles:
             data_parallel.acquire(self)
         self.skips_weight_grads = bool(skip_weight_grads) and not _has_replicas(module)
@@ -135,10 +185,10 @@ class GradSampleModule(nn.Module):
 
     def _skip_weight_grads(self) -> None:
         self._outside_use = OutsideUseCheck({id(p): n for n, p in self._module.named_parameters()})
-        self._switches = Switches()
+        self._switches = self._attached.switches = Switches()
         for layer in self._hooked_layers():
             self._handles.extend(install_skipping(
-                layer, self._recording, self._outside_use,
+                layer, weakly(self._recording, False), self._outside_use,
                 recomputing=lambda: getattr(_RECOMPUTING, "active", False), switches=self._switches))
         self._handles.append(self._outside_use)
 
@@ -154,7 +204,7 @@ class GradSampleModule(nn.Module):
             self._outside_use.reset()
 
     def _hooked_layers(self) -> List[nn.Module]:
-        return [m for m in self._module.modules() if _HOOKED_BY.get(m) is self]
+        return [m for m in self._module.modules() if _owner(m) is self]
 
     def _recording(self) -> bool:
         """The hooks record this call (not disabled, not a fallback's recomputation)."""
@@ -170,8 +220,11 @@ class GradSampleModule(nn.Module):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if not isinstance(batch_first, bool):
             raise TypeError(f"batch_first must be a bool, got {type(batch_first).__name__}")
-        for path, sub in module.named_modules():
-            if _HOOKED_BY.get(sub) is not None:
+        hooked = [(path, sub) for path, sub in module.named_modules() if _owner(sub) is not None]
+        if hooked:  # perhaps a dropped wrapper in a reference cycle: collecting it detaches it
+            gc.collect()
+        for path, sub in hooked:
+            if _owner(sub) is not None:
                 raise ValueError(
                     f"{describe(path, sub)} already has per-sample gradient hooks of another "
                     f"GradSampleModule; call close() on that one first"
@@ -185,11 +238,14 @@ class GradSampleModule(nn.Module):
                 continue
             hook = self._make_forward_hook(path, sub)
             self._handles.append(sub.register_forward_hook(hook, with_kwargs=True))
-            _HOOKED_BY[sub] = self
+            _HOOKED_BY[sub] = self._attached.token
 
     def _make_forward_hook(self, path: str, master: nn.Module):
+        wrapper = self._attached.token  # the model must not keep its wrapper alive
+
         def forward_hook(layer, args, kwargs, output):
-            return self._capture(path, master, layer, args, kwargs, output)
+            live = wrapper()
+            return None if live is None else live._capture(path, master, layer, args, kwargs, output)
 
         return forward_hook
 
@@ -408,12 +464,8 @@ class GradSampleModule(nn.Module):
         """Remove every hook and ``grad_sample`` attribute; the wrapped module is as before."""
         data_parallel.release(self)
         self.hooks_enabled = False
-        while self._handles:
-            self._handles.pop().remove()
-        for sub in self._module.modules():
-            if _HOOKED_BY.get(sub) is self:
-                del _HOOKED_BY[sub]
-        self._store.remove_views()
+        self._finalizer()  # detaches once; a later collection of the wrapper changes nothing
+        self._store.remove_views()  # views published since a first close()
 
     def close(self) -> None:
         self.remove_hooks()
@@ -425,8 +477,6 @@ class GradSampleModule(nn.Module):
         ``_module.``, as ``save_checkpoint`` writes them) loads into that model, also when it
         sits in a DataParallel/DDP wrapper here."""
         if state_dict and not any(key.startswith("_module.") for key in state_dict):
-            from opacus_dp.engine_setup import unwrap_model
-
             return unwrap_model(self._module).load_state_dict(state_dict, strict=strict, assign=assign)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 

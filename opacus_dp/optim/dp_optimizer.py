@@ -33,11 +33,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch.optim import Optimizer
 
+from opacus_dp.model_wrappers import parameter_names
 from opacus_dp.optim.clipping import (
     PerLayerClipper, check_finite_norm_list, check_finite_norms, make_clipper, per_sample_norms,
     sum_dtype, weighted_sum)
 from opacus_dp.optim.dp_optimizer_settings import DPOptimizerSettingsMixin
-from opacus_dp.optim.grad_source import AttributeGradSource
+from opacus_dp.optim.grad_source import AttributeGradSource, grad_source_for
 from opacus_dp.optim.logical_batches import LogicalBatchMixin
 from opacus_dp.optim.noise import GaussianNoise, noise_std
 from opacus_dp.optim.reduction import LocalReducer
@@ -135,9 +136,6 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
     def connect_grad_source(self, module) -> None:
         """Take per-sample gradients (or norms) from ``module``, a per-sample-gradient wrapper
         of the model this optimizer trains; names its parameters in error messages."""
-        from opacus_dp.engine_setup import parameter_names
-        from opacus_dp.optim.grad_source import grad_source_for
-
         self._use_grad_source(grad_source_for(module))
         self.param_names.update(parameter_names(module))
 
