@@ -330,8 +330,8 @@ class PrivacyEngine:
 
 def _ghost_criterion(criterion, loss_reduction: str, module, optimizer):
     """The criterion returned in ghost mode (Opacus 1.6 returns one, default cross-entropy):
-    its losses run the two-pass backward (see opacus_dp.grad_sample.ghost_criterion)."""
-    from opacus_dp.grad_sample.ghost_criterion import GhostCriterion
+    its losses run the two-pass backward (see opacus_dp.grad_sample.bookkeeping.ghost_criterion)."""
+    from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion
 
     if criterion is None:
         criterion = nn.CrossEntropyLoss(reduction=loss_reduction)

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample import GRAD_SAMPLERS, GradSampleModule
-from opacus_dp.grad_sample.bookkeeping_module import BookkeepingGradSampleModule
+from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule
 
 CLIP = 1.0
 

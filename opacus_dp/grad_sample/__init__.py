@@ -6,8 +6,8 @@ Importing this package registers every dedicated sampler (one module per layer f
 from opacus_dp.grad_sample import conv, embedding, embedding_bag, linear, norms  # noqa: F401
 from opacus_dp.grad_sample.functorch import functorch_grad_sample
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
-from opacus_dp.grad_sample import norm_samplers  # noqa: F401,E402  (ghost / bk layer functions)
-from opacus_dp.grad_sample.bookkeeping_module import BookkeepingGradSampleModule
+from opacus_dp.grad_sample.bookkeeping import norm_samplers  # noqa: F401,E402  (ghost / bk layer functions)
+from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule
 from opacus_dp.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from opacus_dp.grad_sample.registry import (
     GRAD_SAMPLERS,

@@ -40,8 +40,8 @@ from opacus_dp.grad_sample.functorch import explained_fallback_error, functorch_
 from opacus_dp.grad_sample.layer_call import LayerCall, call_batch_dim, hook_output_grad, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
-from opacus_dp.grad_sample.weight_grad_skipping import OutsideUseCheck, Switches
-from opacus_dp.grad_sample.weight_grad_skipping import skip_weight_grads as install_skipping
+from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck, Switches
+from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import skip_weight_grads as install_skipping
 from opacus_dp.grad_sample.support import (
     autocast_of,
     describe,
@@ -129,7 +129,7 @@ class GradSampleModule(nn.Module):
         force_functorch: use the ``torch.func`` fallback for every layer but
             ``nn.EmbeddingBag`` (its bags, cut by ``offsets``, are not rows of a tensor).
         skip_weight_grads: do not let autograd compute the hooked layers' own weight gradients
-            (see :mod:`~opacus_dp.grad_sample.weight_grad_skipping`; the DP optimizer forms
+            (see :mod:`~opacus_dp.grad_sample.bookkeeping.weight_grad_skipping`; the DP optimizer forms
             ``p.grad`` from the per-sample gradients): a third less backward arithmetic for
             Linear layers, and a use of a parameter outside its module is refused. ``p.grad``
             then stays None after ``loss.backward()`` (call :meth:`disable_hooks` for an ordinary

@@ -18,7 +18,7 @@ refuses a pair that disagrees, so the noise always matches the bound the samples
 
 import torch.nn as nn
 
-from opacus_dp.grad_sample.bookkeeping_module import BookkeepingGradSampleModule
+from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule
 from opacus_dp.optim.clipping import check_max_grad_norm
 
 

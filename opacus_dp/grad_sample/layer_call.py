@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from opacus_dp.grad_sample.modification_guard import changed_before_backward, first_changed, versions_of
-from opacus_dp.grad_sample.recomputed_inputs import lean, producer_of
+from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import lean, producer_of
 from opacus_dp.torch_internals import view_base
 
 _SIGNATURES: Dict[type, inspect.Signature] = {}
@@ -191,7 +191,7 @@ class LayerCall:
     def lean_activations(self, layer: nn.Module, activations: List[Any]) -> List[Any]:
         """``activations`` (as :meth:`activations` returned them) with each input that is a
         recomputable activation's output replaced by a ``RecomputedInput`` holding the
-        activation's input instead (see :mod:`~opacus_dp.grad_sample.recomputed_inputs`);
+        activation's input instead (see :mod:`~opacus_dp.grad_sample.bookkeeping.recomputed_inputs`);
         call it while that activation's backward has not run yet."""
         if not self.producers or self.kwargs or len(activations) != len(self.args):
             return activations

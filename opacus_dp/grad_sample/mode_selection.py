@@ -6,7 +6,7 @@
   pass (Bu et al. 2023), autograd's weight gradients skipped;
 * ``"ghost"``: the same wrapper and per-layer rule, and, as in Opacus 1.6, ``make_private``
   also returns a criterion whose losses' ``backward()`` runs two passes (norms, then clipped
-  sums; :mod:`~opacus_dp.grad_sample.ghost_criterion`): no output gradient is stored between
+  sums; :mod:`~opacus_dp.grad_sample.bookkeeping.ghost_criterion`): no output gradient is stored between
   them, but the graph is retained for the second pass, which also costs time;
 * ``"auto"``: a rule from the model's structure, no measurement: ``"hooks"`` if the model
   contains ``nn.DataParallel`` (the norms-only modes do not support it), else ``"bk"``. The

@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput
+from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import RecomputedInput
 from opacus_dp.torch_internals import version_counter
 
 

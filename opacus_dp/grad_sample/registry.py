@@ -28,9 +28,10 @@ from typing import Callable, Dict, Iterable, Type, Union
 import torch
 import torch.nn as nn
 
+from opacus_dp.grad_sample.bookkeeping.norm_rules import NORM_SAMPLERS, register_norm_rule  # noqa: F401
+
 GradSampler = Callable
 GRAD_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
-NORM_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
 SAVED_STATISTICS: Dict[Type[nn.Module], Callable] = {}
 
 
@@ -58,8 +59,13 @@ def register_grad_sampler(target_types: Union[Type[nn.Module], Iterable[Type[nn.
 
 
 def register_norm_sampler(target_types: Union[Type[nn.Module], Iterable[Type[nn.Module]]]):
-    """Decorator: register ``fn`` as the per-sample squared-norm function of ``target_types``."""
-    return _register(NORM_SAMPLERS, target_types)
+    """Decorator: register ``fn`` as the per-sample squared-norm function of ``target_types``
+    (the ``norm_sampler`` of their :class:`~opacus_dp.grad_sample.bookkeeping.norm_rules.NormRule`)."""
+    def decorator(fn):
+        register_norm_rule(target_types, norm_sampler=fn)
+        return fn
+
+    return decorator
 
 
 def register_saved_statistics(target_types: Union[Type[nn.Module], Iterable[Type[nn.Module]]]):

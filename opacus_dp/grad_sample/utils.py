@@ -5,7 +5,7 @@ from typing import Type
 
 import torch.nn as nn
 
-from opacus_dp.grad_sample.bookkeeping_module import BookkeepingGradSampleModule
+from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from opacus_dp.grad_sample.registry import register_grad_sampler, register_norm_sampler

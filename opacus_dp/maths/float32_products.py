@@ -8,7 +8,7 @@ default — and bfloat16 (``u = 2⁻⁸``) on CPUs with AMX — ``torch.set_floa
 ("medium")``, ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``. DP-SGD needs each
 sample's summed contribution ``f_i g_i`` to have norm ≤ ``C``: the norm that sets ``f_i`` and the
 product that sums the contributions must agree to float32 rounding, and the ghost-norm check
-(:mod:`opacus_dp.grad_sample.norm_samplers.trust`) assumes float32's ``u``. Measured on an AMX
+(:mod:`opacus_dp.grad_sample.bookkeeping.norm_samplers.trust`) assumes float32's ``u``. Measured on an AMX
 CPU with ``"medium"``: Gram-form norms up to 0.4 % below the float64 value where positions
 cancel, a sample's clipped contribution up to 1.0022 ``C``, clipped sums 2e-3 off.
 

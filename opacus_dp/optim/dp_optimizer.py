@@ -256,7 +256,7 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
 
     def _clip_and_accumulate_from_norms(self, params) -> None:
         """The same three steps with a *norm provider* (``ghost``/``bk`` modes, see
-        :mod:`opacus_dp.grad_sample.bookkeeping_module`): it returns the per-sample norms
+        :mod:`opacus_dp.grad_sample.bookkeeping.module`): it returns the per-sample norms
         and, given the factors, ``Σ_i f_il · g_il`` without materialised per-sample gradients."""
         norms = check_finite_norm_list(self.grad_source.per_sample_norms(params),
                                        lambda index: self._name(params[index]))

@@ -1,7 +1,7 @@
 """Opacus 1.6's ``DPLossFastGradientClipping`` (see
 :mod:`opacus_dp.grad_sample.grad_sample_module_fast_gradient_clipping`)."""
 
-from opacus_dp.grad_sample.ghost_criterion import GhostCriterion, GhostLoss
+from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion, GhostLoss
 from opacus_dp.optim.dp_optimizer import DPOptimizer
 
 DPTensorFastGradientClipping = GhostLoss  # the loss whose backward() runs the two passes

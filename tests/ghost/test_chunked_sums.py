@@ -16,10 +16,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
 from opacus_dp.data import BatchMemoryManager
-from opacus_dp.grad_sample import chunked_sums
-from opacus_dp.grad_sample.chunked_sums import ChunkBuffer, chunk_size
-from opacus_dp.grad_sample.norm_samplers.linear import linear_prefers_chunks
-from opacus_dp.grad_sample.norm_samplers.table import GHOST_LAYERS
+from opacus_dp.grad_sample.bookkeeping import chunked_sums
+from opacus_dp.grad_sample.bookkeeping.chunked_sums import ChunkBuffer, chunk_size
+from opacus_dp.grad_sample.bookkeeping.norm_samplers.linear import linear_prefers_chunks
+from opacus_dp.grad_sample.bookkeeping.norm_rules import NORM_RULES
 from tests.engine.helpers import clipped_sum_oracle
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -171,8 +171,8 @@ def test_autocast_chunked_sums_equal_the_ghost_path(monkeypatch):
     results = []
     for chunked in (True, False):
         if not chunked:
-            spec = GHOST_LAYERS[nn.Linear]
-            monkeypatch.setitem(GHOST_LAYERS, nn.Linear, dataclasses.replace(
+            spec = NORM_RULES[nn.Linear]
+            monkeypatch.setitem(NORM_RULES, nn.Linear, dataclasses.replace(
                 spec, prefers_chunks=None, prefers_ghost=None, materialise_if_kept=None))
         torch.manual_seed(4)
         model = SequenceModel()

@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import opacus_dp
-from opacus_dp.grad_sample import bookkeeping_pass
+from opacus_dp.grad_sample.bookkeeping import passes as bookkeeping_pass
 from opacus_dp.maths import float32_products
 from opacus_dp.optim import clipping
 from opacus_dp.maths.float32_products import ieee_float32_products

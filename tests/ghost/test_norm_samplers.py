@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from opacus_dp.grad_sample import GRAD_SAMPLERS, NORM_SAMPLERS
 from opacus_dp.grad_sample.registry import PerSampleGrads
 from opacus_dp.grad_sample.conv import padded_input
-from opacus_dp.grad_sample.norm_samplers import GHOST_LAYERS
-from opacus_dp.grad_sample.norm_samplers.conv import _prefers_autocorrelation, patch_gram
-from opacus_dp.grad_sample.norm_samplers.linear import gram_sq_norms, row_blocks
+from opacus_dp.grad_sample.bookkeeping.norm_rules import NORM_RULES
+from opacus_dp.grad_sample.bookkeeping.norm_samplers.conv import _prefers_autocorrelation, patch_gram
+from opacus_dp.grad_sample.bookkeeping.norm_samplers.linear import gram_sq_norms, row_blocks
 from opacus_dp.layers import BatchFirstLinear
 from tests.ghost.helpers import layer_call, sq_norms, weighted
 
@@ -34,7 +34,7 @@ def check_layer(layer: nn.Module, x: torch.Tensor, seed: int = 0, same_factors: 
     shared = torch.rand(x.shape[0], generator=factors_gen, dtype=torch.float64)
     factors = {p: shared.clone() if same_factors else
                torch.rand(x.shape[0], generator=factors_gen, dtype=torch.float64) for p in oracle}
-    sums = GHOST_LAYERS[type(layer)].weighted_grad(layer, activations, backprops, factors)
+    sums = NORM_RULES[type(layer)].weighted_grad(layer, activations, backprops, factors)
     assert set(sums) == set(oracle)
     for p, expected in oracle.items():
         if isinstance(norms[p], PerSampleGrads):  # returned in full (biases)
@@ -216,7 +216,7 @@ def test_embedding_bag_offsets_against_materialised_gradients(lengths, mode, pad
     norms = NORM_SAMPLERS[nn.EmbeddingBag](layer, activations, backprops)
     torch.testing.assert_close(norms[layer.weight], sq_norms(materialised), rtol=1e-10, atol=1e-12)
     factors = {layer.weight: torch.rand(len(lengths), dtype=torch.float64)}
-    sums = GHOST_LAYERS[nn.EmbeddingBag].weighted_grad(layer, activations, backprops, factors)
+    sums = NORM_RULES[nn.EmbeddingBag].weighted_grad(layer, activations, backprops, factors)
     torch.testing.assert_close(sums[layer.weight], weighted(factors[layer.weight], materialised),
                                rtol=1e-10, atol=1e-12)
 
@@ -225,7 +225,7 @@ def test_conv_clipped_sum_runs_without_cudnn_where_its_tf32_default_would_apply(
     """A float32 CUDA clipped sum is computed with cuDNN off (its TF32 default would round the
     products more coarsely than the norms'); the flag is restored, also after an error, and left
     alone elsewhere. Here the CUDA condition is forced: the wiring and the restore are checked."""
-    from opacus_dp.grad_sample.norm_samplers import conv as conv_samplers
+    from opacus_dp.grad_sample.bookkeeping.norm_samplers import conv as conv_samplers
 
     seen = []
     original = conv_samplers._WEIGHT_GRAD[2]
@@ -268,7 +268,7 @@ def test_conv_clipped_sum_on_cuda_is_as_exact_as_the_norms_with_tf32_allowed():
             layer.weight.copy_(layer64.weight)
             layer.bias.copy_(layer64.bias)
         factors = {layer.weight: torch.rand(8, device="cuda")}
-        sums = GHOST_LAYERS[nn.Conv2d].weighted_grad(
+        sums = NORM_RULES[nn.Conv2d].weighted_grad(
             layer, [activations[0].float().cuda()], backprops.float().cuda(), factors)
         expected = weighted(factors[layer.weight].double().cpu(), oracle[layer64.weight])
         torch.testing.assert_close(sums[layer.weight].double().cpu(), expected, rtol=1e-5, atol=1e-5)

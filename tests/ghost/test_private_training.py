@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from opacus_dp import PrivacyEngine
 from opacus_dp.data import BatchMemoryManager
 from opacus_dp.grad_sample import BookkeepingGradSampleModule
-from opacus_dp.grad_sample.ghost_criterion import GhostCriterion
+from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion
 from tests.engine.helpers import clipped_sum_oracle
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from opacus_dp.grad_sample import BookkeepingGradSampleModule
 from opacus_dp.grad_sample.layer_call import LayerCall
-from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput, lean, materialise, producer_of
+from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import RecomputedInput, lean, materialise, producer_of
 from tests.ghost.helpers import assert_norms_and_sums, model_oracle, run_backward
 
 ACTIVATIONS = {

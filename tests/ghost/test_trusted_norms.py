@@ -11,10 +11,10 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import opacus_dp
-from opacus_dp.grad_sample.norm_samplers.conv import _weight_sq_norms_and_bound, conv_norm_sample
-from opacus_dp.grad_sample.norm_samplers.linear import _gram_sq_norms_and_diagonal, gram_sq_norms
-from opacus_dp.grad_sample.norm_samplers import trust
-from opacus_dp.grad_sample.norm_samplers.trust import trusted_sq_norms
+from opacus_dp.grad_sample.bookkeeping.norm_samplers.conv import _weight_sq_norms_and_bound, conv_norm_sample
+from opacus_dp.grad_sample.bookkeeping.norm_samplers.linear import _gram_sq_norms_and_diagonal, gram_sq_norms
+from opacus_dp.grad_sample.bookkeeping.norm_samplers import trust
+from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import trusted_sq_norms
 
 SPREADS = [1e-2, 1e-3, 1e-4, 0.0]  # smaller: the positions' gradients cancel more
 
@@ -219,7 +219,7 @@ def test_a_cancelling_samples_clipped_contribution_stays_within_the_bound(mode, 
 def test_an_embedding_samples_clipped_contribution_stays_within_the_bound_when_rows_cancel():
     """The rows' norms are exact sums, but the weighted sum scatters ``f · g_t`` again: without
     the margin a sample whose repeated token's gradients cancel came out ~0.5 % above the bound."""
-    from opacus_dp.grad_sample.norm_samplers.embedding import embedding_norm_sample, embedding_weighted_grad
+    from opacus_dp.grad_sample.bookkeeping.norm_samplers.embedding import embedding_norm_sample, embedding_weighted_grad
 
     worst = 0.0
     for seed in range(10):

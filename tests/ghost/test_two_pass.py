@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
-from opacus_dp.grad_sample.ghost_criterion import GhostLoss
+from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostLoss
 from opacus_dp.layers import DPLSTM
 from tests.engine.helpers import clipped_sum_oracle
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from opacus_dp.grad_sample.bookkeeping_module import BookkeepingGradSampleModule
+from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_layers.py"
 

@@ -38,8 +38,8 @@ import torch.nn as nn
 from torch.nn import grad as conv_grad
 
 from opacus_dp.grad_sample.conv import _prepare_input, conv_windows, padded_input, side_padding
-from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
-from opacus_dp.grad_sample.norm_samplers.trust import (
+from opacus_dp.grad_sample.bookkeeping.norm_rules import register_norm_rule
+from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import (
     bound_from_diagonal, materialised_sq_norms, trusted_sq_norms)
 from opacus_dp.grad_sample.support import trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
@@ -78,7 +78,7 @@ def conv_norm_sample(layer: ConvNd, activations: List[torch.Tensor],
 
 def _trusted_weight_sq_norms(layer: ConvNd, x: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
     """Per-sample ``Σ_groups ⟨A Aᵀ, G Gᵀ⟩``, checked against the Gram form's rounding
-    (:func:`~opacus_dp.grad_sample.norm_samplers.trust.trusted_sq_norms`; the bound of a sample
+    (:func:`~opacus_dp.grad_sample.bookkeeping.norm_samplers.trust.trusted_sq_norms`; the bound of a sample
     is the sum of its groups' ``N²``; the fallback materialises from the unfolded patches)."""
     sq_norms, bound_sq = _weight_sq_norms_and_bound(layer, x, backprops)
     batch, groups = backprops.shape[0], layer.groups
@@ -239,4 +239,4 @@ def conv_prefers_ghost(layer: ConvNd, activations: List[torch.Tensor]) -> bool:
     return 2 * positions * positions < d_in * p_out
 
 
-register_ghost_layer(CONV_TYPES, weighted_grad=conv_weighted_grad, prefers_ghost=conv_prefers_ghost)
+register_norm_rule(CONV_TYPES, weighted_grad=conv_weighted_grad, prefers_ghost=conv_prefers_ghost)

@@ -16,25 +16,25 @@ callback). A call whose output never receives a gradient leaves its layer's coun
 that layer's later calls wait for the end of their pass (correct, only less memory-lean); a
 layer resolved twice in one pass raises instead of computing a wrong norm. Resolving a layer:
 
-* **ghost**: its type has a norm sampler and a :class:`GhostLayer` entry, its calls merge
+* **ghost**: its type has a norm sampler and a :class:`~opacus_dp.grad_sample.bookkeeping.norm_rules.NormRule` with a ghost path, its calls merge
   into one (or there is one) and the rule holds (``"mixed"``: ``prefers_ghost``, the cheaper
   of the two ways, Bu et al. 2022, and, where the call would be kept, not
   ``materialise_if_kept``; ``"ghost"``: always). Squared norms from the norm sampler; the
   call's ``(a, g)`` are kept for ``weighted_grad`` (unless ``keep_ghost_calls`` is off, in a
   norms-only pass); an input ``a = φ(h)`` of an activation that saved ``h`` is held as ``h``
   and recomputed in place once the activation's backward has run
-  (:mod:`~opacus_dp.grad_sample.recomputed_inputs`), so that ``a`` and ``h`` are never both
+  (:mod:`~opacus_dp.grad_sample.bookkeeping.recomputed_inputs`), so that ``a`` and ``h`` are never both
   alive at the backward pass's peak;
 * **materialised**: per-sample gradients from the layer's grad sampler or the ``torch.func``
   fallback, summed over calls and over layers sharing a parameter; only those are kept.
 * **chunked** (per-layer clipping on CPU, where the layer type prefers it): per-sample
   gradients a few samples at a time in a reused buffer, clipped and summed at once
-  (:mod:`~opacus_dp.grad_sample.chunked_sums`); only the norms and sums are kept.
+  (:mod:`~opacus_dp.grad_sample.bookkeeping.chunked_sums`); only the norms and sums are kept.
 
 A *sums pass* (:meth:`Bookkeeper.begin_sums`) is a second backward pass over the same graph
 after a norms-only pass: the clip factors are known, so each ghost layer's weighted gradient
 is computed from the fresh ``g`` at once and nothing is stored (the ``ghost`` mode's
-two-pass backward, :mod:`~opacus_dp.grad_sample.ghost_criterion`).
+two-pass backward, :mod:`~opacus_dp.grad_sample.bookkeeping.ghost_criterion`).
 
 Output gradients are stored as autograd delivered them; the loss-reduction ``scale`` (``B``
 for a mean) is applied to the results (norms scale by ``s²``, sums by ``s``). Passes made
@@ -49,12 +49,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 import torch
 import torch.nn as nn
 
-from opacus_dp.grad_sample.bookkeeping_pass import (
+from opacus_dp.grad_sample.bookkeeping.passes import (
     LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, resolve_calls)
-from opacus_dp.grad_sample.chunked_sums import ChunkBuffer
+from opacus_dp.grad_sample.bookkeeping.chunked_sums import ChunkBuffer
 from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.per_sample_store import second_batch_error
-from opacus_dp.grad_sample.recomputed_inputs import materialise
+from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import materialise
 from opacus_dp.grad_sample.support import own_tensors
 from opacus_dp.maths.per_sample import weighted_sum
 from opacus_dp.torch_internals import current_graph_task_id, queue_end_of_backward_callback

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.embedding_bag import bag_elements, element_weights, max_winners
-from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
+from opacus_dp.grad_sample.bookkeeping.norm_rules import register_norm_rule
 from opacus_dp.grad_sample.support import trainable
 from opacus_dp.grad_sample.registry import register_norm_sampler
 
@@ -69,4 +69,4 @@ def embedding_bag_weighted_grad(layer: nn.EmbeddingBag, activations: List, backp
     return {layer.weight: total.index_add_(0, elements, scaled[bags] * weights.unsqueeze(1))}
 
 
-register_ghost_layer(nn.EmbeddingBag, weighted_grad=embedding_bag_weighted_grad)
+register_norm_rule(nn.EmbeddingBag, weighted_grad=embedding_bag_weighted_grad)

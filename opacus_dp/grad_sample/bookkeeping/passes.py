@@ -1,12 +1,12 @@
 """One backward pass of the book-keeping modes, and how a layer's calls in it are resolved.
 
-See :mod:`opacus_dp.grad_sample.bookkeeping` for the method. A layer's calls are resolved
+See :mod:`opacus_dp.grad_sample.bookkeeping.bookkeeper` for the method. A layer's calls are resolved
 either **ghost** (squared norms from the norm sampler, the merged call kept for the weighted
 sum; a parameter whose per-sample gradients the norm sampler returned, such as a bias, is
 kept as materialised), **materialised** (per-sample gradients, summed over the calls and
 layers) or, with per-layer clipping on CPU where the layer type prefers it, **chunked**
 (per-sample gradients a few samples at a time, clipped and summed at once:
-:mod:`~opacus_dp.grad_sample.chunked_sums`).
+:mod:`~opacus_dp.grad_sample.bookkeeping.chunked_sums`).
 """
 
 from dataclasses import dataclass, field
@@ -15,11 +15,11 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from opacus_dp.grad_sample.chunked_sums import ChunkBuffer, chunked_clipped_sums
+from opacus_dp.grad_sample.bookkeeping.chunked_sums import ChunkBuffer, chunked_clipped_sums
 from opacus_dp.grad_sample.modification_guard import KeptVersions
-from opacus_dp.grad_sample.norm_samplers.table import ghost_layer_of
-from opacus_dp.grad_sample.recomputed_inputs import RecomputedInput, recomputed_in
-from opacus_dp.grad_sample.registry import NORM_SAMPLERS, PerSampleGrads
+from opacus_dp.grad_sample.bookkeeping.norm_rules import norm_rule_of
+from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import RecomputedInput, recomputed_in
+from opacus_dp.grad_sample.registry import PerSampleGrads
 from opacus_dp.grad_sample.support import own_tensors
 from opacus_dp.maths.per_sample import per_sample_norms, sum_dtype, weighted_sum
 from opacus_dp.maths.float32_products import ieee_float32_products
@@ -138,7 +138,7 @@ def ghost_norms(layer: nn.Module, activations: list, backprops: torch.Tensor) ->
     products (:mod:`~opacus_dp.maths.float32_products`)."""
     activations, backprops = _in_sum_dtype(activations, backprops)
     with ieee_float32_products():
-        return NORM_SAMPLERS[type(layer)](layer, activations, backprops)
+        return norm_rule_of(layer).norm_sampler(layer, activations, backprops)
 
 
 def ghost_weighted_grad(layer: nn.Module, activations: list, backprops: torch.Tensor,
@@ -147,7 +147,7 @@ def ghost_weighted_grad(layer: nn.Module, activations: list, backprops: torch.Te
     products."""
     activations, backprops = _in_sum_dtype(activations, backprops)
     with ieee_float32_products():
-        return ghost_layer_of(layer).weighted_grad(layer, activations, backprops, factors)
+        return norm_rule_of(layer).weighted_grad(layer, activations, backprops, factors)
 
 
 def _factors_now(current: Pass, layer: nn.Module,
@@ -187,7 +187,7 @@ def add_to(sums: Dict[torch.Tensor, torch.Tensor], p: torch.Tensor, value: torch
 
 def _merged_call(layer: nn.Module, calls: List[Call], spec):
     """``(activations, backprops, scale)`` of the layer's calls as one, or None if they do not
-    merge (``spec``: the layer type's ``GhostLayer`` entry)."""
+    merge (``spec``: the layer type's ``NormRule``)."""
     if any(c.backprops[0] is None or c.scale != calls[0].scale for c in calls):
         return None
     pairs = [(c.call.activations(layer), c.backprops[0]) for c in calls]
@@ -205,7 +205,7 @@ def _sum_in_chunks(current: Pass, layer: nn.Module, calls: List[Call], factor_fu
     """The layer's norms, factors and clipped sums from chunked per-sample gradients, if its
     type prefers that for these calls on CPU and each of its parameters has factors of its
     own; False (nothing done) otherwise."""
-    spec = ghost_layer_of(layer)
+    spec = norm_rule_of(layer)
     if spec is None or spec.chunk_grads is None or spec.prefers_chunks is None:
         return False
     merged = _merged_call(layer, calls, spec)
@@ -235,8 +235,8 @@ def _sum_in_chunks(current: Pass, layer: nn.Module, calls: List[Call], factor_fu
 def _ghost_call(layer: nn.Module, calls: List[Call], layer_rule: str, keeps_calls: bool):
     """``(activations, backprops, scale)`` of the layer's calls as one, if it goes ghost
     (``keeps_calls``: the ghost path would keep them for the clipped sum)."""
-    spec = ghost_layer_of(layer)
-    if spec is None or type(layer) not in NORM_SAMPLERS:
+    spec = norm_rule_of(layer)
+    if spec is None or not spec.has_ghost_path:
         return None
     merged = _merged_call(layer, calls, spec)
     if merged is None:

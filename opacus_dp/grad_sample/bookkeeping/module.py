@@ -12,11 +12,11 @@ optimizer then asks this module (the *norm provider* interface of
 so one step is: norms → clip factors (the clipper) → clipped sums, for flat and per-layer
 clipping alike. No ``p.grad_sample`` is produced. Per layer, the norm comes from the ghost
 identity or from materialised per-sample gradients (``layer_rule``, see
-:mod:`~opacus_dp.grad_sample.bookkeeping`); layers without a norm sampler are materialised
+:mod:`~opacus_dp.grad_sample.bookkeeping.bookkeeper`); layers without a norm sampler are materialised
 transparently.
 
 By default autograd's own weight gradients are not computed (see
-:mod:`~opacus_dp.grad_sample.weight_grad_skipping`), except under
+:mod:`~opacus_dp.grad_sample.bookkeeping.weight_grad_skipping`), except under
 ``torch.nn.parallel.DistributedDataParallel``, whose reducer expects every parameter to
 receive a gradient. So, while the wrapper's hooks are enabled, ``p.grad`` stays ``None``
 after ``loss.backward()`` (the optimizer sets it in ``step()``); call
@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DataParallel
 
-from opacus_dp.grad_sample.bookkeeping import Bookkeeper
-from opacus_dp.grad_sample.bookkeeping_pass import shared_layers
+from opacus_dp.grad_sample.bookkeeping.bookkeeper import Bookkeeper
+from opacus_dp.grad_sample.bookkeeping.passes import shared_layers
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule, weakly
 from opacus_dp.grad_sample.support import describe, has_trainable_parameters
 from opacus_dp.optim.clipping import check_finite_norm_list

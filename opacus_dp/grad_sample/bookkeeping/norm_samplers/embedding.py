@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.embedding import sample_row_index
-from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
-from opacus_dp.grad_sample.norm_samplers.trust import bound_sq, trusted_sq_norms
+from opacus_dp.grad_sample.bookkeeping.norm_rules import register_norm_rule
+from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import bound_sq, trusted_sq_norms
 from opacus_dp.grad_sample.support import trainable
 from opacus_dp.grad_sample.registry import register_norm_sampler
 
@@ -63,7 +63,7 @@ def _with_margin_where_rows_cancel(sq_norms: torch.Tensor, grads: torch.Tensor, 
     """The rows' norms are exact sums, but the weighted sum scatters the positions again, whose
     rounding grows with ``N = Σ_t ‖s_t g_t‖``: where positions of a row cancel (``N > 16 n``),
     the norm gets the margin of
-    :func:`~opacus_dp.grad_sample.norm_samplers.trust.trusted_sq_norms`."""
+    :func:`~opacus_dp.grad_sample.bookkeeping.norm_samplers.trust.trusted_sq_norms`."""
     if batch == 0:
         return sq_norms
     positions = grads.shape[0] // batch
@@ -105,5 +105,5 @@ def embedding_prefers_ghost(layer: nn.Embedding, activations: List[torch.Tensor]
     return positions < layer.num_embeddings
 
 
-register_ghost_layer(nn.Embedding, weighted_grad=embedding_weighted_grad,
+register_norm_rule(nn.Embedding, weighted_grad=embedding_weighted_grad,
                      merge_calls=embedding_merge_calls, prefers_ghost=embedding_prefers_ghost)

@@ -13,7 +13,7 @@ weighted add ``S += Σ_{i∈chunk} f_i g_i``). Measured on CPU (1 thread, B = 32
 256 ↔ 1024 in 31 ms per layer against 44 ms for the ghost path (the plain weight gradient
 25 ms); 256 → 256 in 9 ms against 17 ms. Without a reused buffer (fresh memory per chunk) it
 is slower than the ghost path. A layer type opts in with ``chunk_grads`` and
-``prefers_chunks`` in its :class:`~opacus_dp.grad_sample.norm_samplers.table.GhostLayer`.
+``prefers_chunks`` in its :class:`~opacus_dp.grad_sample.bookkeeping.norm_rules.NormRule`.
 
 On GPU the ghost path is kept (a loop over small chunks would launch many small kernels;
 unmeasured there).

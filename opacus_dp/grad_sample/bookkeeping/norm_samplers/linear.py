@@ -21,8 +21,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from opacus_dp.grad_sample.norm_samplers.table import register_ghost_layer
-from opacus_dp.grad_sample.norm_samplers.trust import (
+from opacus_dp.grad_sample.bookkeeping.norm_rules import register_norm_rule
+from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import (
     bound_from_diagonal, materialised_sq_norms, trusted_sq_norms)
 from opacus_dp.grad_sample.support import sum_over_positions, trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
@@ -55,7 +55,7 @@ def row_blocks(positions: int) -> int:
 def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``‖G_iᵀ A_i‖²_F`` for every ``i`` from ``A (B, T, d)``, ``G (B, T, p)`` (module doc), checked
     against the Gram form's rounding under cancelling positions
-    (:func:`~opacus_dp.grad_sample.norm_samplers.trust.trusted_sq_norms`)."""
+    (:func:`~opacus_dp.grad_sample.bookkeeping.norm_samplers.trust.trusted_sq_norms`)."""
     if a.shape[1] == 1:  # one position: the product of two norms, no cancellation
         return a.pow(2).sum(dim=(1, 2)) * g.pow(2).sum(dim=(1, 2))
     sq_norms, diagonal = _gram_sq_norms_and_diagonal(a, g)
@@ -150,7 +150,7 @@ def linear_prefers_ghost(layer: nn.Linear, activations: List[torch.Tensor]) -> b
 
 # Chunked per-sample gradients beat the Gram products from T²(d + p) ≥ 16 d p on (measured on CPU,
 # B = 32: about even at T²(d + p) = 20 d p, 256 → 1024 at T = 64; the ghost path 30 % faster at
-# 5 d p, T = 32; the chunks 35 % faster at 80 d p, T = 128), see opacus_dp.grad_sample.chunked_sums
+# 5 d p, T = 32; the chunks 35 % faster at 80 d p, T = 128), see opacus_dp.grad_sample.bookkeeping.chunked_sums
 CHUNK_RULE = 16
 
 
@@ -187,7 +187,7 @@ def linear_materialise_if_kept(layer: nn.Linear, activations: List[torch.Tensor]
     return d * p <= _positions(activations) * (d + p)
 
 
-register_ghost_layer(LINEAR_TYPES, weighted_grad=linear_weighted_grad,
+register_norm_rule(LINEAR_TYPES, weighted_grad=linear_weighted_grad,
                      merge_calls=linear_merge_calls, prefers_ghost=linear_prefers_ghost,
                      materialise_if_kept=linear_materialise_if_kept,
                      chunk_grads=linear_chunk_grads, prefers_chunks=linear_prefers_chunks)
