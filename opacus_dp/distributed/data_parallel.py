@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DataParallel
 
-from opacus_dp.grad_sample.support import has_trainable_parameters
+from opacus_dp.module_parameters import has_trainable_parameters
 
 _CHUNK_OF: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 _TAKEN_OVER: "weakref.WeakSet[DataParallel]" = weakref.WeakSet()

@@ -3,7 +3,7 @@
 Importing this package registers every dedicated sampler (one module per layer family).
 """
 
-from opacus_dp.grad_sample import conv, embedding, embedding_bag, linear, norms  # noqa: F401
+from opacus_dp.grad_sample import conv, dp_layers, embedding, embedding_bag, linear, norms  # noqa: F401
 from opacus_dp.grad_sample.functorch import functorch_grad_sample
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.bookkeeping import norm_samplers  # noqa: F401,E402  (ghost / bk layer functions)

@@ -42,14 +42,8 @@ from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck, Switches
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import skip_weight_grads as install_skipping
-from opacus_dp.grad_sample.support import (
-    autocast_of,
-    describe,
-    has_trainable_parameters,
-    own_parameters,
-    same_autocast,
-    unsupported_modules,
-)
+from opacus_dp.grad_sample.support import autocast_of, describe, same_autocast, unsupported_modules
+from opacus_dp.module_parameters import has_trainable_parameters, own_parameters
 
 _HOOKED_BY: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 _RECOMPUTING = threading.local()

@@ -28,7 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from opacus_dp.grad_sample.registry import register_grad_sampler, register_saved_statistics
-from opacus_dp.grad_sample.support import sum_over_positions, trainable
+from opacus_dp.grad_sample.support import sum_over_positions
+from opacus_dp.module_parameters import trainable
 from opacus_dp.torch_internals import saved_tensor_hooks_active, saved_value
 
 InstanceNormNd = Union[nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d]

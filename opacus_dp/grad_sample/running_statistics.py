@@ -25,7 +25,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from opacus_dp.errors import UnsupportedModuleError
-from opacus_dp.grad_sample.support import describe, has_trainable_parameters
+from opacus_dp.grad_sample.support import describe
+from opacus_dp.module_parameters import has_trainable_parameters
 
 
 def needs_replacement(module: _BatchNorm) -> bool:

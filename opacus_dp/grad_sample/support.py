@@ -9,17 +9,16 @@ the layers below violate that and are refused.
 """
 
 import contextlib
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
+from opacus_dp.module_parameters import has_trainable_parameters, own_parameters, trainable, trains_anything  # noqa: F401
 
-def trainable(param) -> bool:
-    """True for a parameter that exists and requires a gradient."""
-    return param is not None and param.requires_grad
+
 
 
 def sum_over_positions(x: torch.Tensor) -> torch.Tensor:
@@ -32,32 +31,12 @@ def sum_over_positions(x: torch.Tensor) -> torch.Tensor:
     return x.sum(dim=1)
 
 
-def own_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
-    """``(name, param)`` of the parameters owned directly by ``module``, as
-    ``module.named_parameters(recurse=False)`` lists them (each once, ``None`` entries left out),
-    read from the module's own table: called by the hooks at every layer call, where the
-    generator machinery of ``named_parameters`` cost more than the lookup itself."""
-    result, seen = [], set()
-    for name, p in module._parameters.items():
-        if p is not None and id(p) not in seen:
-            seen.add(id(p))
-            result.append((name, p))
-    return result
 
 
-def own_tensors(module: nn.Module) -> List[nn.Parameter]:
-    """The parameters of :func:`own_parameters`, without their names."""
-    return [p for _, p in own_parameters(module)]
 
 
-def has_trainable_parameters(module: nn.Module) -> bool:
-    """True when ``module`` directly owns a parameter with ``requires_grad``."""
-    return any(p is not None and p.requires_grad for p in module._parameters.values())
 
 
-def trains_anything(module: nn.Module) -> bool:
-    """True when ``module`` or one of its submodules has a parameter with ``requires_grad``."""
-    return any(p.requires_grad for p in module.parameters())
 
 
 def describe(path: str, module: nn.Module) -> str:

@@ -2,7 +2,8 @@
 per-sample gradients: recurrent layers/cells and multi-head attention.
 
 All of them accept the state dicts of their torch counterparts and produce state dicts
-that torch loads. Importing this package registers their per-sample gradient functions.
+that torch loads. Their per-sample gradient functions live in
+:mod:`opacus_dp.grad_sample.dp_layers` (registered when :mod:`opacus_dp.grad_sample` is imported).
 """
 
 from opacus_dp.layers.batch_first import (
@@ -33,7 +34,6 @@ __all__ = [
     "StateDictAliasMixin",
 ]
 
-import opacus_dp.grad_sample.dp_layers  # noqa: E402,F401  (registers the samplers above)
 from opacus_dp.layers.dpddp import (  # noqa: E402,F401  (Opacus 0.x import path)
     DifferentiallyPrivateDistributedDataParallel,
 )

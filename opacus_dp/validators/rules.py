@@ -15,8 +15,8 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import UninitializedParameter
 
 from opacus_dp.grad_sample.running_statistics import needs_replacement
-from opacus_dp.grad_sample.support import (
-    PARAMETRIZATION_CAUSE, PARAMETRIZATION_FIX, has_trainable_parameters, is_parametrization, trains_anything)
+from opacus_dp.grad_sample.support import PARAMETRIZATION_CAUSE, PARAMETRIZATION_FIX, is_parametrization
+from opacus_dp.module_parameters import has_trainable_parameters, trains_anything
 from opacus_dp.validators.errors import (
     IllegalModuleConfigurationError,
     ShouldReplaceModuleError,

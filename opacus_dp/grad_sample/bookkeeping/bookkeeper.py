@@ -55,7 +55,7 @@ from opacus_dp.grad_sample.bookkeeping.chunked_sums import ChunkBuffer
 from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.per_sample_store import second_batch_error
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import materialise
-from opacus_dp.grad_sample.support import own_tensors
+from opacus_dp.module_parameters import own_tensors
 from opacus_dp.maths.per_sample import weighted_sum
 from opacus_dp.torch_internals import current_graph_task_id, queue_end_of_backward_callback
 

@@ -36,7 +36,8 @@ from torch.nn.parallel import DataParallel
 from opacus_dp.grad_sample.bookkeeping.bookkeeper import Bookkeeper
 from opacus_dp.grad_sample.bookkeeping.passes import shared_layers
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule, weakly
-from opacus_dp.grad_sample.support import describe, has_trainable_parameters
+from opacus_dp.grad_sample.support import describe
+from opacus_dp.module_parameters import has_trainable_parameters
 from opacus_dp.optim.clipping import check_finite_norm_list
 
 

@@ -20,7 +20,7 @@ from opacus_dp.grad_sample.modification_guard import KeptVersions
 from opacus_dp.grad_sample.bookkeeping.norm_rules import norm_rule_of
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import RecomputedInput, recomputed_in
 from opacus_dp.grad_sample.registry import PerSampleGrads
-from opacus_dp.grad_sample.support import own_tensors
+from opacus_dp.module_parameters import own_tensors
 from opacus_dp.maths.per_sample import per_sample_norms, sum_dtype, weighted_sum
 from opacus_dp.maths.float32_products import ieee_float32_products
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from opacus_dp.grad_sample.support import own_parameters
+from opacus_dp.module_parameters import own_parameters
 from opacus_dp.layers.batch_first import BatchFirstLinear
 
 ANCHORED_TYPES = (nn.Linear, BatchFirstLinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding,

@@ -41,7 +41,7 @@ from opacus_dp.grad_sample.conv import _prepare_input, conv_windows, padded_inpu
 from opacus_dp.grad_sample.bookkeeping.norm_rules import register_norm_rule
 from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import (
     bound_from_diagonal, materialised_sq_norms, trusted_sq_norms)
-from opacus_dp.grad_sample.support import trainable
+from opacus_dp.module_parameters import trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
 
 ConvNd = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]

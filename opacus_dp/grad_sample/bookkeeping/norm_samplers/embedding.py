@@ -22,7 +22,7 @@ import torch.nn as nn
 from opacus_dp.grad_sample.embedding import sample_row_index
 from opacus_dp.grad_sample.bookkeeping.norm_rules import register_norm_rule
 from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import bound_sq, trusted_sq_norms
-from opacus_dp.grad_sample.support import trainable
+from opacus_dp.module_parameters import trainable
 from opacus_dp.grad_sample.registry import register_norm_sampler
 
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from opacus_dp.grad_sample.embedding_bag import bag_elements, element_weights, max_winners
 from opacus_dp.grad_sample.bookkeeping.norm_rules import register_norm_rule
-from opacus_dp.grad_sample.support import trainable
+from opacus_dp.module_parameters import trainable
 from opacus_dp.grad_sample.registry import register_norm_sampler
 
 

@@ -24,7 +24,8 @@ import torch.nn as nn
 from opacus_dp.grad_sample.bookkeeping.norm_rules import register_norm_rule
 from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import (
     bound_from_diagonal, materialised_sq_norms, trusted_sq_norms)
-from opacus_dp.grad_sample.support import sum_over_positions, trainable
+from opacus_dp.grad_sample.support import sum_over_positions
+from opacus_dp.module_parameters import trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
 from opacus_dp.layers.batch_first import BatchFirstLinear
 
