@@ -4,6 +4,9 @@ The public entry points are imported lazily so that ``import opacus_dp`` stays c
 and sub-packages can be used on their own (e.g. only the accountants).
 """
 
+import importlib
+
+from opacus_dp.submodules import submodule_getattr
 from opacus_dp.version import __version__
 
 _LAZY = {
@@ -22,9 +25,5 @@ __all__ = ["__version__", *_LAZY]
 def __getattr__(name):
     """The lazy entry points, and any sub-module by attribute (see :mod:`opacus_dp.submodules`)."""
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
-    from opacus_dp.submodules import submodule_getattr
-
     return submodule_getattr(__name__)(name)

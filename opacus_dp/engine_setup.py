@@ -1,54 +1,21 @@
-"""Building blocks shared by the two PrivacyEngine APIs: checks, model wrapping, the optimizer.
-
-The mapping ``grad_sample_mode -> wrapper`` lives in :data:`GRAD_SAMPLE_MODES` (one small
-table; further modes add one entry).
+"""Building blocks shared by the two PrivacyEngine APIs: argument checks, model wrapping (from
+the one mode table, :mod:`opacus_dp.grad_sample.mode_selection`), the optimizer.
 """
 
 import math
 import secrets
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
+from opacus_dp.grad_sample import BookkeepingGradSampleModule, GradSampleModule
+from opacus_dp.grad_sample.mode_selection import MODE_NAMES, wrap_for_engine
+from opacus_dp.model_wrappers import parameter_names, unwrap_model  # noqa: F401  (also imported from here)
 from opacus_dp.optim import DPOptimizer, grad_source_for
 from opacus_dp.optim.clipping import check_max_grad_norm
 from opacus_dp.optim.noise import check_noise_multiplier
-from opacus_dp.model_wrappers import parameter_names, unwrap_model  # noqa: F401  (also imported from here)
-
-
-def _wrap_hooks(module: nn.Module, *, batch_first: bool, loss_reduction: str):
-    from opacus_dp.grad_sample import GradSampleModule
-
-    return GradSampleModule(module, batch_first=batch_first, loss_reduction=loss_reduction, strict=True,
-                            skip_weight_grads=True)
-
-
-def _wrap_functorch(module: nn.Module, *, batch_first: bool, loss_reduction: str):
-    from opacus_dp.grad_sample import GradSampleModule
-
-    return GradSampleModule(module, batch_first=batch_first, loss_reduction=loss_reduction,
-                            strict=True, force_functorch=True, skip_weight_grads=True)
-
-
-def _wrap_norms_only(mode: str) -> Callable:
-    """Wrapper builder of a norms-only mode or "auto" (see opacus_dp.grad_sample.mode_selection)."""
-    def wrap(module: nn.Module, *, batch_first: bool, loss_reduction: str):
-        from opacus_dp.grad_sample.mode_selection import wrap_norms_only
-
-        return wrap_norms_only(module, mode, batch_first=batch_first, loss_reduction=loss_reduction)
-
-    return wrap
-
-
-GRAD_SAMPLE_MODES: Dict[str, Callable] = {
-    "hooks": _wrap_hooks,
-    "ew": _wrap_hooks,  # Opacus's ExpandedWeights mode: the same per-sample gradients as hooks
-    "functorch": _wrap_functorch,
-    "ghost": _wrap_norms_only("ghost"),
-    "bk": _wrap_norms_only("bk"),
-    "auto": _wrap_norms_only("auto"),
-}
+from opacus_dp.validators import ModuleValidator
 
 CLIPPING_MODES = ("flat", "per_layer", "adaptive")
 
@@ -107,8 +74,6 @@ def check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) 
 
 def validate_module(module: nn.Module) -> None:
     """Refuse a model that cannot be trained privately, with the validator's message."""
-    from opacus_dp.validators import ModuleValidator
-
     ModuleValidator.validate(unwrap_model(module), strict=True)
 
 
@@ -117,11 +82,11 @@ def wrap_module(module: nn.Module, *, grad_sample_mode: str, batch_first: bool, 
 
     A GradSampleModule passed in is reused if its settings agree, else ValueError.
     """
-    check_choice(grad_sample_mode, tuple(GRAD_SAMPLE_MODES), "grad_sample_mode")
-    if hasattr(module, "pop_grad_samples") and hasattr(module, "_module"):
+    check_choice(grad_sample_mode, MODE_NAMES, "grad_sample_mode")
+    if isinstance(module, GradSampleModule):
         wanted = (batch_first, loss_reduction, grad_sample_mode == "functorch")
-        found = (module.batch_first, module.loss_reduction, bool(getattr(module, "force_functorch", False)))
-        norms_only = hasattr(module, "clipped_sums")
+        found = (module.batch_first, module.loss_reduction, bool(module.force_functorch))
+        norms_only = isinstance(module, BookkeepingGradSampleModule)
         mode_fits = grad_sample_mode == "auto" or norms_only == (grad_sample_mode in ("ghost", "bk"))
         if wanted != found or not mode_fits:
             raise ValueError(
@@ -130,7 +95,7 @@ def wrap_module(module: nn.Module, *, grad_sample_mode: str, batch_first: bool, 
                 "requested: pass the unwrapped model"
             )
         return module
-    return GRAD_SAMPLE_MODES[grad_sample_mode](module, batch_first=batch_first, loss_reduction=loss_reduction)
+    return wrap_for_engine(module, grad_sample_mode, batch_first=batch_first, loss_reduction=loss_reduction)
 
 
 def secure_generator() -> torch.Generator:

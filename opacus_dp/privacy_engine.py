@@ -22,24 +22,44 @@ import torch.nn as nn
 from torch.utils.data import BatchSampler, DataLoader
 
 from opacus_dp import checkpoint
-from opacus_dp.optim.adaptive_clipping import adaptive_clipper
-from opacus_dp.budget_guard import BudgetGuard, recorded_sample_rate
+from opacus_dp.accountants import create_accountant, get_noise_multiplier
+from opacus_dp.accountants.validation import warn_if_delta_not_small
+from opacus_dp.data import DPDataLoader, check_sampling, switch_generator
 from opacus_dp.data.sampling_checks import check_batching
+from opacus_dp.distributed.checks import share_generator_state
 from opacus_dp.engine_setup import (
     adaptive_options,
     check_choice,
     check_optimizer_params,
     check_privacy_arguments,
-    GRAD_SAMPLE_MODES,
     make_dp_optimizer,
     secure_generator,
     unwrap_model,
     validate_module,
     wrap_module,
 )
+from opacus_dp.engine_wiring import (
+    check_distributed,
+    check_distributed_loader,
+    connect_private_step,
+    warn_if_not_secure,
+)
+from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion
+from opacus_dp.grad_sample.mode_selection import MODE_NAMES
+from opacus_dp.optim.adaptive_clipping import adaptive_clipper
+from opacus_dp.privacy_engine_classic import ClassicPrivacyEngine
+from opacus_dp.validators import ModuleValidator
 
 
-class PrivacyEngine:
+class _EngineType(type):
+    """``isinstance(engine, PrivacyEngine)`` also holds for an engine of the classic API, which
+    ``PrivacyEngine(model, ...)`` returns (one ``PrivacyEngine`` class in Opacus 0.x)."""
+
+    def __instancecheck__(cls, instance) -> bool:
+        return super().__instancecheck__(instance) or isinstance(instance, ClassicPrivacyEngine)
+
+
+class PrivacyEngine(metaclass=_EngineType):
     """Modern API entry point (and dispatcher to the classic API, see module doc).
 
     Args:
@@ -59,15 +79,11 @@ class PrivacyEngine:
                     "for the classic API; the modern API takes keyword arguments only, e.g. "
                     f"PrivacyEngine(accountant='prv') (got {type(first).__name__})"
                 )
-            from opacus_dp.privacy_engine_classic import ClassicPrivacyEngine
-
-            return object.__new__(ClassicPrivacyEngine)
+            return ClassicPrivacyEngine(*args, **kwargs)  # not a PrivacyEngine: __init__ is not called
         return object.__new__(cls)
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False,
                  max_epsilon: Optional[float] = None, max_epsilon_delta: Optional[float] = None):
-        from opacus_dp.accountants import create_accountant
-
         check_choice(accountant, ("prv", "rdp", "gdp"), "accountant")
         self.accountant = create_accountant(accountant)
         self.secure_mode = bool(secure_mode)
@@ -78,12 +94,7 @@ class PrivacyEngine:
         if max_epsilon is not None and max_epsilon_delta is None:
             raise ValueError("max_epsilon needs max_epsilon_delta (the δ at which ε is measured)")
         self._data_loader = None
-        if not self.secure_mode:
-            warnings.warn(
-                "secure_mode is off: fine for experiments; train the final model with "
-                "secure_mode=True for noise robust to floating-point attacks",
-                UserWarning, stacklevel=2,
-            )
+        warn_if_not_secure(self.secure_mode)
 
     # ------------------------------------------------------------------ make_private
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -138,14 +149,14 @@ class PrivacyEngine:
                                     clipbound_learning_rate=clipbound_learning_rate,
                                     max_clipbound=max_clipbound, min_clipbound=min_clipbound,
                                     unclipped_num_std=unclipped_num_std)
-        check_choice(grad_sample_mode, tuple(GRAD_SAMPLE_MODES), "grad_sample_mode")
+        check_choice(grad_sample_mode, MODE_NAMES, "grad_sample_mode")
         if noise_generator is not None and self.secure_mode:
             raise ValueError("noise_generator must be None in secure_mode (noise is seeded by the OS)")
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
         check_optimizer_params(module, optimizer)
-        world_size = _check_distributed(module)
-        _check_distributed_loader(data_loader, world_size, poisson_sampling)
+        world_size = check_distributed(module)
+        check_distributed_loader(data_loader, world_size, poisson_sampling)
         validate_module(module)
         gsm = wrap_module(module, grad_sample_mode=grad_sample_mode, batch_first=batch_first,
                           loss_reduction=loss_reduction)
@@ -182,13 +193,9 @@ class PrivacyEngine:
         ``epsilon_kwargs`` go to the accountant's ``get_epsilon`` during the calibration (as in
         Opacus: ``alphas`` for RDP, ``eps_error`` for PRV). With ``clipping="adaptive"`` the
         calibrated σ is the total one (the count's share included)."""
-        from opacus_dp.accountants import get_noise_multiplier
-
         if len(self.accountant) > 0:
             warnings.warn("make_private_with_epsilon: privacy already spent by this engine is not "
                           "included in the calibration; the final epsilon will be higher", UserWarning)
-        from opacus_dp.accountants.validation import warn_if_delta_not_small
-
         warn_if_delta_not_small(target_delta, len(data_loader.dataset))
         sample_rate = _sample_rate_of(data_loader)
         sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
@@ -231,13 +238,10 @@ class PrivacyEngine:
             dp_optimizer.poisson_batches = True
         self._connect(module, dp_optimizer, sample_rate, step_timeout)  # all ranks agree from here on
         if poisson_sampling and world_size > 1:
-            from opacus_dp.distributed.checks import share_generator_state
             share_generator_state(loader.generator)  # one global Poisson stream
         return loader, dp_optimizer
 
     def _prepare_data_loader(self, data_loader, *, poisson_sampling, distributed, batch_first):
-        from opacus_dp.data import DPDataLoader, check_sampling, switch_generator
-
         self.dataset = data_loader.dataset
         generator = secure_generator() if self.secure_mode else None
         if poisson_sampling:
@@ -256,21 +260,10 @@ class PrivacyEngine:
                 "(recommended) or a shuffled loader (shuffle=True)") from None
 
     def _connect(self, module, dp_optimizer, sample_rate: float, step_timeout=None) -> None:
-        """Distributed reduction, budget guard (pre-step) and accountant (post-step) hooks."""
-        from opacus_dp.distributed import configure_optimizer
-
-        configure_optimizer(module, dp_optimizer, sample_rate=sample_rate, step_timeout=step_timeout)
-        if self.max_epsilon is not None:
-            dp_optimizer.attach_pre_step_hook(BudgetGuard(
-                self.accountant, max_epsilon=self.max_epsilon, delta=self.max_epsilon_delta,
-                sample_rate=sample_rate, epsilon_of=self._budget_epsilon))
-        accountant = self.accountant
-
-        def record_step(optim) -> None:
-            accountant.step(noise_multiplier=optim.noise_multiplier,
-                            sample_rate=recorded_sample_rate(sample_rate, optim))
-
-        dp_optimizer.attach_step_hook(record_step)
+        """Distributed reduction, budget guard and accountant (see :mod:`opacus_dp.engine_wiring`)."""
+        connect_private_step(module, dp_optimizer, accountant=self.accountant, sample_rate=sample_rate,
+                             step_timeout=step_timeout, max_epsilon=self.max_epsilon,
+                             max_epsilon_delta=self.max_epsilon_delta, epsilon_of=self._budget_epsilon)
 
     def _budget_epsilon(self, accountant) -> float:
         return float(accountant.get_epsilon(self.max_epsilon_delta))
@@ -283,8 +276,6 @@ class PrivacyEngine:
     # ------------------------------------------------------------------ compatibility
     def is_compatible(self, *, module: nn.Module, optimizer=None, data_loader=None) -> bool:
         """True if ``module`` can be trained privately as it is."""
-        from opacus_dp.validators import ModuleValidator
-
         return ModuleValidator.is_valid(unwrap_model(module))
 
     def validate(self, *, module: nn.Module, optimizer=None, data_loader=None) -> None:
@@ -294,8 +285,6 @@ class PrivacyEngine:
     @classmethod
     def get_compatible_module(cls, module: nn.Module) -> nn.Module:
         """A fixed copy of ``module`` (BatchNorm → GroupNorm, ...), validated."""
-        from opacus_dp.validators import ModuleValidator
-
         return ModuleValidator.fix_and_validate(module)
 
     # ------------------------------------------------------------------ checkpoints
@@ -331,26 +320,9 @@ class PrivacyEngine:
 def _ghost_criterion(criterion, loss_reduction: str, module, optimizer):
     """The criterion returned in ghost mode (Opacus 1.6 returns one, default cross-entropy):
     its losses run the two-pass backward (see opacus_dp.grad_sample.bookkeeping.ghost_criterion)."""
-    from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion
-
     if criterion is None:
         criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
     return GhostCriterion(criterion, loss_reduction, module=module, optimizer=optimizer)
-
-
-def _check_distributed(module: nn.Module) -> int:
-    """Refuse an unwrapped model under an active process group; return the world size."""
-    from opacus_dp.distributed import validate_parallel_module, world_size_of
-
-    validate_parallel_module(module)
-    return world_size_of(module)
-
-
-def _check_distributed_loader(data_loader: DataLoader, world_size: int, poisson_sampling: bool) -> None:
-    """Refuse a loader whose sharding disagrees with the process group (see distributed)."""
-    from opacus_dp.distributed import check_data_loader_world_size
-
-    check_data_loader_world_size(data_loader, world_size, poisson_sampling=poisson_sampling)
 
 
 def _planned_steps(data_loader: DataLoader, epochs) -> int:

@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.accountants import RDPAccountant
+from opacus_dp.accountants.analysis.rdp import compute_rdp
 from opacus_dp.accountants.validation import warn_if_delta_not_small
 from opacus_dp.engine_setup import (
-    GRAD_SAMPLE_MODES,
     check_choice,
     check_optimizer_params,
     check_privacy_arguments,
@@ -27,7 +27,8 @@ from opacus_dp.engine_setup import (
     validate_module,
     wrap_module,
 )
-from opacus_dp.privacy_engine import PrivacyEngine, _check_distributed
+from opacus_dp.engine_wiring import check_distributed, connect_private_step, warn_if_not_secure
+from opacus_dp.grad_sample.mode_selection import MODE_NAMES
 from opacus_dp.privacy_engine_classic_setup import (
     check_misc_settings,
     DEFAULT_ALPHAS,
@@ -40,8 +41,10 @@ from opacus_dp.privacy_engine_classic_setup import (
 )
 
 
-class ClassicPrivacyEngine(PrivacyEngine):
-    """Opacus 0.9–0.15 ``PrivacyEngine``; created by ``PrivacyEngine(model, ...)``.
+class ClassicPrivacyEngine:
+    """Opacus 0.9–0.15 ``PrivacyEngine``; created by ``PrivacyEngine(model, ...)`` (an instance
+    of :class:`~opacus_dp.privacy_engine.PrivacyEngine` for ``isinstance``; it composes the wiring
+    of :mod:`opacus_dp.engine_wiring` with the modern engine instead of inheriting from it).
 
     Args (as in Opacus 0.x): ``module``; ``batch_size`` and ``sample_size`` (q = B/N) or
     ``sample_rate``; ``alphas`` (RDP orders); ``noise_multiplier`` (σ; or ``target_epsilon``
@@ -69,13 +72,14 @@ class ClassicPrivacyEngine(PrivacyEngine):
                  clipping_ratio=None, clipping_momentum=None):
         check_misc_settings(enable_stat=enable_stat, experimental=experimental, clipping_method=clipping_method,
                             clipping_ratio=clipping_ratio, clipping_momentum=clipping_momentum)
-        super().__init__(accountant="rdp", secure_mode=secure_rng)
+        self.secure_mode = self.secure_rng = bool(secure_rng)
+        warn_if_not_secure(self.secure_mode, stacklevel=4)  # the user's PrivacyEngine(model, ...) call
         if max_grad_norm is None:
             raise ValueError("max_grad_norm is required (the per-sample clipping bound C)")
         if grad_norm_type != 2:
             raise ValueError(f"grad_norm_type must be 2 (L2 clipping), got {grad_norm_type!r}")
         self.module = module
-        self.world_size = _check_distributed(module)
+        self.world_size = check_distributed(module)
         self.alphas = list(alphas)
         self.accountant = RDPAccountant(alphas=self.alphas)
         self.target_delta = target_delta
@@ -99,7 +103,7 @@ class ClassicPrivacyEngine(PrivacyEngine):
             raise ValueError("noise_generator must be None when secure_rng=True")
         self.max_epsilon, self.max_epsilon_delta = max_epsilon, target_delta
         self.noise_generator = noise_generator
-        self.grad_sample_mode = check_choice(grad_sample_mode, tuple(GRAD_SAMPLE_MODES), "grad_sample_mode")
+        self.grad_sample_mode = check_choice(grad_sample_mode, MODE_NAMES, "grad_sample_mode")
         self.device = None
         self.optimizer = None
         self.grad_sample_module = None
@@ -129,7 +133,9 @@ class ClassicPrivacyEngine(PrivacyEngine):
                 loss_reduction=self.loss_reduction, clipping=self.clipping,
                 generator=self.noise_generator, secure_mode=self.secure_mode)
             self._limit_logical_batches(gsm, dp_optimizer)
-            self._connect(self.module, dp_optimizer, self.sample_rate)
+            connect_private_step(self.module, dp_optimizer, accountant=self.accountant,
+                                 sample_rate=self.sample_rate, max_epsilon=self.max_epsilon,
+                                 max_epsilon_delta=self.target_delta, epsilon_of=self._budget_epsilon)
         except Exception:
             gsm.close()
             raise
@@ -227,8 +233,6 @@ class ClassicPrivacyEngine(PrivacyEngine):
     # ------------------------------------------------------------------ privacy
     def get_renyi_divergence(self) -> torch.Tensor:
         """RDP of one step at each order of ``alphas``, for the current (σ, q)."""
-        from opacus_dp.accountants.analysis.rdp import compute_rdp
-
         return torch.tensor(compute_rdp(self.sample_rate, self.noise_multiplier, 1, self.alphas))
 
     def get_privacy_spent(self, target_delta: Optional[float] = None):
@@ -270,4 +274,6 @@ class ClassicPrivacyEngine(PrivacyEngine):
     make_private_with_epsilon = make_private
 
 
-__all__ = ["ClassicPrivacyEngine", "DEFAULT_ALPHAS", "PATCHED_ATTRIBUTES"]
+PrivacyEngine = ClassicPrivacyEngine  # this module's engine under Opacus 0.x's class name
+
+__all__ = ["ClassicPrivacyEngine", "PrivacyEngine", "DEFAULT_ALPHAS", "PATCHED_ATTRIBUTES"]

@@ -7,6 +7,9 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from opacus_dp.accountants import get_noise_multiplier
+from opacus_dp.data import SamplingWarning
+
 # Opacus 0.x default RDP orders: 1.1, 1.2, ..., 10.9 and 12, ..., 63.
 DEFAULT_ALPHAS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
 
@@ -75,8 +78,6 @@ def calibrate_noise_multiplier(*, target_epsilon, target_delta, sample_rate: flo
                                alphas: Sequence[float]) -> float:
     """σ such that ``⌈epochs · steps_per_epoch(q)⌉`` steps spend at most ``target_epsilon``
     (RDP over ``alphas``)."""
-    from opacus_dp.accountants import get_noise_multiplier
-
     if target_epsilon is None or epochs is None:
         raise ValueError("noise_multiplier is None: pass noise_multiplier, or target_epsilon and "
                          "epochs to calibrate it")
@@ -91,8 +92,6 @@ def calibrate_noise_multiplier(*, target_epsilon, target_delta, sample_rate: flo
 
 def warn_fixed_size_batches(sample_rate: float) -> None:
     """The classic engine cannot see the loader: say what the accounting assumes."""
-    from opacus_dp.data import SamplingWarning
-
     warnings.warn(
         f"privacy is accounted as Poisson sampling with sample_rate={sample_rate:.4g}, but "
         "poisson=False: shuffled fixed-size batches are not covered by that analysis and may be "

@@ -22,6 +22,9 @@ import torch.nn as nn
 
 from opacus_dp.audit.canaries import CanaryLoss, canary_dataset, canary_model, draw_membership
 from opacus_dp.audit.config import AuditConfig
+from opacus_dp.data import BatchMemoryManager, DPDataLoader
+from opacus_dp.distributed import world_size_of
+from opacus_dp.privacy_engine import PrivacyEngine
 
 ModelWrapper = Callable[[nn.Module], nn.Module]
 _SEED_STRIDE = 1_000_003
@@ -52,12 +55,6 @@ class _PrivateTraining:
     release: Callable[[], None]
 
 
-def _world_size(network: nn.Module) -> int:
-    from opacus_dp.distributed import world_size_of
-
-    return world_size_of(network)
-
-
 @contextmanager
 def _secure_mode_warning_silenced():
     """The audit seeds its generators on purpose (reproducible runs): no secure-mode advice."""
@@ -67,9 +64,6 @@ def _secure_mode_warning_silenced():
 
 
 def _modern(config: AuditConfig, network, optimizer, dataset, generators) -> _PrivateTraining:
-    from opacus_dp import PrivacyEngine
-    from opacus_dp.data import DPDataLoader
-
     with _secure_mode_warning_silenced():
         engine = PrivacyEngine(accountant=config.accountant)
     criterion = CanaryLoss(config.loss_reduction)
@@ -81,17 +75,14 @@ def _modern(config: AuditConfig, network, optimizer, dataset, generators) -> _Pr
         grad_sample_mode=config.grad_sample_mode, criterion=criterion)
     private_net, dp_optimizer, dp_loader = made[0], made[1], made[-1]
     criterion = made[2] if len(made) == 4 else criterion
-    divisor = _divisor(config, dp_optimizer.expected_batch_size, _world_size(network))
+    divisor = _divisor(config, dp_optimizer.expected_batch_size, world_size_of(network))
     return _PrivateTraining(private_net, dp_optimizer, dp_loader, criterion, divisor,
                             epsilon=lambda: engine.get_epsilon(config.delta),
                             accountant=engine.accountant, release=private_net.close)
 
 
 def _classic(config: AuditConfig, network, optimizer, dataset, generators) -> _PrivateTraining:
-    from opacus_dp import PrivacyEngine
-    from opacus_dp.data import DPDataLoader
-
-    world_size = _world_size(network)
+    world_size = world_size_of(network)
     with _secure_mode_warning_silenced():
         engine = PrivacyEngine(network, sample_rate=config.sample_rate, sample_size=len(dataset),
                                noise_multiplier=config.noise_multiplier,
@@ -119,8 +110,6 @@ def _divisor(config: AuditConfig, expected_batch_size, world_size: int) -> float
 
 def _physical_batches(training: _PrivateTraining, max_physical_batch_size: Optional[int]):
     """A context manager yielding the loader (split by BatchMemoryManager if asked)."""
-    from opacus_dp.data import BatchMemoryManager
-
     if max_physical_batch_size is None:
         return nullcontext(training.loader)
     return BatchMemoryManager(data_loader=training.loader, optimizer=training.optimizer,

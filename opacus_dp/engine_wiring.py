@@ -1,0 +1,60 @@
+"""The wiring both privacy engines compose (the modern ``PrivacyEngine`` and the classic
+``attach`` engine): the secure-mode notice, the distributed checks, and the hooks that make an
+optimizer's step private — distributed reduction, budget guard (before the step) and accountant
+(after it).
+"""
+
+import warnings
+from typing import Callable, Optional
+
+import torch.nn as nn
+from torch.utils.data import DataLoader
+
+from opacus_dp.budget_guard import BudgetGuard, recorded_sample_rate
+from opacus_dp.distributed import (
+    check_data_loader_world_size,
+    configure_optimizer,
+    validate_parallel_module,
+    world_size_of,
+)
+
+SECURE_MODE_NOTICE = ("secure_mode is off: fine for experiments; train the final model with "
+                      "secure_mode=True for noise robust to floating-point attacks")
+
+
+def warn_if_not_secure(secure_mode: bool, stacklevel: int = 3) -> None:
+    """The reminder that ``secure_mode`` is off (``stacklevel``: the user's call)."""
+    if not secure_mode:
+        warnings.warn(SECURE_MODE_NOTICE, UserWarning, stacklevel=stacklevel)
+
+
+def check_distributed(module: nn.Module) -> int:
+    """Refuse an unwrapped model under an active process group; return the world size."""
+    validate_parallel_module(module)
+    return world_size_of(module)
+
+
+def check_distributed_loader(data_loader: DataLoader, world_size: int, poisson_sampling: bool) -> None:
+    """Refuse a loader whose sharding disagrees with the process group."""
+    check_data_loader_world_size(data_loader, world_size, poisson_sampling=poisson_sampling)
+
+
+def connect_private_step(module: nn.Module, dp_optimizer, *, accountant, sample_rate: float,
+                         step_timeout=None, max_epsilon: Optional[float] = None,
+                         max_epsilon_delta: Optional[float] = None,
+                         epsilon_of: Optional[Callable] = None) -> None:
+    """Distributed reduction of ``dp_optimizer``'s steps (all ranks agree from here on), the
+    budget guard (a pre-step hook, if ``max_epsilon``: ε at ``max_epsilon_delta``, measured by
+    ``epsilon_of(accountant)`` if given) and
+    the accountant (a step hook recording one ``(σ, q)`` per step)."""
+    configure_optimizer(module, dp_optimizer, sample_rate=sample_rate, step_timeout=step_timeout)
+    if max_epsilon is not None:
+        dp_optimizer.attach_pre_step_hook(BudgetGuard(
+            accountant, max_epsilon=max_epsilon, delta=max_epsilon_delta, sample_rate=sample_rate,
+            epsilon_of=epsilon_of))
+
+    def record_step(optim) -> None:
+        accountant.step(noise_multiplier=optim.noise_multiplier,
+                        sample_rate=recorded_sample_rate(sample_rate, optim))
+
+    dp_optimizer.attach_step_hook(record_step)
