@@ -122,12 +122,13 @@ def im2col_weight_grad(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) -> torc
     return torch.matmul(gy, windows.transpose(-1, -2)).view(x.shape[0], *layer.weight.shape)
 
 
-# Output positions up to which im2col was as fast or faster than the folded convolution on CPU
-# for ungrouped layers (measured up to 2-3x faster with >= 128 channels at 4x4..12x12; the
-# folded convolution was up to 2.6x faster from 24x24 on, and far faster for grouped layers).
+# Output positions (12x12) up to which ungrouped layers use im2col on CPU: with few positions and
+# many channels its batched matrix product is large and dense, while the folded convolution runs
+# B·G small convolutions; on larger outputs the unfolded copy (K times the input) costs more than
+# it saves. Grouped layers keep the folded convolution (no copy, and thin products per group).
 IM2COL_MAX_POSITIONS = 144
-# Input channels up to which im2col was as fast or faster at any resolution (1-4 channels:
-# up to 2x faster, e.g. 3->16 k3 at 32x32, B=128; from 8 channels on the folded convolution won).
+# Input channels up to which im2col is used at any resolution: with so few channels the folded
+# convolution's groups are too thin to use the convolution kernel well, and the copy stays small.
 IM2COL_MAX_IN_CHANNELS = 4
 
 

@@ -8,9 +8,9 @@ default — and bfloat16 (``u = 2⁻⁸``) on CPUs with AMX — ``torch.set_floa
 ("medium")``, ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``. DP-SGD needs each
 sample's summed contribution ``f_i g_i`` to have norm ≤ ``C``: the norm that sets ``f_i`` and the
 product that sums the contributions must agree to float32 rounding, and the ghost-norm check
-(:mod:`opacus_dp.grad_sample.bookkeeping.norm_samplers.trust`) assumes float32's ``u``. Measured on an AMX
-CPU with ``"medium"``: Gram-form norms up to 0.4 % below the float64 value where positions
-cancel, a sample's clipped contribution up to 1.0022 ``C``, clipped sums 2e-3 off.
+(:mod:`opacus_dp.grad_sample.bookkeeping.norm_samplers.trust`) assumes float32's ``u``. With inputs rounded
+to bfloat16 a Gram-form norm whose positions cancel can come out well below the true norm, so
+the clip factor is too large and the sample's clipped contribution exceeds ``C``.
 
 :func:`ieee_float32_products` switches every float32-precision setting to IEEE float32 for
 the duration of those products (the ghost norms, the clipped sums) and restores the user's

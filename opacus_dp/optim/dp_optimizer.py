@@ -20,7 +20,7 @@ formed in float32 (:func:`~opacus_dp.optim.clipping.sum_dtype`) and ``p.grad`` i
 parameter's dtype only after the noise — a cast after the noise is post-processing, while rounding ``S_l`` before it could
 move the sum by up to a unit in the last place of its own magnitude, beyond what one clipped
 sample may change (and per-sample norms rounded to 8 bits could leave a clipped sample up to
-~0.4 % above the bound).
+a relative 2⁻⁸, about 0.4 %, above the bound).
 
 Abadi et al. 2016, "Deep Learning with Differential Privacy" (Algorithm 1). Dividing by the
 *expected* batch size keeps the sensitivity of the average independent of the sampled

@@ -9,10 +9,11 @@ and then the clipped-sum product ``T d p``. Forming the per-sample gradients ``G
 (``T d p`` per sample: the same multiply-adds as the batch weight gradient) for ``c`` samples
 at a time into one reused buffer of about :data:`CHUNK_BYTES`, which stays in the CPU's cache,
 replaces the Gram products by two passes over the chunk's ``c d p`` values (the norms, and the
-weighted add ``S += Σ_{i∈chunk} f_i g_i``). Measured on CPU (1 thread, B = 32, T = 128):
-256 ↔ 1024 in 31 ms per layer against 44 ms for the ghost path (the plain weight gradient
-25 ms); 256 → 256 in 9 ms against 17 ms. Without a reused buffer (fresh memory per chunk) it
-is slower than the ghost path. A layer type opts in with ``chunk_grads`` and
+weighted add ``S += Σ_{i∈chunk} f_i g_i``), both over data already in cache, so they cost
+little next to the Gram products once those are a multiple of ``d p`` (the layer type's
+``prefers_chunks`` decides, e.g. ``CHUNK_RULE`` of the ``Linear`` norm sampler).
+Without a reused buffer (fresh memory per chunk) every chunk pays page faults and cache misses,
+and the chunks lose to the ghost path. A layer type opts in with ``chunk_grads`` and
 ``prefers_chunks`` in its :class:`~opacus_dp.grad_sample.bookkeeping.norm_rules.NormRule`.
 
 On GPU the ghost path is kept (a loop over small chunks would launch many small kernels;
@@ -27,7 +28,7 @@ import torch
 from opacus_dp.maths.per_sample import per_sample_norms, sum_dtype
 from opacus_dp.maths.float32_products import ieee_float32_products
 
-CHUNK_BYTES = 4 << 20  # per-sample gradients of one chunk (measured: 1-4 MiB alike, 8 MiB 15 % slower)
+CHUNK_BYTES = 4 << 20  # per-sample gradients of one chunk: small enough to stay in cache
 KEPT_BUFFER_BYTES = 8 << 20  # a buffer up to this size is kept for the next layer and step
 
 

@@ -58,7 +58,8 @@ class BookkeepingGradSampleModule(GradSampleModule):
         layer_rule: ``"mixed"`` (per layer the cheaper of ghost norm and materialised
             per-sample gradients; the ``bk`` and ``ghost`` modes) or ``"ghost"`` (ghost norm
             wherever the layer type has one, as Opacus's ghost clipping; slower for layers
-            with many positions, e.g. early convolutions).
+            with many positions, e.g. early convolutions, as its Gram products grow with the
+            square of the positions).
         skip_weight_grads: as for ``GradSampleModule`` (default here: True).
     """
 

@@ -25,7 +25,8 @@ The patch Gram ``A_i A_iᵀ`` has two forms (:func:`patch_gram`, the cheaper one
 
   a sum of strided views of ``R`` and no unfolded copy; the taps ``k = (k_1, …, k_n)`` shift
   each spatial dimension on its own, so the sum is taken one dimension at a time (``Σ_d k_d``
-  views of shrinking size instead of ``K`` full ones: 3.6x faster for 3x3 kernels). Cheaper
+  views, each pass on an array already reduced along the dimensions before it, instead of
+  ``K`` full ones: 3 + 3 instead of 9 for 3x3 kernels). Cheaper
   for stride-1 layers with many channels per group (``P ≈ T``, so ``P² · C/G ≪ T² · d``).
 """
 
@@ -120,8 +121,10 @@ def _output_sizes(layer: ConvNd, padded: Sequence[int]) -> List[int]:
 
 
 # Costs of one element of the strided tap sums and of the unfolded windows' copy, relative to
-# one multiply-add of a batched matrix product (fitted on CPU, B = 128, 3x3 and 5x5 layers of
-# 3-128 channels at 4x4-32x32, stride 1 and 2: every choice the faster one or within 3 %).
+# one multiply-add of a batched matrix product. Both are memory-bound elementwise passes (the tap
+# sums over strided, non-contiguous views, hence the higher cost), while the product does many
+# multiply-adds per element it loads. Fitted to CPU timings of 3x3 and 5x5 layers, stride 1 and 2;
+# near the crossover both forms cost about the same, so rough constants suffice.
 TAP_SUM_COST = 50
 UNFOLD_COST = 10
 

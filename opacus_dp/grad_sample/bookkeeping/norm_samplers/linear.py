@@ -12,7 +12,8 @@ is ``Σ_t g_t``, which the norm sampler returns per sample. With factors ``f_i``
 sum of the per-sample weight gradients is the batch weight gradient of the scaled output
 gradients: ``Σ_i f_i G_iᵀ A_i = (f ⊙ G)ᵀ A`` (one matrix product, the scale applied to the
 smaller of ``A`` and ``G``, which also gives the product's rows: with ``d < p`` it is computed
-as ``((f ⊙ A)ᵀ G)ᵀ``, on CPU ~7 % faster than ``Gᵀ (f ⊙ A)`` at ``B·T = 4096``, 256 ↔ 1024).
+as ``((f ⊙ A)ᵀ G)ᵀ``: the scale touches fewer elements, and the product with the smaller side
+as its rows was the faster layout on CPU).
 Several calls of the layer in one pass are merged by concatenating their positions.
 """
 
@@ -42,11 +43,11 @@ def _sequences(activations, backprops) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def row_blocks(positions: int) -> int:
     """How many row blocks :func:`gram_sq_norms` splits ``positions`` into: symmetry leaves
-    ``(k + 1) / 2k`` of the Gram products, but a product of fewer rows runs slower, so each
-    block keeps at least 128 rows (k = 1, 2, 4, 8 from T = 1, 256, 512, 1024 on). Measured on
-    CPU at B·T = 4096, d, p ∈ {256, 1024}: on an Intel Xeon (AVX-512) 32- and 64-row blocks
-    made T = 128 20-35 % slower than one block, 128-row blocks made T = 256 and 512 10-25 %
-    faster; on an AMD EPYC 32-row blocks gained 3-10 % at T = 128 and ~15 % at T = 512."""
+    ``(k + 1) / 2k`` of the Gram products, but a product of few rows does less work per element
+    it loads and uses the matrix-product kernel poorly, so each block keeps at least 128 rows
+    (k = 1, 2, 4, 8 from T = 1, 256, 512, 1024 on). The row count from which smaller blocks
+    pay differs between CPUs (on some, blocks of a few dozen rows lost to a single block), so
+    128 rows is a conservative floor."""
     blocks = 1
     while blocks < 8 and positions >= 256 * blocks:
         blocks *= 2
@@ -120,7 +121,7 @@ def linear_weighted_grad(layer: nn.Linear, activations: List[torch.Tensor], back
     if trainable(layer.weight) and layer.weight in factors:
         f = factors[layer.weight]
         g_rows = g.reshape(-1, g.shape[-1])  # one copy at most (non-contiguous output gradients)
-        if a.shape[-1] <= g.shape[-1]:  # rows of the product: the smaller side (~7 % faster on CPU)
+        if a.shape[-1] <= g.shape[-1]:  # rows of the product: the smaller side (module doc)
             a_f = _scaled(a, f).reshape(-1, a.shape[-1])
             sums[layer.weight] = a_f.t().mm(g_rows).t().contiguous()
         else:
@@ -149,9 +150,10 @@ def linear_prefers_ghost(layer: nn.Linear, activations: List[torch.Tensor]) -> b
     return 2 * positions * positions < layer.in_features * layer.out_features
 
 
-# Chunked per-sample gradients beat the Gram products from T²(d + p) ≥ 16 d p on (measured on CPU,
-# B = 32: about even at T²(d + p) = 20 d p, 256 → 1024 at T = 64; the ghost path 30 % faster at
-# 5 d p, T = 32; the chunks 35 % faster at 80 d p, T = 128), see opacus_dp.grad_sample.bookkeeping.chunked_sums
+# Chunked per-sample gradients replace the Gram products T²(d + p) by two passes over the d p
+# values of each sample's gradient, in cache (opacus_dp.grad_sample.bookkeeping.chunked_sums);
+# that pays once the Gram products are a sizeable multiple of d p: 16 d p is a little below
+# where CPU timings of MLP layers (256 ↔ 1024) found the two paths even.
 CHUNK_RULE = 16
 
 
@@ -182,8 +184,8 @@ def linear_materialise_if_kept(layer: nn.Linear, activations: List[torch.Tensor]
     """Materialise when the per-sample gradient (``d · p``) is no larger than the kept
     ``A_i``, ``G_i`` (``T (d + p)``): the same memory, and faster, since the ghost path's
     Gram matrices and its clipped-sum product ``(f ⊙ G)ᵀ A`` are replaced by one weighted
-    sum of the per-sample gradients (e.g. 256 → 256 at T = 128 on CPU: 8 ms instead of 14 ms
-    per layer and batch of 32, the plain weight gradient taking 6 ms)."""
+    sum of the per-sample gradients: ``T d p + d p`` multiply-adds per sample (forming
+    ``G_iᵀ A_i``, then the weighted add) against ``T²(d + p) + T d p``."""
     d, p = layer.in_features, layer.out_features
     return d * p <= _positions(activations) * (d + p)
 
