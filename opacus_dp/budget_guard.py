@@ -22,6 +22,7 @@ import copy
 import math
 from typing import Callable, List, Optional, Tuple
 
+from opacus_dp.accountants.events import step_event
 from opacus_dp.errors import PrivacyBudgetExceededError
 
 MAX_SEARCHED_STEPS = 2**40  # beyond this the budget counts as unlimited for the schedule
@@ -66,12 +67,6 @@ def steps_added(base: History, now: History, noise_multiplier: float, sample_rat
     return extra + (rest[0][2] if rest else 0)
 
 
-def recorded_sample_rate(sample_rate: float, optimizer) -> float:
-    """The q recorded for the coming step: ``min(1, q · k)`` with ``k`` the optimizer's
-    ``accumulated_iterations`` (batches merged by several backward passes, Opacus 1.x)."""
-    return min(1.0, float(sample_rate) * int(getattr(optimizer, "accumulated_iterations", 1)))
-
-
 class BudgetGuard:
     """Pre-step check raising :class:`PrivacyBudgetExceededError` before ε > ``max_epsilon``.
 
@@ -103,9 +98,10 @@ class BudgetGuard:
         return float(self._sample_rate() if callable(self._sample_rate) else self._sample_rate)
 
     def __call__(self, optimizer) -> None:
-        """Pre-step hook: raise if one more step with ``optimizer.noise_multiplier`` (at the
-        sample rate the accountant will record, :func:`recorded_sample_rate`) is too many."""
-        self.check(float(optimizer.noise_multiplier), recorded_sample_rate(self.sample_rate(), optimizer))
+        """Pre-step hook: raise if the coming step's event (:func:`~opacus_dp.accountants.events.step_event`,
+        the one the accountant will record: σ, ``min(1, k·q)``) is one step too many."""
+        event = step_event(optimizer, self.sample_rate())
+        self.check(float(event.noise_multiplier), event.sample_rate)
 
     def check(self, noise_multiplier: float, sample_rate: float) -> None:
         """Raise :class:`PrivacyBudgetExceededError` if one more ``(σ, q)`` step exceeds the budget.

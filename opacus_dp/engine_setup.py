@@ -12,7 +12,7 @@ import torch.nn as nn
 from opacus_dp.grad_sample import BookkeepingGradSampleModule, GradSampleModule
 from opacus_dp.grad_sample.mode_selection import MODE_NAMES, wrap_for_engine
 from opacus_dp.model_wrappers import parameter_names, unwrap_model  # noqa: F401  (also imported from here)
-from opacus_dp.optim import DPOptimizer, grad_source_for
+from opacus_dp.optim import BatchingPolicy, DPOptimizer, grad_source_for
 from opacus_dp.optim.clipping import check_max_grad_norm
 from opacus_dp.optim.noise import check_noise_multiplier
 from opacus_dp.validators import ModuleValidator
@@ -106,8 +106,9 @@ def secure_generator() -> torch.Generator:
 def make_dp_optimizer(optimizer, *, grad_sample_module, noise_multiplier: float,
                       max_grad_norm: Union[float, List[float]], expected_batch_size: Optional[float],
                       loss_reduction: str, clipping: str, generator=None,
-                      secure_mode: bool = False) -> DPOptimizer:
-    """A :class:`DPOptimizer` reading per-sample gradients from ``grad_sample_module``."""
+                      secure_mode: bool = False, batching: Optional[BatchingPolicy] = None) -> DPOptimizer:
+    """A :class:`DPOptimizer` reading per-sample gradients from ``grad_sample_module``, with the
+    engine's :class:`BatchingPolicy`."""
     return DPOptimizer(
         optimizer,
         noise_multiplier=noise_multiplier,
@@ -119,4 +120,5 @@ def make_dp_optimizer(optimizer, *, grad_sample_module, noise_multiplier: float,
         clipping=clipping,
         grad_source=grad_source_for(grad_sample_module),
         param_names=parameter_names(grad_sample_module),
+        batching=batching,
     )

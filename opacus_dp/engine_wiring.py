@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from opacus_dp.budget_guard import BudgetGuard, recorded_sample_rate
+from opacus_dp.budget_guard import BudgetGuard
 from opacus_dp.distributed import (
     check_data_loader_world_size,
     configure_optimizer,
@@ -46,15 +46,10 @@ def connect_private_step(module: nn.Module, dp_optimizer, *, accountant, sample_
     """Distributed reduction of ``dp_optimizer``'s steps (all ranks agree from here on), the
     budget guard (a pre-step hook, if ``max_epsilon``: ε at ``max_epsilon_delta``, measured by
     ``epsilon_of(accountant)`` if given) and
-    the accountant (a step hook recording one ``(σ, q)`` per step)."""
+    the accountant (a step hook recording each step's event, σ and ``min(1, k·q)``)."""
     configure_optimizer(module, dp_optimizer, sample_rate=sample_rate, step_timeout=step_timeout)
     if max_epsilon is not None:
         dp_optimizer.attach_pre_step_hook(BudgetGuard(
             accountant, max_epsilon=max_epsilon, delta=max_epsilon_delta, sample_rate=sample_rate,
             epsilon_of=epsilon_of))
-
-    def record_step(optim) -> None:
-        accountant.step(noise_multiplier=optim.noise_multiplier,
-                        sample_rate=recorded_sample_rate(sample_rate, optim))
-
-    dp_optimizer.attach_step_hook(record_step)
+    dp_optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate))

@@ -44,9 +44,10 @@ from opacus_dp.engine_wiring import (
     connect_private_step,
     warn_if_not_secure,
 )
-from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion
+from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion, StepClipping
 from opacus_dp.grad_sample.mode_selection import MODE_NAMES
 from opacus_dp.optim.adaptive_clipping import adaptive_clipper
+from opacus_dp.optim.logical_batches import BatchingPolicy
 from opacus_dp.privacy_engine_classic import ClassicPrivacyEngine
 from opacus_dp.validators import ModuleValidator
 
@@ -226,16 +227,16 @@ class PrivacyEngine(metaclass=_EngineType):
             clipping = adaptive_clipper(max_grad_norm, expected_batch_size=expected_batch_size, **adaptive)
         if world_size > 1:
             expected_batch_size = expected_batch_size / world_size
+        # Poisson batches: one per step, split only by BatchMemoryManager; fixed-size batches:
+        # a step may not combine more than one
+        batching = BatchingPolicy(poisson_batches=True) if poisson_sampling else \
+            BatchingPolicy(max_batch_size=_fixed_batch_size(loader))
         dp_optimizer = make_dp_optimizer(
             optimizer, grad_sample_module=gsm, noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
             loss_reduction=loss_reduction, clipping=clipping, generator=noise_generator,
-            secure_mode=self.secure_mode,
+            secure_mode=self.secure_mode, batching=batching,
         )
-        if not poisson_sampling:  # fixed-size batches: a step may not combine more than one
-            dp_optimizer.max_batch_size = _fixed_batch_size(loader)
-        else:  # Poisson batches: one per step, split only by BatchMemoryManager
-            dp_optimizer.poisson_batches = True
         self._connect(module, dp_optimizer, sample_rate, step_timeout)  # all ranks agree from here on
         if poisson_sampling and world_size > 1:
             share_generator_state(loader.generator)  # one global Poisson stream
@@ -322,7 +323,8 @@ def _ghost_criterion(criterion, loss_reduction: str, module, optimizer):
     its losses run the two-pass backward (see opacus_dp.grad_sample.bookkeeping.ghost_criterion)."""
     if criterion is None:
         criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
-    return GhostCriterion(criterion, loss_reduction, module=module, optimizer=optimizer)
+    clipping = StepClipping(params=lambda: optimizer.params, clip_factors=optimizer.clip_factors)
+    return GhostCriterion(criterion, loss_reduction, module=module, clipping=clipping)
 
 
 def _planned_steps(data_loader: DataLoader, epochs) -> int:

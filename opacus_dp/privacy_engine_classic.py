@@ -29,6 +29,7 @@ from opacus_dp.engine_setup import (
 )
 from opacus_dp.engine_wiring import check_distributed, connect_private_step, warn_if_not_secure
 from opacus_dp.grad_sample.mode_selection import MODE_NAMES
+from opacus_dp.optim.logical_batches import BatchingPolicy
 from opacus_dp.privacy_engine_classic_setup import (
     check_misc_settings,
     DEFAULT_ALPHAS,
@@ -131,8 +132,8 @@ class ClassicPrivacyEngine:
                 optimizer, grad_sample_module=gsm, noise_multiplier=self._noise_multiplier,
                 max_grad_norm=self._max_grad_norm, expected_batch_size=self.expected_batch_size,
                 loss_reduction=self.loss_reduction, clipping=self.clipping,
-                generator=self.noise_generator, secure_mode=self.secure_mode)
-            self._limit_logical_batches(gsm, dp_optimizer)
+                generator=self.noise_generator, secure_mode=self.secure_mode,
+                batching=self._limit_logical_batches(gsm))
             connect_private_step(self.module, dp_optimizer, accountant=self.accountant,
                                  sample_rate=self.sample_rate, max_epsilon=self.max_epsilon,
                                  max_epsilon_delta=self.target_delta, epsilon_of=self._budget_epsilon)
@@ -148,18 +149,17 @@ class ClassicPrivacyEngine:
         if not self.poisson:
             warn_fixed_size_batches(self.sample_rate)
 
-    def _limit_logical_batches(self, gsm, dp_optimizer) -> None:
+    def _limit_logical_batches(self, gsm) -> BatchingPolicy:
         """Opacus 0.x: everything between two steps is one logical batch of ``batch_size``.
 
         So several backward passes never multiply q; with fixed-size batches a step on more
         than ``batch_size`` samples is refused; with Poisson batches a second backward pass
-        before the step is refused (cut a Poisson batch with ``virtual_step`` instead).
+        before the step is refused by ``gsm`` (cut a Poisson batch with ``virtual_step``
+        instead). Returns the optimizer's :class:`BatchingPolicy`.
         """
-        dp_optimizer.count_iterations = False
         if self.poisson:
             gsm.forbid_grad_accumulation()
-        elif self.batch_size is not None:
-            dp_optimizer.max_batch_size = self.batch_size
+        return BatchingPolicy(count_iterations=False, max_batch_size=None if self.poisson else self.batch_size)
 
     def detach(self) -> None:
         """Restore the optimizer (step, zero_grad, ...) and the model exactly."""

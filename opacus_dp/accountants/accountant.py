@@ -5,17 +5,20 @@ Consecutive equal events are merged, so ``history`` is a list of ``(σ, q, num_s
 segments; a noise schedule or a changed batch size simply starts a new segment.  The
 history is serialisable with ``state_dict``/``load_state_dict`` (layout compatible with
 Opacus 1.x: keys ``"history"`` and ``"mechanism"``).  Accountants know nothing about
-optimizers; :meth:`get_optimizer_hook_fn` only reads ``optimizer.noise_multiplier``.
+optimizers: they record :class:`~opacus_dp.accountants.events.StepEvent` s, and the hook of
+:meth:`get_optimizer_hook_fn` takes the event of each step from
+:func:`~opacus_dp.accountants.events.step_event` (σ and merged batches, Opacus's hook contract).
 """
 
 import abc
-import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
+from opacus_dp.accountants.events import StepEvent, step_event
 from opacus_dp.accountants.validation import check_noise_multiplier, check_sample_rate, check_steps
 
 HistoryEntry = Tuple[float, float, int]  # (noise_multiplier, sample_rate, num_steps)
+T_state_dict = TypeVar("T_state_dict", bound=Mapping[str, Any])  # Opacus 1.x's name
 
 
 def validate_history(history) -> List[HistoryEntry]:
@@ -47,6 +50,15 @@ class PrivacyAccountant(abc.ABC):
         else:
             self.history.append((sigma, q, 1))
 
+    def record(self, event: StepEvent) -> None:
+        """Record the ``event.steps`` steps of ``(σ, q)`` of a :class:`StepEvent` (the first
+        through :meth:`step`, the others added to the segment it ends in)."""
+        steps = check_steps(event.steps)
+        if steps:
+            self.step(noise_multiplier=event.noise_multiplier, sample_rate=event.sample_rate)
+            sigma, q, count = self.history[-1]
+            self.history[-1] = (sigma, q, count + steps - 1)
+
     @abc.abstractmethod
     def get_epsilon(self, delta: float) -> float:
         """ε spent so far at the given δ (``inf`` when no finite ε holds)."""
@@ -71,32 +83,32 @@ class PrivacyAccountant(abc.ABC):
         destination["mechanism"] = self.mechanism()
         return destination
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Replace the history by the one in ``state_dict``. The history — (σ, q, steps)
-        records — does not depend on the accountant, so another mechanism's state loads too (as
-        in Opacus), with a warning that ε is now computed by this one."""
-        if not state_dict or "history" not in state_dict or "mechanism" not in state_dict:
-            raise ValueError("state_dict must contain the keys 'history' and 'mechanism'")
-        history = validate_history(state_dict["history"])
+    def load_state_dict(self, state_dict: T_state_dict) -> None:
+        """Replace the history by the one in ``state_dict`` (an accountant's :meth:`state_dict`).
+
+        ValueError, as in Opacus, for ``None``/an empty dict, a dict without ``"history"`` or
+        ``"mechanism"``, a malformed history, or the state of another mechanism's accountant."""
+        if not state_dict:
+            raise ValueError("state_dict is None or empty: pass the state_dict() of an accountant")
+        missing = [key for key in ("history", "mechanism") if key not in state_dict]
+        if missing:
+            raise ValueError(f"state_dict lacks the key(s) {missing}: pass the state_dict() of an accountant")
         if state_dict["mechanism"] != self.mechanism():
-            warnings.warn(
-                f"loading the history of a {state_dict['mechanism']!r} accountant into a "
-                f"{self.mechanism()!r} accountant: the same steps, with epsilon computed by "
-                f"{self.mechanism()!r} from now on", UserWarning, stacklevel=2)
-        self.history = history
+            raise ValueError(
+                f"state_dict of a {state_dict['mechanism']!r} accountant cannot be loaded into a "
+                f"{self.mechanism()!r} accountant: load it into create_accountant("
+                f"{state_dict['mechanism']!r}), or, to recompute its steps with {self.mechanism()!r}, "
+                "set accountant.history = list(state_dict['history'])")
+        self.history = validate_history(state_dict["history"])
 
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
-        """A hook ``fn(optimizer)`` that records one step with ``optimizer.noise_multiplier``.
-
-        The recorded sample rate is ``sample_rate × optimizer.accumulated_iterations`` when the
-        optimizer reports accumulated iterations (several batches merged into one step), else
-        ``sample_rate``.
-        """
+        """A hook ``fn(optimizer)`` that records the optimizer's :func:`step_event`: σ, and the
+        rate ``min(1, k·sample_rate)`` for ``k = optimizer.accumulated_iterations`` batches merged
+        into the step (1 if the optimizer does not report it)."""
         check_sample_rate(sample_rate)
 
         def hook_fn(optimizer) -> None:
-            iterations = getattr(optimizer, "accumulated_iterations", 1)
-            self.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=min(1.0, sample_rate * iterations))
+            self.record(step_event(optimizer, sample_rate))
 
         return hook_fn
 

@@ -124,8 +124,9 @@ def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[f
 
     No-op for a local model. For DDP it also registers the comm hook that stops DDP's
     own all-reduce of unclipped gradients. Before anything is installed, all ranks check
-    (collectively) that they agree on world size, sample rate, noise multiplier, clipping
-    bound, expected batch size and loss reduction; a mismatch raises on every rank.
+    (collectively) that they agree on world size, sample rate and the optimizer's
+    ``settings_ranks_share()`` (σ, clipping bounds, expected batch size, loss reduction, ...);
+    a mismatch raises on every rank.
     ``step_timeout`` (seconds or timedelta; default: the DPDDP wrapper's, else the process
     group's timeout) bounds how long a step waits for the other ranks
     (:mod:`~opacus_dp.distributed.step_wait`).
@@ -137,20 +138,8 @@ def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[f
     if step_timeout is None:
         step_timeout = getattr(wrapper, "step_timeout", None)
     group = _process_group(wrapper)
-    check_same_on_all_ranks(
-        {
-            "world_size": dist.get_world_size(group),
-            "sample_rate": sample_rate,
-            "noise_multiplier": getattr(optimizer, "noise_multiplier", None),
-            "max_grad_norm (sensitivity)": getattr(optimizer, "max_grad_norm", None),
-            "sum of clipping bounds": _clipping_bounds(optimizer),
-            "expected_batch_size": getattr(optimizer, "expected_batch_size", None),
-            "loss_reduction(mean=1)": float(getattr(optimizer, "loss_reduction", "mean") == "mean"),
-            "poisson_sampling(yes=1)": float(bool(getattr(optimizer, "poisson_batches", False))),
-            **_adaptive_settings(optimizer),
-        },
-        group,
-    )
+    check_same_on_all_ranks({"world_size": dist.get_world_size(group), "sample_rate": sample_rate,
+                             **optimizer.settings_ranks_share()}, group)
     _check_mean_divisor(optimizer)
     if isinstance(wrapper, DistributedDataParallel):
         install_local_gradients_hook(wrapper)
@@ -160,29 +149,9 @@ def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[f
 
 def _check_mean_divisor(optimizer) -> None:
     """A mean over the *actual* local batch would differ per rank: refuse it."""
-    if getattr(optimizer, "loss_reduction", "mean") == "mean" and \
-            getattr(optimizer, "expected_batch_size", None) is None:
+    if optimizer.loss_reduction == "mean" and optimizer.expected_batch_size is None:
         raise ValueError(
             "distributed DP-SGD with loss_reduction='mean' needs the expected batch size (the "
             "mean divides by expected_batch_size · world_size on every rank): pass batch_size "
             "and sample_size (classic API) or use the modern API's data loader"
         )
-
-
-def _adaptive_settings(optimizer) -> dict:
-    """The adaptive-clipping settings (None on a rank that does not clip adaptively)."""
-    from opacus_dp.optim.adaptive_clipping import SETTINGS, AdaptiveClipper
-
-    clipper = getattr(optimizer, "clipper", None)
-    settings = clipper.settings() if isinstance(clipper, AdaptiveClipper) else {}
-    return {f"adaptive clipping {name}": settings.get(name) for name in SETTINGS}
-
-
-def _clipping_bounds(optimizer) -> Optional[float]:
-    """Σ of the clipping bounds (flat: C; per-layer: Σ_l C_l), None if unknown."""
-    bounds = getattr(optimizer, "max_grad_norms", None)
-    if bounds is None:
-        bounds = [getattr(optimizer, "max_grad_norm", None)]
-    if any(b is None for b in bounds):
-        return None
-    return float(sum(float(b) for b in bounds))

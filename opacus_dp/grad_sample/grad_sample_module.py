@@ -44,6 +44,7 @@ from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseChe
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import skip_weight_grads as install_skipping
 from opacus_dp.grad_sample.support import autocast_of, describe, same_autocast, unsupported_modules
 from opacus_dp.module_parameters import has_trainable_parameters, own_parameters
+from opacus_dp.per_sample_source import ModuleGradSource
 
 _HOOKED_BY: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 _RECOMPUTING = threading.local()
@@ -412,6 +413,10 @@ class GradSampleModule(nn.Module):
     def grad_sample(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """Per-sample gradient of ``param`` accumulated so far (None if there is none)."""
         return self._store.get(param)
+
+    def grad_source(self) -> ModuleGradSource:
+        """Its :class:`~opacus_dp.per_sample_source.GradSource` (via :meth:`pop_grad_samples`)."""
+        return ModuleGradSource(self)
 
     def pop_grad_samples(self) -> Dict[torch.Tensor, torch.Tensor]:
         """Return ``{param: per-sample gradient}`` and drop them from the wrapper and params."""

@@ -2,12 +2,14 @@
 
 from opacus_dp.optim.clipping import Clipper, FlatClipper, PerLayerClipper, make_clipper
 from opacus_dp.optim.dp_optimizer import DPOptimizer
-from opacus_dp.optim.grad_source import AttributeGradSource, ModuleGradSource, grad_source_for
+from opacus_dp.optim.logical_batches import BatchingPolicy
 from opacus_dp.optim.noise import GaussianNoise, noise_std
 from opacus_dp.optim.reduction import LocalReducer
+from opacus_dp.per_sample_source import AttributeGradSource, GradSource, ModuleGradSource, grad_source_for
 
 __all__ = [
     "DPOptimizer",
+    "BatchingPolicy",
     "Clipper",
     "FlatClipper",
     "PerLayerClipper",
@@ -15,6 +17,7 @@ __all__ = [
     "GaussianNoise",
     "noise_std",
     "LocalReducer",
+    "GradSource",
     "AttributeGradSource",
     "ModuleGradSource",
     "grad_source_for",

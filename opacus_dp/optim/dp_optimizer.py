@@ -33,17 +33,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch.optim import Optimizer
 
+from opacus_dp.maths.per_sample import check_finite_norm_list, sum_dtype
 from opacus_dp.model_wrappers import parameter_names
-from opacus_dp.optim.clipping import (
-    PerLayerClipper, check_finite_norm_list, check_finite_norms, make_clipper, per_sample_norms,
-    sum_dtype, weighted_sum)
+from opacus_dp.optim.clipping import PerLayerClipper, make_clipper
 from opacus_dp.optim.dp_optimizer_settings import DPOptimizerSettingsMixin
-from opacus_dp.optim.grad_source import AttributeGradSource, grad_source_for
-from opacus_dp.optim.logical_batches import LogicalBatchMixin
+from opacus_dp.optim.logical_batches import BatchingPolicy, LogicalBatchMixin
 from opacus_dp.optim.noise import GaussianNoise, noise_std
 from opacus_dp.optim.reduction import LocalReducer
 from opacus_dp.optim.step_refusal import CollectiveRefusalMixin
 from opacus_dp.optim.wrapped_optimizer import WrappedOptimizerMixin
+from opacus_dp.per_sample_source import AttributeGradSource, GradSource, grad_source_for
 
 
 def _check_expected_batch_size(expected_batch_size, loss_reduction: str):
@@ -82,20 +81,21 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
         secure_mode: OS-seeded noise robust to floating-point attacks (see :mod:`noise`).
         clipping: "flat" or "per_layer".
         reducer: combines replica sums (default :class:`LocalReducer`).
-        grad_source: where per-sample gradients come from (default: ``p.grad_sample``).
+        grad_source: a :class:`~opacus_dp.per_sample_source.GradSource`, where per-sample
+            norms and clipped sums come from (default: ``p.grad_sample``).
         param_names: ``{param: name}`` used in error messages.
-
-    Attributes set by the privacy engine: ``count_iterations`` (default True: several backward
-    passes before one step count as several batches, see ``accumulated_iterations``);
-    ``max_batch_size`` (default None): for fixed-size batches, the most samples one batch
-    holds; a step combining more (per accumulated iteration) is refused before any update.
+        batching: the :class:`~opacus_dp.optim.logical_batches.BatchingPolicy` (default: k
+            backward passes count as k batches, no size limit, no Poisson batches); its fields
+            are readable as ``count_iterations``, ``max_batch_size``, ``poisson_batches``.
     """
 
     def __init__(self, optimizer: Optimizer, *, noise_multiplier: float,
                  max_grad_norm: Union[float, Sequence[float]], expected_batch_size: Optional[float],
                  loss_reduction: str = "mean", generator: Optional[torch.Generator] = None,
                  secure_mode: bool = False, clipping: Optional[str] = None, reducer=None,
-                 grad_source=None, param_names: Optional[Dict[torch.Tensor, str]] = None):
+                 grad_source: Optional[GradSource] = None,
+                 param_names: Optional[Dict[torch.Tensor, str]] = None,
+                 batching: Optional[BatchingPolicy] = None):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DPOptimizer):
@@ -121,17 +121,21 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
         self._pre_step_hooks: "OrderedDict[int, Callable]" = OrderedDict()
         self._step_hooks: "OrderedDict[int, Callable]" = OrderedDict()
         self.accumulated_iterations = 1
-        self.count_iterations = True
-        self.max_batch_size: Optional[int] = None
-        # Poisson batches (make_private): one sampled batch per step, split only by
-        # BatchMemoryManager (``signal_chunk_step``); set by the engine
-        self.poisson_batches = False
+        self.batching = batching if batching is not None else BatchingPolicy()
         self.steps_taken = 0  # private steps released (checkpoints compare it with the history)
 
-    def _use_grad_source(self, source) -> None:
+    def _use_grad_source(self, source: GradSource) -> None:
+        if not isinstance(source, GradSource):
+            raise TypeError(f"grad_source must implement the GradSource protocol "
+                            f"(opacus_dp.per_sample_source), got {type(source).__name__}")
         self.grad_source = source
-        if hasattr(source, "set_factor_function"):
-            source.set_factor_function(self._own_norm_factors)
+        self._share_factor_function()
+
+    def _share_factor_function(self) -> None:
+        """Per-layer clipping: the source may form each layer's clipped sum during the backward
+        pass (a tensor's factors need only its own norms); other clippers: only at the step."""
+        per_layer = isinstance(self.clipper, PerLayerClipper)
+        self.grad_source.set_factor_function(self._own_norm_factors if per_layer else None)
 
     def connect_grad_source(self, module) -> None:
         """Take per-sample gradients (or norms) from ``module``, a per-sample-gradient wrapper
@@ -207,13 +211,6 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
         norms-only modes), as Opacus's property."""
         return [getattr(p, "grad_sample", None) for p in self.params]
 
-    def _step_settings(self) -> Dict[str, float]:
-        """What every process must share at this step (checked by a distributed reducer)."""
-        return {"noise_multiplier": self.noise_multiplier,
-                "max_grad_norm (sensitivity)": self.clipper.sensitivity,
-                "sum of clipping bounds": float(sum(self.max_grad_norms)),
-                "batches merged into the step": float(self.accumulated_iterations)}
-
     @property
     def expected_batch_size(self) -> Optional[float]:
         """``E|B|`` (per process), the divisor of the ``mean`` reduction; checked when set."""
@@ -230,39 +227,15 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
 
     # -------------------------------------------------------------- the pieces of a step
     def clip_and_accumulate(self) -> None:
-        """``S_l += Σ_i f_il · g_il`` for the per-sample gradients of the last backward."""
-        params = self.params
-        if hasattr(self.grad_source, "clipped_sums"):
-            self._clip_and_accumulate_from_norms(params)
-            return
-        grad_samples = self.grad_source.pop(params)
-        if params and not grad_samples:
-            raise RuntimeError(
-                "no per-sample gradients to process: call loss.backward() on the model "
-                "before optimizer.step()/virtual_step() (was step() called twice on the "
-                "same gradients?)"
-            )
-        batch_size = self._check_grad_samples(params, grad_samples)
-        norms = [self._per_sample_norms(p, grad_samples.get(p), batch_size) for p in params]
-        factors = self._clip_factors(params, norms)
-        self.clipper.observe(norms)
-        for p, factor in zip(params, factors):
-            g = grad_samples.get(p)
-            if g is None:
-                continue
-            clipped = weighted_sum(factor, g.to(sum_dtype(p.dtype)))
-            self._summed[p] = self._summed[p] + clipped if p in self._summed else clipped
-        self._num_accumulated += batch_size
-
-    def _clip_and_accumulate_from_norms(self, params) -> None:
-        """The same three steps with a *norm provider* (``ghost``/``bk`` modes, see
-        :mod:`opacus_dp.grad_sample.bookkeeping.module`): it returns the per-sample norms
-        and, given the factors, ``Σ_i f_il · g_il`` without materialised per-sample gradients."""
-        norms = check_finite_norm_list(self.grad_source.per_sample_norms(params),
+        """``S_l += Σ_i f_il · g_il`` for the backward pass(es) not yet consumed, through the
+        :class:`~opacus_dp.per_sample_source.GradSource` protocol: norms ``n_il`` (all finite,
+        or ValueError naming the tensor) → factors ``f_il`` (the clipper) → clipped sums."""
+        params, source = self.params, self.grad_source
+        norms = check_finite_norm_list(source.per_sample_norms(params, self._name),
                                        lambda index: self._name(params[index]))
-        factors = self._clip_factors(params, norms)
+        factors = self.clip_factors(params, norms)
         self.clipper.observe(norms)
-        for p, clipped in zip(params, self.grad_source.clipped_sums(params, factors)):
+        for p, clipped in zip(params, source.clipped_sums(params, factors)):
             if clipped is not None:
                 clipped = clipped.to(sum_dtype(p.dtype))
                 self._summed[p] = self._summed[p] + clipped if p in self._summed else clipped
@@ -276,10 +249,10 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
             return None
         return self.clipper.factor(self._bound_index[p], norms)
 
-    def _clip_factors(self, params: List[torch.Tensor], norms: List[torch.Tensor]) -> List[torch.Tensor]:
-        """The clipper's factors; per-layer bounds go by tensor, not by position among the
-        tensors trainable now (a tensor frozen since the bounds were given keeps its bound
-        unused, and the sensitivity still counts it: conservative)."""
+    def clip_factors(self, params: List[torch.Tensor], norms: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The clipper's factors ``f_il`` from the norms ``n_il`` of ``params``. Per-layer bounds
+        go by tensor, not by position among the tensors trainable now (a tensor frozen since the
+        bounds were given keeps its bound unused, and the sensitivity still counts it)."""
         if not isinstance(self.clipper, PerLayerClipper):
             return self.clipper.clip_factors(norms)
         return [self.clipper.factor(self._bound_of(p), n) for p, n in zip(params, norms)]
@@ -347,35 +320,6 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
             for p in group["params"]:
                 if not p.requires_grad:
                     p.grad = None  # e.g. frozen after backward: its gradient is not private
-
-    def _check_grad_samples(self, params, grad_samples) -> int:
-        sizes = {}
-        for p in params:
-            g = grad_samples.get(p)
-            if g is None:
-                if p.grad is not None and bool(torch.any(p.grad != 0)):
-                    raise ValueError(
-                        f"parameter {self._name(p)} has a gradient but no per-sample gradient: "
-                        "its module is not handled by GradSampleModule (or it was not wrapped)"
-                    )
-                continue
-            if tuple(g.shape[1:]) != tuple(p.shape):
-                raise ValueError(
-                    f"per-sample gradient of {self._name(p)} has shape {tuple(g.shape)}, "
-                    f"expected (batch, {', '.join(map(str, p.shape))})"
-                )
-            sizes[self._name(p)] = g.shape[0]
-        if len(set(sizes.values())) > 1:
-            raise ValueError(f"per-sample gradients disagree on the batch size: {sizes}")
-        return next(iter(sizes.values()), 0)
-
-    def _per_sample_norms(self, p, g, batch_size) -> torch.Tensor:
-        if g is None:
-            return torch.zeros(batch_size, device=p.device, dtype=sum_dtype(p.dtype))
-        return self._check_finite(p, per_sample_norms(g))
-
-    def _check_finite(self, p, norms: torch.Tensor) -> torch.Tensor:
-        return check_finite_norms(norms, self._name(p))
 
     def _name(self, p) -> str:
         if p in self.param_names:

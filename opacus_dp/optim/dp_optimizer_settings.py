@@ -4,12 +4,12 @@ tensors. Each setter checks its value (a scheduler may change it between steps),
 never runs with a σ or bound that could not be noised.
 """
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from opacus_dp.optim.adaptive_clipping import AdaptiveClipper
+from opacus_dp.optim.adaptive_clipping import SETTINGS as ADAPTIVE_SETTINGS, AdaptiveClipper
 from opacus_dp.optim.clipping import Clipper, FlatClipper, PerLayerClipper
 from opacus_dp.optim.noise import check_noise_multiplier, noise_std
 
@@ -76,6 +76,7 @@ class DPOptimizerSettingsMixin:
         self._refuse_with_adaptive_clipping("max_grad_norms")
         self._set_clipper(PerLayerClipper(values))
         self._bound_index = {p: i for i, p in enumerate(self.params)}
+        self._share_factor_function()  # per-layer now: sums may be formed during backward
 
     def _refuse_with_adaptive_clipping(self, name: str) -> None:
         if isinstance(self.clipper, AdaptiveClipper):
@@ -84,6 +85,25 @@ class DPOptimizerSettingsMixin:
                 "private estimate of the unclipped fraction at every step (a clipping-bound schedule "
                 "would fight it). Tune target_unclipped_quantile / clipbound_learning_rate, or use "
                 "clipping='flat' with a schedule")
+
+    # ------------------------------------------- what every process of a distributed run shares
+    def _step_settings(self) -> Dict[str, float]:
+        """The settings every process must share at each step (a scheduler may change σ or the
+        bounds between steps): checked in the step's own all-reduce (a distributed reducer)."""
+        return {"noise_multiplier": self.noise_multiplier,
+                "max_grad_norm (sensitivity)": self.clipper.sensitivity,
+                "sum of clipping bounds": float(sum(self.max_grad_norms)),
+                "batches merged into the step": float(self.accumulated_iterations)}
+
+    def settings_ranks_share(self) -> Dict[str, Optional[float]]:
+        """Every setting all processes must share: the :meth:`_step_settings` and those fixed
+        for the run (checked once, collectively, when the distributed reduction is set up)."""
+        adaptive = self.clipper.settings() if isinstance(self.clipper, AdaptiveClipper) else {}
+        return {**self._step_settings(),
+                "expected_batch_size": self.expected_batch_size,
+                "loss_reduction(mean=1)": float(self.loss_reduction == "mean"),
+                "poisson_sampling(yes=1)": float(self.poisson_batches),
+                **{f"adaptive clipping {name}": adaptive.get(name) for name in ADAPTIVE_SETTINGS}}
 
     def clipping_state_dict(self) -> dict:
         """What the clipper learned (the current adaptive bound; empty for fixed bounds)."""

@@ -7,11 +7,51 @@ batches of ``make_private`` only ``BatchMemoryManager`` may cut a batch (``signa
 and a step over more samples than ``max_batch_size`` per merged batch is refused.
 """
 
-from typing import List
+from dataclasses import dataclass
+from typing import List, Optional
+
+
+@dataclass(frozen=True)
+class BatchingPolicy:
+    """How the pieces and backward passes before one step form its logical batch (chosen by the
+    privacy engine, fixed for the optimizer's life).
+
+    Args:
+        count_iterations: ``k`` backward passes merged without ``virtual_step`` count as ``k``
+            sampled batches: the mean divides by ``k · E|B|`` and the accountant records
+            ``min(1, k·q)`` (Opacus 1.x). False: everything between two steps is one logical
+            batch (Opacus 0.x).
+        max_batch_size: fixed-size batches: the most samples one batch holds; a step combining
+            more (per counted batch) is refused before anything is released.
+        poisson_batches: Poisson batches (``make_private``): one sampled batch per step, split
+            only by ``BatchMemoryManager``; ``virtual_step`` and merged passes are refused.
+    """
+
+    count_iterations: bool = True
+    max_batch_size: Optional[int] = None
+    poisson_batches: bool = False
+
+    def __post_init__(self):
+        size = self.max_batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
+            raise ValueError(f"max_batch_size must be a positive int or None, got {size!r}")
 
 
 class LogicalBatchMixin:
-    """Virtual steps, skip signals and the size checks of a logical batch, for ``DPOptimizer``."""
+    """Virtual steps, skip signals and the size checks of a logical batch, for ``DPOptimizer``
+    (its :class:`BatchingPolicy` is ``self.batching``)."""
+
+    @property
+    def count_iterations(self) -> bool:
+        return self.batching.count_iterations
+
+    @property
+    def max_batch_size(self) -> Optional[int]:
+        return self.batching.max_batch_size
+
+    @property
+    def poisson_batches(self) -> bool:
+        return self.batching.poisson_batches
 
     def virtual_step(self) -> None:
         """Clip and accumulate the current per-sample gradients; no parameter update.
@@ -77,7 +117,6 @@ class LogicalBatchMixin:
 
     def _pending_iterations(self) -> int:
         """Batches merged into the coming step by several backward passes (1 if not counted)."""
-        count = getattr(self.grad_source, "pending_passes", None)
-        if not self.count_iterations or count is None:
+        if not self.count_iterations:
             return 1
-        return max(1, int(count()))
+        return max(1, int(self.grad_source.pending_passes()))

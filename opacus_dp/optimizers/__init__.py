@@ -54,19 +54,28 @@ class AdaClipDPOptimizer(DPOptimizer, metaclass=_ClipsWith):
 
 
 class _AwaitingLoss:
-    """The per-sample source of a DPOptimizerFastGradientClipping before a
-    DPLossFastGradientClipping connects it to the model."""
+    """The per-sample source (a :class:`~opacus_dp.per_sample_source.GradSource`) of a
+    DPOptimizerFastGradientClipping before a DPLossFastGradientClipping connects it to the model."""
+
+    forms_sums_in_backward = False
 
     def clear(self, params) -> None:
         """Nothing is held before the loss wrapper connects the model (``zero_grad`` calls this)."""
 
-    def per_sample_norms(self, params):
+    def set_factor_function(self, factor_function) -> None:
+        """Nothing is formed before the model is connected."""
+
+    def pending_passes(self) -> int:
+        return 0
+
+    def per_sample_norms(self, params, name_of=None):
         raise ValueError(
             "DPOptimizerFastGradientClipping takes the per-sample norms from the model: build the "
             "loss with DPLossFastGradientClipping(model, optimizer, criterion) and call backward() on "
             "its losses (or use make_private(..., grad_sample_mode='ghost')); no update was made")
 
-    clipped_sums = pop = per_sample_norms
+    def clipped_sums(self, params, factors):
+        return self.per_sample_norms(params)
 
 
 class DPOptimizerFastGradientClipping(DPOptimizer):

@@ -1,7 +1,8 @@
 """Opacus 1.6's ``DPLossFastGradientClipping`` (see
 :mod:`opacus_dp.grad_sample.grad_sample_module_fast_gradient_clipping`)."""
 
-from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion, GhostLoss
+from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion, GhostLoss, StepClipping
+from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule
 from opacus_dp.optim.dp_optimizer import DPOptimizer
 
 DPTensorFastGradientClipping = GhostLoss  # the loss whose backward() runs the two passes
@@ -18,7 +19,7 @@ class DPLossFastGradientClipping(GhostCriterion):
     calibrated to the optimizer's)."""
 
     def __init__(self, module, optimizer, criterion, loss_reduction: str = "mean"):
-        if not hasattr(module, "clipped_sums") or not getattr(module, "supports_two_passes", False):
+        if not isinstance(module, BookkeepingGradSampleModule) or not module.supports_two_passes:
             raise TypeError("module must be a GradSampleModuleFastGradientClipping (or the model "
                             f"make_private(..., grad_sample_mode='ghost') returns), got {type(module).__name__}")
         if not isinstance(optimizer, DPOptimizer):
@@ -36,4 +37,5 @@ class DPLossFastGradientClipping(GhostCriterion):
         if optimizer.grad_source is not module:  # first connection: a pass seen before it is not private
             optimizer.connect_grad_source(module)
             optimizer.grad_source.clear(optimizer.params)
-        super().__init__(criterion, loss_reduction, module=module, optimizer=optimizer)
+        clipping = StepClipping(params=lambda: optimizer.params, clip_factors=optimizer.clip_factors)
+        super().__init__(criterion, loss_reduction, module=module, clipping=clipping)

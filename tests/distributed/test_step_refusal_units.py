@@ -1,11 +1,9 @@
 """In-process checks of the refusal encoding and the step timeout (a one-process gloo group)."""
 
 import datetime
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -16,18 +14,6 @@ from opacus_dp.errors import PrivacyBudgetExceededError
 from opacus_dp.optim import DPOptimizer
 from opacus_dp.optim.step_refusal import (
     BUDGET, NON_FINITE, OTHER, POISSON_MERGE, TOO_MANY_SAMPLES, reason_code, refused_elsewhere)
-from tests.conftest import free_port
-
-
-@pytest.fixture(scope="module")
-def group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already active in this process")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 def test_step_timeout_accepts_seconds_and_timedeltas_only():

@@ -1,7 +1,5 @@
 """In-process checks of the distributed pieces (a one-process gloo group; no spawning)."""
 
-import datetime
-import os
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from opacus_dp.distributed import (
     world_size_of,
 )
 from opacus_dp.grad_sample import GradSampleModule
-from tests.conftest import free_port
+from opacus_dp.optim import DPOptimizer, LocalReducer
 from tests.distributed.cpu_data_parallel import CPUDataParallel
 
 
@@ -36,17 +34,6 @@ def test_dpddp_needs_a_process_group():
         DifferentiallyPrivateDistributedDataParallel(nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match="init_process_group"):
         AllReduceReducer()
-
-
-@pytest.fixture(scope="module")
-def group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already active in this process")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 def test_dpddp_forwards_and_keeps_opacus_state_dict_keys(group):
@@ -100,12 +87,9 @@ def test_consistency_checks_pass_on_one_rank(group):
     assert parameters_in_sync(nn.Linear(3, 2))
 
 
-class _Optimizer:
-    noise_multiplier, max_grad_norm, max_grad_norms, loss_reduction = 1.0, 1.0, [1.0], "mean"
-
-    def __init__(self, expected_batch_size):
-        self.expected_batch_size = expected_batch_size
-        self.reducer = "local"
+def _Optimizer(expected_batch_size):
+    return DPOptimizer(torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1), noise_multiplier=1.0,
+                       max_grad_norm=1.0, expected_batch_size=expected_batch_size)
 
 
 def test_configure_optimizer_installs_reducer_and_hook(group):
@@ -116,7 +100,7 @@ def test_configure_optimizer_installs_reducer_and_hook(group):
     assert [h for h, _ in ddp._comm_hooks] == [local_gradients_hook]
     local = _Optimizer(expected_batch_size=4)
     configure_optimizer(nn.Linear(3, 2), local, sample_rate=0.1)
-    assert local.reducer == "local"
+    assert isinstance(local.reducer, LocalReducer)
 
 
 def test_mean_over_the_actual_batch_is_refused_under_ddp(group):

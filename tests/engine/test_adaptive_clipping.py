@@ -234,7 +234,7 @@ def test_checkpoint_mismatch_warns(tmp_path):
     engine, gsm, optimizer, loader = _private()
     _train(gsm, optimizer, loader, 2)
     engine.save_checkpoint(path=tmp_path / "a.pt", module=gsm, optimizer=optimizer)
-    flat_engine = _engine()
+    flat_engine = _engine(accountant="rdp")  # the same mechanism: another one is refused
     model = small_model(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

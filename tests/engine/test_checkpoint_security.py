@@ -18,7 +18,7 @@ import torch.nn as nn
 from opacus_dp import PrivacyEngine
 from opacus_dp.checkpoint_file import SIGNED_FORMAT, CheckpointIntegrityError
 
-from tests.review.helpers import loss_of, make_private, tiny_model
+from tests.review.helpers import make_private, tiny_model, train
 
 KEY = b"0123456789abcdef-user-held-key"
 
@@ -38,18 +38,6 @@ class PlainRecord:
 
     def __init__(self, value):
         self.value = value
-
-
-def train(gsm, optimizer, loader, steps):
-    done = 0
-    while done < steps:
-        for x, y in loader:
-            loss_of(gsm, x, y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            done += 1
-            if done == steps:
-                return
 
 
 def trained_run(steps=3, **engine_kwargs):

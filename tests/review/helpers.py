@@ -43,6 +43,19 @@ def make_private(model, *, n=40, batch_size=10, lr=0.1, engine_kwargs=None, **kw
     return engine, gsm, dp_optimizer, loader
 
 
+def train(gsm, optimizer, loader, steps: int) -> None:
+    """``steps`` private steps over ``loader`` (cycled), one batch each."""
+    done = 0
+    while done < steps:
+        for x, y in loader:
+            loss_of(gsm, x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            done += 1
+            if done == steps:
+                return
+
+
 def loss_of(model, x, y, reduction="mean"):
     return nn.functional.cross_entropy(model(x), y, reduction=reduction)
 

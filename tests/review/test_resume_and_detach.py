@@ -9,19 +9,7 @@ import torch
 from opacus_dp import PrivacyEngine
 from opacus_dp.errors import PrivacyBudgetExceededError
 
-from tests.review.helpers import loss_of, make_private, modern_engine, quiet, tiny_dataset, tiny_model
-
-
-def train(gsm, optimizer, loader, steps):
-    done = 0
-    while done < steps:
-        for x, y in loader:
-            loss_of(gsm, x, y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            done += 1
-            if done == steps:
-                return
+from tests.review.helpers import loss_of, make_private, modern_engine, quiet, tiny_dataset, tiny_model, train
 
 
 def test_resume_with_other_sigma_and_sample_rate_keeps_every_segment(tmp_path):
@@ -56,19 +44,20 @@ def test_checkpoint_without_privacy_history_is_refused(tmp_path):
         assert torch.equal(a.detach(), b)
 
 
-def test_checkpoint_of_another_accountant_resumes_its_history_with_a_warning(tmp_path):
-    """The privacy history is (σ, q, steps) whatever the accountant (Opacus loads it too): a
-    PRV engine resumes an RDP run's weights and steps, and accounts them with PRV."""
+def test_checkpoint_of_another_accountant_is_refused_and_nothing_loaded(tmp_path):
+    """As in Opacus 1.6, an accountant refuses another mechanism's state (ValueError): a PRV
+    engine does not resume an RDP run's checkpoint, and its model stays as it was."""
     engine, gsm, optimizer, loader = make_private(tiny_model(), engine_kwargs=dict(accountant="rdp"))
     train(gsm, optimizer, loader, 1)
     path = tmp_path / "rdp.pt"
     engine.save_checkpoint(path=path, module=gsm, optimizer=optimizer)
     model2 = tiny_model(seed=3)
     engine2, gsm2, optimizer2, loader2 = make_private(model2, engine_kwargs=dict(accountant="prv"))
-    with pytest.warns(UserWarning, match="history of a 'rdp' accountant into a 'prv'"):
+    before = [p.detach().clone() for p in model2.parameters()]
+    with pytest.raises(ValueError, match="'rdp' accountant cannot be loaded into a 'prv'"):
         engine2.load_checkpoint(path=path, module=gsm2, optimizer=optimizer2)
-    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(model2.parameters(), gsm.parameters()))
-    assert engine2.accountant.history == engine.accountant.history
+    assert all(torch.equal(a.detach(), b) for a, b in zip(model2.parameters(), before))
+    assert engine2.accountant.history == []
 
 
 def test_checkpoint_of_another_model_leaves_model_and_history_unchanged(tmp_path):

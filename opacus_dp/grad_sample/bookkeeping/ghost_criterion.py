@@ -6,7 +6,8 @@ criterion's loss has a ``backward()`` that runs two backward passes over the sam
 1. a *norms pass*: every layer's per-sample gradient norm is computed as soon as its output
    gradient arrives (ghost identity or materialised, per layer) and the output gradients of
    ghost layers are dropped;
-2. the clip factors ``f_i`` follow from the norms (the optimizer's clipper, flat or per layer);
+2. the clip factors ``f_i`` follow from the norms (the optimizer's clipper, through the
+   :class:`StepClipping` callbacks the engine gives: no optimizer attribute is read here);
 3. a *sums pass* recomputes the output gradients and turns each ghost layer's into its
    clipped sum ``Σ_i f_i g_i`` at once.
 
@@ -22,11 +23,20 @@ of sequence models: the loss of sample ``i`` is the mean over its valid tokens (
 ignore_index``), and the batch loss the mean (or sum, per ``loss_reduction``) of those.
 """
 
-from typing import Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 
-from opacus_dp.optim.clipping import PerLayerClipper
+from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule
+
+
+class StepClipping(NamedTuple):
+    """What the two-pass backward needs of the optimizer's clipping, as callables:
+    ``params()``, the trainable tensors ``l`` in the optimizer's order, and
+    ``clip_factors(params, norms)``, the factors ``f_il`` from the per-sample norms ``n_il``."""
+
+    params: Callable[[], List[torch.Tensor]]
+    clip_factors: Callable[[List[torch.Tensor], List[torch.Tensor]], List[torch.Tensor]]
 
 
 def _backward_keeping_graph(value: torch.Tensor) -> None:
@@ -48,27 +58,29 @@ def _backward_keeping_graph(value: torch.Tensor) -> None:
 class GhostLoss:
     """A scalar loss whose :meth:`backward` is the two-pass backward (module doc)."""
 
-    def __init__(self, value: torch.Tensor, module, optimizer):
-        self.value, self.module, self.optimizer = value, module, optimizer
+    def __init__(self, value: torch.Tensor, module, clipping: Optional[StepClipping]):
+        self.value, self.module, self.clipping = value, module, clipping
 
     def backward(self) -> None:
-        module = self.module
-        if module is None or not getattr(module, "supports_two_passes", False) \
-                or isinstance(self.optimizer.clipper, PerLayerClipper):
+        """Two passes where they help; one where the source forms the sums during backward
+        (per-layer clipping) or cannot run two (module doc)."""
+        module, clipping = self.module, self.clipping
+        if clipping is None or not isinstance(module, BookkeepingGradSampleModule) \
+                or not module.supports_two_passes or module.forms_sums_in_backward:
             self.value.backward()
             return
-        params = self.optimizer.params
+        params = clipping.params()
         passes = module.num_passes
         with module.norms_pass():
             _backward_keeping_graph(self.value)
         if module.num_passes == passes:
             return  # no layer call reached the loss (an empty batch): nothing to sum
-        factors = self.optimizer.clipper.clip_factors(module.last_per_sample_norms(params))
+        factors = clipping.clip_factors(params, module.last_per_sample_norms(params))
         with module.sums_pass(params, factors):
             self.value.backward()
 
     def _new(self, value) -> "GhostLoss":
-        return GhostLoss(value, self.module, self.optimizer)
+        return GhostLoss(value, self.module, self.clipping)
 
     @staticmethod
     def _raw(other):
@@ -112,11 +124,13 @@ class GhostLoss:
 class GhostCriterion:
     """Callable wrapper of ``criterion`` (any loss module with a ``reduction`` attribute).
 
-    ``module`` and ``optimizer`` (set by ``make_private``) enable the two-pass backward;
+    ``module`` (the norms-only wrapper) and ``clipping`` (the optimizer's
+    :class:`StepClipping`), both set by ``make_private``, enable the two-pass backward;
     without them the plain loss tensor is returned.
     """
 
-    def __init__(self, criterion, loss_reduction: str = "mean", module=None, optimizer=None):
+    def __init__(self, criterion, loss_reduction: str = "mean", module=None,
+                 clipping: Optional[StepClipping] = None):
         if not callable(criterion):
             raise TypeError(f"criterion must be callable (a loss module), got {type(criterion).__name__}")
         if loss_reduction not in ("mean", "sum"):
@@ -128,13 +142,13 @@ class GhostCriterion:
                 "they must agree (the per-sample gradients undo the loss's reduction)"
             )
         self.criterion, self.loss_reduction = criterion, loss_reduction
-        self.module, self.optimizer = module, optimizer
+        self.module, self.clipping = module, clipping
 
     def __call__(self, *args, shape: Optional[Sequence[int]] = None, **kwargs):
         value = self.criterion(*args, **kwargs) if shape is None else self._per_sequence(shape, args, kwargs)
-        if self.module is None or self.optimizer is None:
+        if self.module is None or self.clipping is None:
             return value
-        return GhostLoss(value, self.module, self.optimizer)
+        return GhostLoss(value, self.module, self.clipping)
 
     def _per_sequence(self, shape, args, kwargs) -> torch.Tensor:
         per_token = self._unreduced(*args, **kwargs).view(shape[0], shape[1])

@@ -3,8 +3,8 @@
 The same hooks as :class:`~opacus_dp.grad_sample.GradSampleModule` (forward hook keeps a
 call's inputs, gradient hook gets its output gradients), but the backward hook only
 *records* the call in a :class:`~opacus_dp.grad_sample.bookkeeping.Bookkeeper`; the
-optimizer then asks this module (the *norm provider* interface of
-:class:`~opacus_dp.optim.DPOptimizer`) for
+optimizer then asks this module (its own
+:class:`~opacus_dp.per_sample_source.GradSource`) for
 
 * ``per_sample_norms(params)``: ``‖g_i‖₂`` per parameter, shape ``(B,)``;
 * ``clipped_sums(params, factors)``: ``Σ_i f_i g_i`` per parameter,
@@ -37,8 +37,9 @@ from opacus_dp.grad_sample.bookkeeping.bookkeeper import Bookkeeper
 from opacus_dp.grad_sample.bookkeeping.passes import shared_layers
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule, weakly
 from opacus_dp.grad_sample.support import describe
+from opacus_dp.maths.per_sample import check_finite_norm_list
 from opacus_dp.module_parameters import has_trainable_parameters
-from opacus_dp.optim.clipping import check_finite_norm_list
+from opacus_dp.per_sample_source import NO_GRADS, FactorFunction, NameOf
 
 
 def _refuse_data_parallel(module: nn.Module) -> None:
@@ -119,9 +120,15 @@ class BookkeepingGradSampleModule(GradSampleModule):
         scale = float(call.batch_size) if self.loss_reduction == "mean" else 1.0
         self._bookkeeper.record(master, describe(path, master), call, backprops, scale)
 
-    # ------------------------------------------------------------------ norm provider
-    def per_sample_norms(self, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """``‖g_i‖₂`` of every param, shape ``(B,)`` (B summed over unconsumed passes)."""
+    # ------------------------------------------------------------------ grad source
+    def grad_source(self) -> "BookkeepingGradSampleModule":
+        """This wrapper: it is its own :class:`~opacus_dp.per_sample_source.GradSource`."""
+        return self
+
+    def per_sample_norms(self, params: Sequence[torch.Tensor],
+                         name_of: Optional[NameOf] = None) -> List[torch.Tensor]:
+        """``‖g_i‖₂`` of every param, shape ``(B,)`` (B summed over unconsumed passes); errors
+        name the parameters as the wrapped model does (``name_of`` is not needed)."""
         if self._bookkeeper.num_passes == 0:
             return self._norms_without_passes(params)
         self._check_unrecorded_grads(params)
@@ -137,11 +144,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
         """Empty batches leave zero-row ``grad_sample`` views (see GradSampleModule)."""
         empty = self._store.pop_all()
         if params and not empty:
-            raise RuntimeError(
-                "no per-sample gradients to process: call loss.backward() on the model "
-                "before optimizer.step()/virtual_step() (was step() called twice on the "
-                "same gradients?)"
-            )
+            raise RuntimeError(NO_GRADS)
         return [torch.zeros(0, device=p.device, dtype=p.dtype) for p in params]
 
     def _check_unrecorded_grads(self, params) -> None:
@@ -160,7 +163,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
         self._consumed()
         return self._bookkeeper.clipped_sums(params, factors)
 
-    def set_factor_function(self, factor_function) -> None:
+    def set_factor_function(self, factor_function: Optional[FactorFunction]) -> None:
         """``factor_function(param, norms) -> (B,) factors or None`` (the optimizer's clipper):
         where it gives a parameter's factors from its own norms (per-layer clipping), the
         ``bk`` backward pass computes that layer's clipped sum at once and keeps none of its
@@ -170,6 +173,11 @@ class BookkeepingGradSampleModule(GradSampleModule):
         if inspect.ismethod(factor_function):
             factor_function = weakly(factor_function)
         self._bookkeeper.factor_function = factor_function
+
+    @property
+    def forms_sums_in_backward(self) -> bool:
+        """Whether a factor function is set (:meth:`set_factor_function`)."""
+        return self._bookkeeper.factor_function is not None
 
     def last_per_sample_norms(self, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """``‖g_i‖₂`` of the last finished backward pass only (for the two-pass backward)."""
