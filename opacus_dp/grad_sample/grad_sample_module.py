@@ -25,7 +25,7 @@ is collected while the model lives on, and a finalizer removes all it attached (
 import gc
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -33,10 +33,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
 from opacus_dp.distributed import data_parallel
-from opacus_dp.errors import UnsupportedModuleError
-from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.grad_sample.running_statistics import guard_running_statistics
 from opacus_dp.grad_sample.functorch import explained_fallback_error, functorch_grad_sample
+from opacus_dp.grad_sample.attachments import _HOOKED_BY, _Attachments, _owner, weakly
+from opacus_dp.grad_sample.grad_sample_api import GradSampleModuleAPI
 from opacus_dp.grad_sample.layer_call import LayerCall, call_batch_dim, hook_output_grad, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
@@ -44,50 +44,8 @@ from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseChe
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import skip_weight_grads as install_skipping
 from opacus_dp.grad_sample.support import autocast_of, describe, same_autocast, unsupported_modules
 from opacus_dp.module_parameters import has_trainable_parameters, own_parameters
-from opacus_dp.per_sample_source import ModuleGradSource
 
-_HOOKED_BY: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 _RECOMPUTING = threading.local()
-
-
-def _owner(module: nn.Module) -> Optional["GradSampleModule"]:
-    """The live wrapper whose hooks sit on ``module`` (None if none, or if it was collected)."""
-    ref = _HOOKED_BY.get(module)
-    return None if ref is None else ref()
-
-
-def weakly(method, default=None):
-    """``method`` (bound) called through a weak reference to its object, ``default`` once that is
-    gone: how the user's model (and state kept by a finalizer) refers to a wrapper."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args, **kwargs):
-        live = ref()
-        return default if live is None else live(*args, **kwargs)
-
-    return call
-
-
-class _Attachments:
-    """What a wrapper attached to the user's model, held without the wrapper (hook handles, weight
-    gradient switches, ownership records, ``p.grad_sample`` views, taken-over DataParallels):
-    :meth:`detach` removes it all, at ``close()`` or when the wrapper is collected."""
-
-    def __init__(self, module: nn.Module, store: PerSampleGradStore, token: weakref.ref):
-        self.module, self.store, self.token = module, store, token
-        self.handles: List[Any] = []
-        self.switches: Optional[Switches] = None
-
-    def detach(self) -> None:
-        while self.handles:
-            self.handles.pop().remove()
-        if self.switches is not None:
-            self.switches.restore()
-        for sub, ref in list(_HOOKED_BY.items()):
-            if ref is self.token:
-                del _HOOKED_BY[sub]
-        data_parallel.give_back_within(self.module)
-        self.store.remove_views()
 
 
 def _master_grad_samples(
@@ -109,7 +67,7 @@ def _has_replicas(module: nn.Module) -> bool:
     return any(isinstance(m, (nn.DataParallel, DistributedDataParallel)) for m in module.modules())
 
 
-class GradSampleModule(nn.Module):
+class GradSampleModule(GradSampleModuleAPI, nn.Module):
     """Wraps ``module`` so that each trainable parameter gets ``p.grad_sample``.
 
     Args:
@@ -405,98 +363,3 @@ class GradSampleModule(nn.Module):
             if name == "_module" or wrapped is None:
                 raise
             return getattr(wrapped, name)
-
-    def trainable_parameters(self) -> List[Tuple[str, nn.Parameter]]:
-        """``(name, param)`` of the wrapped module's parameters with ``requires_grad``."""
-        return [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
-
-    def grad_sample(self, param: torch.Tensor) -> Optional[torch.Tensor]:
-        """Per-sample gradient of ``param`` accumulated so far (None if there is none)."""
-        return self._store.get(param)
-
-    def grad_source(self) -> ModuleGradSource:
-        """Its :class:`~opacus_dp.per_sample_source.GradSource` (via :meth:`pop_grad_samples`)."""
-        return ModuleGradSource(self)
-
-    def pop_grad_samples(self) -> Dict[torch.Tensor, torch.Tensor]:
-        """Return ``{param: per-sample gradient}`` and drop them from the wrapper and params."""
-        self._consumed()
-        return self._store.pop_all()
-
-    def zero_grad_sample(self) -> None:
-        """Free all per-sample gradients (``p.grad_sample`` becomes None)."""
-        self._restore_switches()
-        self._store.clear()
-
-    def pending_passes(self) -> int:
-        """Backward passes (batches, empty ones included) whose per-sample gradients are held
-        (concatenated) right now."""
-        return self._store.passes
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """``nn.Module.zero_grad`` plus :meth:`zero_grad_sample` (always set to None)."""
-        super().zero_grad(set_to_none=set_to_none)
-        self.zero_grad_sample()
-
-    def set_grad_sample_to_none(self) -> None:
-        """Opacus-compatible name of :meth:`zero_grad_sample`."""
-        self._store.clear()
-
-    def del_grad_sample(self) -> None:
-        """Free per-sample gradients and delete the ``grad_sample`` attributes."""
-        self._store.remove_views()
-
-    def forbid_grad_accumulation(self) -> None:
-        """Make a second backward pass before the per-sample gradients are consumed raise."""
-        self._store.accumulation_allowed = False
-
-    def allow_grad_accumulation(self) -> None:
-        self._store.accumulation_allowed = True
-
-    def disable_hooks(self) -> None:
-        self.hooks_enabled = False
-
-    def enable_hooks(self) -> None:
-        self.hooks_enabled = True
-
-    def remove_hooks(self) -> None:
-        """Remove every hook and ``grad_sample`` attribute; the wrapped module is as before."""
-        data_parallel.release(self)
-        self.hooks_enabled = False
-        self._finalizer()  # detaches once; a later collection of the wrapper changes nothing
-        self._store.remove_views()  # views published since a first close()
-
-    def close(self) -> None:
-        self.remove_hooks()
-
-    _close = close
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``; a state dict of the user's model itself (keys without
-        ``_module.``, as ``save_checkpoint`` writes them) loads into that model, also when it
-        sits in a DataParallel/DDP wrapper here."""
-        if state_dict and not any(key.startswith("_module.") for key in state_dict):
-            return unwrap_model(self._module).load_state_dict(state_dict, strict=strict, assign=assign)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def to_standard_module(self) -> nn.Module:
-        """Remove all hooks and return the wrapped module."""
-        self.close()
-        return self._module
-
-    # ------------------------------------------------------------- validation
-    @staticmethod
-    def validate(module: nn.Module, strict: bool = False) -> List[UnsupportedModuleError]:
-        """Errors for submodules that cannot get per-sample gradients; raised if ``strict``."""
-        errors = [
-            UnsupportedModuleError(f"{describe(path, sub)} cannot be trained privately: {why}")
-            for path, sub, why in unsupported_modules(module)
-        ]
-        if strict and errors:
-            raise UnsupportedModuleError("\n".join(str(e) for e in errors))
-        return errors
-
-    @staticmethod
-    def is_supported(module: nn.Module) -> bool:
-        """True when every submodule with trainable parameters gets per-sample gradients."""
-        return not GradSampleModule.validate(module, strict=False)

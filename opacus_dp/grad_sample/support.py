@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
-from opacus_dp.module_parameters import has_trainable_parameters, own_parameters, trainable, trains_anything  # noqa: F401
+from opacus_dp.module_parameters import has_trainable_parameters, trains_anything
 
 
 

@@ -35,7 +35,8 @@ from torch.nn.parallel import DataParallel
 
 from opacus_dp.grad_sample.bookkeeping.bookkeeper import Bookkeeper
 from opacus_dp.grad_sample.bookkeeping.passes import shared_layers
-from opacus_dp.grad_sample.grad_sample_module import GradSampleModule, weakly
+from opacus_dp.grad_sample.attachments import weakly
+from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.support import describe
 from opacus_dp.maths.per_sample import check_finite_norm_list
 from opacus_dp.module_parameters import has_trainable_parameters

@@ -1,0 +1,112 @@
+"""The public methods of ``GradSampleModule`` beyond its hooks (Opacus's API): reading and
+consuming the per-sample gradients, their lifecycle, closing, state dicts, validation."""
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from opacus_dp.distributed import data_parallel
+from opacus_dp.errors import UnsupportedModuleError
+from opacus_dp.grad_sample.support import describe, unsupported_modules
+from opacus_dp.model_wrappers import unwrap_model
+from opacus_dp.per_sample_source import ModuleGradSource
+
+
+class GradSampleModuleAPI:
+    """Mixin of :class:`~opacus_dp.grad_sample.grad_sample_module.GradSampleModule` (module doc)."""
+
+    def trainable_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        """``(name, param)`` of the wrapped module's parameters with ``requires_grad``."""
+        return [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
+
+    def grad_sample(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """Per-sample gradient of ``param`` accumulated so far (None if there is none)."""
+        return self._store.get(param)
+
+    def grad_source(self) -> ModuleGradSource:
+        """Its :class:`~opacus_dp.per_sample_source.GradSource` (via :meth:`pop_grad_samples`)."""
+        return ModuleGradSource(self)
+
+    def pop_grad_samples(self) -> Dict[torch.Tensor, torch.Tensor]:
+        """Return ``{param: per-sample gradient}`` and drop them from the wrapper and params."""
+        self._consumed()
+        return self._store.pop_all()
+
+    def zero_grad_sample(self) -> None:
+        """Free all per-sample gradients (``p.grad_sample`` becomes None)."""
+        self._restore_switches()
+        self._store.clear()
+
+    def pending_passes(self) -> int:
+        """Backward passes (batches, empty ones included) whose per-sample gradients are held
+        (concatenated) right now."""
+        return self._store.passes
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad`` plus :meth:`zero_grad_sample` (always set to None)."""
+        super().zero_grad(set_to_none=set_to_none)
+        self.zero_grad_sample()
+
+    def set_grad_sample_to_none(self) -> None:
+        """Opacus-compatible name of :meth:`zero_grad_sample`."""
+        self._store.clear()
+
+    def del_grad_sample(self) -> None:
+        """Free per-sample gradients and delete the ``grad_sample`` attributes."""
+        self._store.remove_views()
+
+    def forbid_grad_accumulation(self) -> None:
+        """Make a second backward pass before the per-sample gradients are consumed raise."""
+        self._store.accumulation_allowed = False
+
+    def allow_grad_accumulation(self) -> None:
+        self._store.accumulation_allowed = True
+
+    def disable_hooks(self) -> None:
+        self.hooks_enabled = False
+
+    def enable_hooks(self) -> None:
+        self.hooks_enabled = True
+
+    def remove_hooks(self) -> None:
+        """Remove every hook and ``grad_sample`` attribute; the wrapped module is as before."""
+        data_parallel.release(self)
+        self.hooks_enabled = False
+        self._finalizer()  # detaches once; a later collection of the wrapper changes nothing
+        self._store.remove_views()  # views published since a first close()
+
+    def close(self) -> None:
+        self.remove_hooks()
+
+    _close = close
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; a state dict of the user's model itself (keys without
+        ``_module.``, as ``save_checkpoint`` writes them) loads into that model, also when it
+        sits in a DataParallel/DDP wrapper here."""
+        if state_dict and not any(key.startswith("_module.") for key in state_dict):
+            return unwrap_model(self._module).load_state_dict(state_dict, strict=strict, assign=assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def to_standard_module(self) -> nn.Module:
+        """Remove all hooks and return the wrapped module."""
+        self.close()
+        return self._module
+
+    # ------------------------------------------------------------- validation
+    @staticmethod
+    def validate(module: nn.Module, strict: bool = False) -> List[UnsupportedModuleError]:
+        """Errors for submodules that cannot get per-sample gradients; raised if ``strict``."""
+        errors = [
+            UnsupportedModuleError(f"{describe(path, sub)} cannot be trained privately: {why}")
+            for path, sub, why in unsupported_modules(module)
+        ]
+        if strict and errors:
+            raise UnsupportedModuleError("\n".join(str(e) for e in errors))
+        return errors
+
+    @classmethod
+    def is_supported(cls, module: nn.Module) -> bool:
+        """True when every submodule with trainable parameters gets per-sample gradients."""
+        return not cls.validate(module, strict=False)
