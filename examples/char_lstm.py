@@ -15,6 +15,7 @@ gradients DP-SGD can compute) → the last layer's final hidden state → linear
 
 Examples::
 
+    python examples/char_lstm.py --synthetic --epochs 1              # offline try-out, random names
     python examples/char_lstm.py --data-root data/names --epochs 50 --sigma 1.0 -c 1.5
     torchrun --nproc_per_node=2 examples/char_lstm.py --data-root data/names
 """
@@ -32,9 +33,10 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 
 from common.classification import run_classification
-from common.cli import add_output_args, add_privacy_args, add_training_args, check_common_args
+from common.cli import (add_output_args, add_privacy_args, add_synthetic_args, add_training_args,
+                        check_common_args, make_parser)
 from common.data import missing_dataset
-from common.distributed import init_distributed, shutdown
+from common.distributed import init_from_args, shutdown
 
 PAD, UNKNOWN = 0, 1
 ALPHABET = string.ascii_letters + " .,;'-"
@@ -69,8 +71,27 @@ def read_names(root: str) -> Tuple[List[str], List[Tuple[str, int]]]:
     return languages, examples
 
 
-def load_names(root: str, length: int, test_fraction: float, split_seed: int):
-    """``(languages, train, test)`` tensor datasets of encoded names and class indices."""
+SYNTHETIC_LANGUAGES = 18  # the classes of the PyTorch tutorial's names data
+
+
+def synthetic_names(size: int, length: int, seed: int):
+    """``--synthetic``: ``size`` random names (3 to ``length`` symbols of the alphabet, left-padded)
+    in SYNTHETIC_LANGUAGES classes, encoded like real ones."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min(3, length), length + 1, (size,), generator=generator)
+    symbols = torch.randint(2, VOCAB_SIZE, (size, length), generator=generator)
+    padding = torch.arange(length).unsqueeze(0) < (length - lengths).unsqueeze(1)
+    return symbols.masked_fill(padding, PAD), torch.randint(SYNTHETIC_LANGUAGES, (size,), generator=generator)
+
+
+def load_names(root: str, length: int, test_fraction: float, split_seed: int, synthetic_size: int = 0):
+    """``(languages, train, test)`` tensor datasets of encoded names and class indices (random
+    names when ``synthetic_size`` > 0)."""
+    if synthetic_size:
+        names, labels = synthetic_names(synthetic_size + synthetic_size // 4, length, split_seed)
+        languages = [f"language{i}" for i in range(SYNTHETIC_LANGUAGES)]
+        return (languages, TensorDataset(names[:synthetic_size], labels[:synthetic_size]),
+                TensorDataset(names[synthetic_size:], labels[synthetic_size:]))
     languages, examples = read_names(root)
     names = torch.stack([encode(name, length) for name, _ in examples])
     labels = torch.tensor([label for _, label in examples], dtype=torch.long)
@@ -100,13 +121,14 @@ class CharLSTMClassifier(nn.Module):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Private name → language classifier (DPLSTM)")
+    parser = make_parser("Private name → language classifier (DPLSTM)")
     parser.add_argument("--data-root", default="data/names", help="folder of <Language>.txt files")
+    add_synthetic_args(parser)
     parser.add_argument("--max-seq-length", type=int, default=15, help="symbols kept per name")
-    parser.add_argument("--embedding-size", type=int, default=64)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--n-lstm-layers", type=int, default=1)
-    parser.add_argument("--test-fraction", type=float, default=0.2)
+    parser.add_argument("--embedding-size", type=int, default=64, help="size of the symbol embeddings")
+    parser.add_argument("--hidden-size", type=int, default=128, help="LSTM hidden size")
+    parser.add_argument("--n-lstm-layers", type=int, default=1, help="LSTM layers")
+    parser.add_argument("--test-fraction", type=float, default=0.2, help="share of the names kept for testing")
     parser.add_argument("--split-seed", type=int, default=0, help="seed of the train/test split")
     add_training_args(parser, epochs=50, batch_size=800, lr=2.0, momentum=0.0)
     add_privacy_args(parser, sigma=1.0, max_grad_norm=1.5)
@@ -123,9 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    languages, train_set, test_set = load_names(args.data_root, args.max_seq_length,
-                                                args.test_fraction, args.split_seed)
-    setup = init_distributed(args.device)
+    languages, train_set, test_set = load_names(args.data_root, args.max_seq_length, args.test_fraction,
+                                                args.split_seed, args.synthetic_size if args.synthetic else 0)
+    setup = init_from_args(args)
     if setup.is_main:
         print(f"{len(languages)} languages, {len(train_set)} training and {len(test_set)} test names")
 

@@ -16,9 +16,15 @@ Data: ``torchvision.datasets.CIFAR10`` files (``cifar-10-batches-py/`` under ``-
 
 Examples::
 
+    python examples/cifar10.py --synthetic --epochs 1                # offline try-out, random images
     python examples/cifar10.py --data-root ~/data --download --epochs 20 --sigma 1.5 -c 1
     python examples/cifar10.py --api classic --batch-size 128 --n-accumulation-steps 8
     torchrun --nproc_per_node=2 examples/cifar10.py --epochs 20
+
+Every flag of Opacus's own ``examples/cifar10.py`` is accepted with its meaning (``-j``,
+``--wd``, ``-p``, ``-e`` = ``--evaluate``, ``-b`` = ``--batch-size-test``, ``--lr-schedule``,
+``--clip_per_layer``, ``--log-dir``, ``--start-epoch``, ``--local_rank``, ``--dist_backend``,
+``--grad_sample_mode``, ``--n_accumulation_steps``, ``--debug``).
 
 Batch sizes, sample rate, resume and budgets: see ``examples/README.md``.
 """
@@ -31,8 +37,9 @@ import torch.nn as nn
 
 from common import vision_data
 from common.classification import run_classification
-from common.cli import add_data_args, add_output_args, add_privacy_args, add_training_args, check_common_args
-from common.distributed import init_distributed, shutdown
+from common.cli import (add_data_args, add_output_args, add_privacy_args, add_training_args, check_common_args,
+                        make_parser)
+from common.distributed import init_from_args, shutdown
 
 NUM_CLASSES = 10
 
@@ -100,13 +107,14 @@ def build_model(args: argparse.Namespace) -> nn.Module:
 
 # ---------------------------------------------------------------------------------------- cli
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Private CIFAR-10 classifier (DP-SGD)")
-    parser.add_argument("--architecture", default="convnet", choices=["convnet", "resnet"])
+    parser = make_parser("Private CIFAR-10 classifier (DP-SGD)")
+    parser.add_argument("--architecture", default="convnet", choices=["convnet", "resnet"], help="model")
     parser.add_argument("--width", type=int, default=None,
-                        help="base channels (default 32 for convnet, 16 for resnet)")
+                        help="base channels; None: 32 for convnet, 16 for resnet")
     parser.add_argument("--depth", type=int, default=20, help="ResNet depth 6n+2")
     parser.add_argument("--activation", default="tanh", choices=["tanh", "relu"], help="convnet activation")
-    add_training_args(parser, epochs=20, batch_size=512, lr=1e-3, optim="RMSprop")
+    add_training_args(parser, epochs=20, batch_size=512, lr=1e-3, optim="RMSprop",
+                      batch_size_test_flags=("-b", "--batch-size-test"))  # Opacus's short flag
     add_privacy_args(parser, sigma=1.5, max_grad_norm=1.2)
     add_output_args(parser, checkpoint_file="checkpoints/cifar10.pt")
     add_data_args(parser, data_root="data/cifar10")
@@ -117,11 +125,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def datasets(args: argparse.Namespace):
+    """``(train, test)``: the CIFAR-10 files, or ``--synthetic`` images of the same shape."""
+    if args.synthetic:
+        shape = dict(channels=3, side=32, num_classes=NUM_CLASSES, seed=args.seed)
+        return (vision_data.synthetic_images(args.synthetic_size, train=True, **shape),
+                vision_data.synthetic_images(args.synthetic_size, train=False, **shape))
+    return (vision_data.cifar10(args.data_root, download=args.download, train=True),
+            vision_data.cifar10(args.data_root, download=False, train=False))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    train_set = vision_data.cifar10(args.data_root, download=args.download, train=True)
-    test_set = vision_data.cifar10(args.data_root, download=False, train=False)
-    setup = init_distributed(args.device)
+    train_set, test_set = datasets(args)
+    setup = init_from_args(args)
     try:
         return run_classification(args, build_model=lambda: build_model(args), train_set=train_set,
                                   test_set=test_set, setup=setup)

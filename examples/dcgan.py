@@ -28,6 +28,7 @@ from fixed noise, checkpoints, metrics.
 Examples::
 
     python examples/dcgan.py --dataset digits --image-size 16 --epochs 20
+    python examples/dcgan.py --dataset cifar10 --synthetic --epochs 1   # offline, random images
     python examples/dcgan.py --dataset cifar10 --data-root ~/data --download --sigma 1.0 -c 1.0
     torchrun --nproc_per_node=2 examples/dcgan.py --dataset mnist --data-root ~/data --target-digit 8
 """
@@ -40,8 +41,9 @@ import torch
 import torch.nn as nn
 
 from common import checkpoints
-from common.cli import add_privacy_args, add_unsafe_resume_arg, check_common_args
-from common.distributed import barrier, init_distributed, shutdown, wrap_model
+from common.cli import (add_distributed_args, add_privacy_args, add_synthetic_args, add_unsafe_resume_arg,
+                        check_common_args, make_parser)
+from common.distributed import barrier, init_from_args, shutdown, wrap_model
 from common.privacy import prepare_training
 from common.reporting import MetricsLog, privacy_line
 from common.gan import Discriminator, Generator, build_dataset, discriminator_frozen, save_grids
@@ -49,32 +51,36 @@ from common.loop import progress, set_epoch, to_device
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="DCGAN with a differentially private discriminator")
-    parser.add_argument("--dataset", default="digits",
-                        choices=["cifar10", "mnist", "folder", "fake", "digits"])
+    parser = make_parser("DCGAN with a differentially private discriminator")
+    parser.add_argument("--dataset", default="digits", choices=["cifar10", "mnist", "folder", "fake", "digits"],
+                        help="the private images")
     parser.add_argument("--data-root", default="data", help="dataset location (folder for 'folder')")
     parser.add_argument("--download", action="store_true", help="download cifar10/mnist if missing")
+    add_synthetic_args(parser)
     parser.add_argument("--target-digit", type=int, default=None, help="mnist/digits: train on one digit")
     parser.add_argument("--fake-size", type=int, default=1000, help="number of FakeData images")
     parser.add_argument("--image-size", type=int, default=32, help="side of the square images (2^k ≥ 8)")
     parser.add_argument("--nz", type=int, default=100, help="size of the latent vector")
     parser.add_argument("--ngf", type=int, default=64, help="generator width")
     parser.add_argument("--ndf", type=int, default=64, help="discriminator width")
-    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--epochs", type=int, default=10, help="passes over the real images")
     parser.add_argument("--batch-size", type=int, default=64, help="expected real batch per process")
-    parser.add_argument("--sample-rate", type=float, default=None, help="Poisson q (default B·R/N)")
+    parser.add_argument("--sample-rate", type=float, default=None, help="Poisson q (None: B·R/N)")
     parser.add_argument("--lr", type=float, default=2e-4, help="Adam learning rate of D and G")
     parser.add_argument("--beta1", type=float, default=0.5, help="Adam β1")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0, help="seed of initialisation, sampling, noise")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--outf", default="dcgan_out", help="folder for images and checkpoints")
-    parser.add_argument("--checkpoint-file", default=None, help="default: <outf>/dcgan.pt")
-    parser.add_argument("--resume", default="", metavar="PATH")
+    parser.add_argument("--checkpoint-file", default=None, help="None: <outf>/dcgan.pt")
+    parser.add_argument("--resume", default="", metavar="PATH", help="continue from this checkpoint")
     add_unsafe_resume_arg(parser)
-    parser.add_argument("--metrics-file", default=None, metavar="PATH")
-    parser.add_argument("--tensorboard", default=None, metavar="DIR")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--print-freq", type=int, default=10, help="refresh ε every this many steps")
+    parser.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON metrics")
+    parser.add_argument("--tensorboard", "--log-dir", dest="tensorboard", default=None, metavar="DIR",
+                        help="TensorBoard log directory (needs the tensorboard package)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("-p", "--print-freq", type=int, default=10,
+                        help="refresh ε in the progress bar at the first step and every this many steps")
+    add_distributed_args(parser)
     add_privacy_args(parser, sigma=1.0, max_grad_norm=1.0)
     parser.set_defaults(n_accumulation_steps=1, workers=0, evaluate=False, batch_size_test=1)
     args = parser.parse_args(argv)
@@ -129,8 +135,9 @@ def train_epoch(args, run, netG, optimizer_g, setup, epoch: int, fakes: int) -> 
     set_epoch(run.train_loader, epoch)
     latent = latent_generator(args.seed, epoch, setup.rank)
     totals = {"loss_d": 0.0, "loss_g": 0.0, "steps": 0}
-    bar = progress(run.train_loader, total=len(run.train_loader), epoch=epoch,
-                    enabled=setup.is_main and not args.no_progress)
+    show = setup.is_main and not args.no_progress
+    bar = progress(run.train_loader, total=len(run.train_loader), epoch=epoch, enabled=show)
+    epsilon = run.epsilon()
     for batch in bar:
         real = to_device(batch[0], setup.device)
         fake = netG(torch.randn(fakes, args.nz, 1, 1, generator=latent).to(setup.device))
@@ -147,8 +154,11 @@ def train_epoch(args, run, netG, optimizer_g, setup, epoch: int, fakes: int) -> 
         totals["loss_d"] += loss_d.item()
         totals["loss_g"] += loss_g.item()
         totals["steps"] += 1
-        if setup.is_main and not args.no_progress:
-            bar.set_postfix(loss_d=f"{loss_d.item():.3f}", loss_g=f"{loss_g.item():.3f}")
+        if run.private and (totals["steps"] == 1 or totals["steps"] % args.print_freq == 0):
+            epsilon = run.epsilon()  # at the epoch's first step, then every --print-freq steps
+        if show:
+            bar.set_postfix(loss_d=f"{loss_d.item():.3f}", loss_g=f"{loss_g.item():.3f}",
+                            **({"eps": f"{epsilon:.2f}"} if run.private else {}))
     steps = max(totals["steps"], 1)
     return {"epoch": epoch, "loss_d": totals["loss_d"] / steps, "loss_g": totals["loss_g"] / steps,
             "steps": totals["steps"], "epsilon": run.epsilon()}
@@ -198,7 +208,7 @@ def train(args, setup, dataset, channels: int) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     dataset, channels = build_dataset(args)
-    setup = init_distributed(args.device)
+    setup = init_from_args(args)
     try:
         train(args, setup, dataset, channels)
         return 0

@@ -10,6 +10,7 @@ Data: ``torchvision.datasets.MNIST`` (``MNIST/raw/*-ubyte`` under ``--data-root`
 
 Examples::
 
+    python examples/mnist.py --synthetic --epochs 1                  # offline try-out, random images
     python examples/mnist.py --data-root ~/data --download --epochs 10 --sigma 1.0 -c 1.0
     python examples/mnist.py --api classic --target-epsilon 2 --epochs 10
     torchrun --nproc_per_node=2 examples/mnist.py --epochs 10
@@ -22,8 +23,10 @@ import torch.nn as nn
 
 from common import vision_data
 from common.classification import run_classification
-from common.cli import add_data_args, add_output_args, add_privacy_args, add_training_args, check_common_args
-from common.distributed import init_distributed, shutdown
+from common.cli import (add_data_args, add_output_args, add_privacy_args, add_training_args, check_common_args,
+                        make_parser)
+from common.distributed import init_from_args, shutdown
+
 
 def sample_convnet(width: int = 16) -> nn.Module:
     """28×28 → conv8/2 (w) → pool → conv4/2 (2w) → pool → dense 32 → 10, tanh activations."""
@@ -35,7 +38,7 @@ def sample_convnet(width: int = 16) -> nn.Module:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Private MNIST classifier (DP-SGD)")
+    parser = make_parser("Private MNIST classifier (DP-SGD)")
     parser.add_argument("--width", type=int, default=16, help="channels of the first convolution")
     add_training_args(parser, epochs=10, batch_size=240, lr=0.1, momentum=0.0)
     add_privacy_args(parser, sigma=1.0, max_grad_norm=1.0)
@@ -48,11 +51,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def datasets(args: argparse.Namespace):
+    """``(train, test)``: the MNIST files, or ``--synthetic`` images of the same shape."""
+    if args.synthetic:
+        shape = dict(channels=1, side=28, num_classes=10, seed=args.seed)
+        return (vision_data.synthetic_images(args.synthetic_size, train=True, **shape),
+                vision_data.synthetic_images(args.synthetic_size, train=False, **shape))
+    return (vision_data.mnist(args.data_root, download=args.download, train=True),
+            vision_data.mnist(args.data_root, download=False, train=False))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    train_set = vision_data.mnist(args.data_root, download=args.download, train=True)
-    test_set = vision_data.mnist(args.data_root, download=False, train=False)
-    setup = init_distributed(args.device)
+    train_set, test_set = datasets(args)
+    setup = init_from_args(args)
     try:
         return run_classification(args, build_model=lambda: sample_convnet(args.width),
                                   train_set=train_set, test_set=test_set, setup=setup)

@@ -41,7 +41,8 @@ SECURE_MODE_NOTE = "note: secure_mode is off (fine for experiments; use secure_m
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Private digit classifier (DP-SGD) on sklearn's digits")
+    parser = argparse.ArgumentParser(description="Private digit classifier (DP-SGD) on sklearn's digits",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
     parser.add_argument("--target-epsilon", type=float, default=3.0, help="privacy budget ε")
     parser.add_argument("--delta", type=float, default=1e-5, help="privacy parameter δ")
@@ -50,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1.0, help="learning rate")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--batch-size", type=int, default=512, help="expected (Poisson) batch size")
-    parser.add_argument("--accountant", default="prv", choices=["prv", "rdp", "gdp"])
+    parser.add_argument("--accountant", default="prv", choices=["prv", "rdp", "gdp"], help="privacy accountant")
     parser.add_argument("--json", metavar="PATH", help="write accuracy, ε and settings to this file")
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1:

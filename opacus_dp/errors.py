@@ -10,5 +10,9 @@ class PrivacyBudgetExceededError(RuntimeError):
     """
 
 
-class UnsupportedModuleError(ValueError):
+class UnsupportedError(ValueError):
+    """A component cannot be used privately (Opacus 1.x's base class of the validation errors)."""
+
+
+class UnsupportedModuleError(UnsupportedError):
     """A module cannot be trained privately as it is (see ``ModuleValidator.fix``)."""

@@ -49,6 +49,7 @@ from opacus_dp.grad_sample.mode_selection import MODE_NAMES
 from opacus_dp.optim.adaptive_clipping import adaptive_clipper
 from opacus_dp.optim.logical_batches import BatchingPolicy
 from opacus_dp.privacy_engine_classic import ClassicPrivacyEngine
+from opacus_dp.privacy_engine_classic_setup import DEFAULT_ALPHAS  # noqa: F401  (Opacus 0.x's path)
 from opacus_dp.validators import ModuleValidator
 
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 from opacus_dp.accountants import RDPAccountant
 from opacus_dp.accountants.analysis.rdp import compute_rdp
 from opacus_dp.accountants.validation import warn_if_delta_not_small
+from opacus_dp.data.empty_draw_steps import follow_empty_draws
 from opacus_dp.engine_setup import (
     check_choice,
     check_optimizer_params,
@@ -111,6 +112,7 @@ class ClassicPrivacyEngine:
         self._dp_optimizer = None
         self._pending_noise_state = None
         self._saved_attributes = None
+        self._empty_draws = None  # follows the empty draws of a 0.x Poisson sampler while attached
 
     # ------------------------------------------------------------------ attach / detach
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -148,6 +150,8 @@ class ClassicPrivacyEngine:
         self.optimizer = optimizer
         if not self.poisson:
             warn_fixed_size_batches(self.sample_rate)
+        elif self.world_size == 1:  # every empty draw of a 0.x sampler is a step too
+            self._empty_draws = follow_empty_draws(optimizer, sample_rate=self.sample_rate)
 
     def _limit_logical_batches(self, gsm) -> BatchingPolicy:
         """Opacus 0.x: everything between two steps is one logical batch of ``batch_size``.
@@ -165,6 +169,9 @@ class ClassicPrivacyEngine:
         """Restore the optimizer (step, zero_grad, ...) and the model exactly."""
         if self.optimizer is None:
             raise ValueError("this PrivacyEngine is not attached to an optimizer")
+        if self._empty_draws is not None:
+            self._empty_draws.remove()
+            self._empty_draws = None
         restore_optimizer(self.optimizer, self._saved_attributes)
         self.grad_sample_module.close()
         self._noise_multiplier = self._dp_optimizer.noise_multiplier

@@ -96,9 +96,9 @@ def warn_fixed_size_batches(sample_rate: float) -> None:
         f"privacy is accounted as Poisson sampling with sample_rate={sample_rate:.4g}, but "
         "poisson=False: shuffled fixed-size batches are not covered by that analysis and may be "
         "less private than reported. Use poisson=True with opacus_dp.data.DPDataLoader(dataset, "
-        f"sample_rate={sample_rate:.4g}), which also delivers empty batches (a DataLoader with "
-        "batch_sampler=UniformWithReplacementSampler needs a collate_fn that accepts an empty "
-        "list: torch's default one fails on it)",
+        f"sample_rate={sample_rate:.4g}), which also delivers empty batches, or with a DataLoader "
+        "whose batch_sampler is UniformWithReplacementSampler (its empty draws are steps of the "
+        "attached engine)",
         SamplingWarning, stacklevel=3,
     )
 

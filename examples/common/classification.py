@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from common import checkpoints
 from common.distributed import Distributed, barrier, wrap_model
-from common.loop import evaluate, train_epoch
+from common.loop import evaluate, first_epoch, set_learning_rate, train_epoch
 from common.privacy import TrainingRun, prepare_training
 from common.reporting import MetricsLog, privacy_line
 
@@ -70,7 +70,8 @@ def _train_epochs(args, run: TrainingRun, test_loader, setup: Distributed, log: 
     from opacus_dp.errors import PrivacyBudgetExceededError
 
     best = entries.get("best_accuracy", 0.0)
-    for epoch in range(entries.get("epoch", 0) + 1, args.epochs + 1):
+    for epoch in range(first_epoch(args, entries), args.epochs + 1):
+        set_learning_rate(run.optimizer, args, epoch)
         try:
             stats = train_epoch(run, epoch, device=setup.device, print_freq=args.print_freq,
                                 show_progress=setup.is_main and not args.no_progress)

@@ -6,10 +6,16 @@ expectation, i.e. the sample rate is ``q = B · k · R / N`` unless ``--sample-r
 """
 
 import argparse
+import logging
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
+
+
+def make_parser(description: str) -> argparse.ArgumentParser:
+    """The parser of an example; ``--help`` shows every default."""
+    return argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def add_privacy_args(parser: argparse.ArgumentParser, *, sigma: float, max_grad_norm: float,
@@ -27,7 +33,11 @@ def add_privacy_args(parser: argparse.ArgumentParser, *, sigma: float, max_grad_
                        help="accountant (modern API, default prv; the classic API uses rdp)")
     group.add_argument("--api", default="modern", choices=["modern", "classic"],
                        help="modern: make_private (Opacus 1.x); classic: PrivacyEngine(model, ...).attach")
-    group.add_argument("--grad-sample-mode", default="hooks", choices=["hooks", "functorch", "bk", "auto"],
+    group.add_argument("--clip_per_layer", "--clip-per-layer", dest="clip_per_layer", action="store_true",
+                       help="clip each parameter tensor to C/sqrt(number of tensors) (per-layer clipping; "
+                            "the whole gradient is still bounded by C)")
+    group.add_argument("--grad-sample-mode", "--grad_sample_mode", dest="grad_sample_mode", default="hooks",
+                       choices=["hooks", "functorch", "bk", "auto"],
                        help="how per-sample clipped gradients are computed: hooks (materialised), "
                             "functorch (torch.func), bk (book-keeping, norms without materialising), "
                             "auto (picks one); 'ghost' is not offered: its criterion's two-pass "
@@ -38,27 +48,50 @@ def add_privacy_args(parser: argparse.ArgumentParser, *, sigma: float, max_grad_
 
 
 def add_training_args(parser: argparse.ArgumentParser, *, epochs: int, batch_size: int, lr: float,
-                      optim: str = "SGD", momentum: float = 0.0) -> None:
+                      optim: str = "SGD", momentum: float = 0.0,
+                      batch_size_test_flags: Sequence[str] = ("--batch-size-test",)) -> None:
+    """Training flags; the aliases are those of Opacus's example scripts (``-j``, ``--wd``,
+    ``-p``, ``--n_accumulation_steps``, ``--start-epoch``, ``--lr-schedule``)."""
     group = parser.add_argument_group("training")
     group.add_argument("--epochs", type=int, default=epochs, help="total number of epochs")
+    group.add_argument("--start-epoch", type=int, default=None, metavar="N",
+                       help="number of the first epoch to run (epochs N..--epochs; useful on restarts); "
+                            "None: 1, or the epoch after the one of --resume")
     group.add_argument("--batch-size", type=int, default=batch_size,
                        help="expected physical batch size per process")
-    group.add_argument("--batch-size-test", type=int, default=256, help="batch size of evaluation")
+    group.add_argument(*batch_size_test_flags, dest="batch_size_test", type=int, default=256,
+                       help="batch size of evaluation")
     group.add_argument("--sample-rate", type=float, default=None,
                        help="Poisson sample rate q of a private step (default B·k·R/N, see module doc)")
-    group.add_argument("--n-accumulation-steps", type=int, default=1,
+    group.add_argument("--n-accumulation-steps", "--n_accumulation_steps", "-na", dest="n_accumulation_steps",
+                       type=int, default=1,
                        help="physical batches per private step (memory: gradients are accumulated)")
     group.add_argument("--lr", "--learning-rate", type=float, default=lr, help="learning rate")
+    group.add_argument("--lr-schedule", default="constant", choices=["constant", "cos"],
+                       help="cos: lr · (1 + cos(π·epoch/(epochs+1)))/2 at each epoch (Opacus's schedule)")
     group.add_argument("--momentum", type=float, default=momentum, help="SGD/RMSprop momentum")
-    group.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")
-    group.add_argument("--optim", default=optim, choices=["SGD", "Adam", "RMSprop"])
+    group.add_argument("--weight-decay", "--wd", dest="weight_decay", type=float, default=0.0, help="weight decay")
+    group.add_argument("--optim", default=optim, choices=["SGD", "Adam", "RMSprop"], help="optimizer")
     group.add_argument("--seed", type=int, default=0, help="seed of initialisation, sampling, noise")
     group.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     group.add_argument("--data-parallel", action="store_true",
                        help="replicate the model over the visible GPUs with nn.DataParallel")
-    group.add_argument("--workers", type=int, default=0, help="data loading worker processes")
-    group.add_argument("--print-freq", type=int, default=10,
-                       help="refresh ε in the progress bar every this many steps")
+    group.add_argument("-j", "--workers", type=int, default=0, help="data loading worker processes")
+    group.add_argument("-p", "--print-freq", type=int, default=10,
+                       help="refresh ε in the progress bar at the first step and every this many steps")
+    add_distributed_args(parser)
+
+
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """Process-group flags of Opacus's examples (``torchrun`` sets the environment itself)."""
+    group = parser.add_argument_group("distributed")
+    group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=-1,
+                       help="local rank given by a launcher that passes it as a flag (torchrun sets "
+                            "LOCAL_RANK, which takes precedence); -1: from the environment")
+    group.add_argument("--dist_backend", "--dist-backend", dest="dist_backend", default=None,
+                       choices=["gloo", "nccl", "mpi"],
+                       help="torch.distributed backend (default: nccl on CUDA, gloo on CPU)")
+    group.add_argument("--debug", type=int, default=0, help="debug level: 1 or more logs at DEBUG level")
 
 
 def add_unsafe_resume_arg(parser) -> None:
@@ -74,26 +107,41 @@ def add_output_args(parser: argparse.ArgumentParser, *, checkpoint_file: str) ->
     group.add_argument("--resume", default="", metavar="PATH",
                        help="continue from this checkpoint (model, optimizer, privacy history)")
     add_unsafe_resume_arg(group)
-    group.add_argument("--evaluate", action="store_true",
+    group.add_argument("-e", "--evaluate", action="store_true",
                        help="only evaluate the model (of --resume) on the test set")
     group.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON metrics")
-    group.add_argument("--tensorboard", default=None, metavar="DIR",
+    group.add_argument("--tensorboard", "--log-dir", dest="tensorboard", default=None, metavar="DIR",
                        help="TensorBoard log directory (needs the tensorboard package)")
     group.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def add_data_args(parser: argparse.ArgumentParser, *, data_root: str) -> None:
+def add_data_args(parser: argparse.ArgumentParser, *, data_root: str, download: bool = True) -> None:
     group = parser.add_argument_group("data")
     group.add_argument("--data-root", default=data_root, help="where the dataset lives")
-    group.add_argument("--download", action="store_true",
-                       help="download the dataset into --data-root if it is missing")
+    if download:
+        group.add_argument("--download", action="store_true",
+                           help="download the dataset into --data-root if it is missing")
+    add_synthetic_args(group)
+
+
+def add_synthetic_args(group) -> None:
+    group.add_argument("--synthetic", action="store_true",
+                       help="train on random data of the real shapes (no files, no download): to try "
+                            "the script offline; the accuracy means nothing")
+    group.add_argument("--synthetic-size", type=int, default=1024, metavar="N",
+                       help="training examples of --synthetic (a quarter as many test examples)")
 
 
 def check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject inconsistent flags early (argparse error, exit code 2)."""
-    for name in ("epochs", "batch_size", "batch_size_test", "n_accumulation_steps", "print_freq"):
-        if getattr(args, name) < 1:
+    for name in ("epochs", "batch_size", "batch_size_test", "n_accumulation_steps", "print_freq",
+                 "synthetic_size"):
+        if getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if getattr(args, "start_epoch", None) is not None and not 1 <= args.start_epoch <= args.epochs:
+        parser.error(f"--start-epoch must lie in 1..--epochs ({args.epochs}), got {args.start_epoch}")
+    if getattr(args, "debug", 0) >= 1:
+        logging.basicConfig(level=logging.DEBUG)
     if args.sample_rate is not None and not 0 < args.sample_rate <= 1:
         parser.error("--sample-rate must lie in (0, 1]")
     if args.evaluate and not args.resume:

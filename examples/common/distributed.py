@@ -54,15 +54,25 @@ def _device_for(requested: str, local_rank: int, world_size: int) -> torch.devic
     return device
 
 
-def init_distributed(requested_device: str) -> Distributed:
-    """Join the process group if launched by ``torchrun`` with several processes."""
+def init_distributed(requested_device: str, *, local_rank: int = -1, backend=None) -> Distributed:
+    """Join the process group if launched by ``torchrun`` with several processes.
+
+    ``local_rank`` (``--local_rank``, from launchers that pass it as a flag) is used when the
+    environment has no ``LOCAL_RANK``; ``backend`` (``--dist_backend``) defaults to nccl on
+    CUDA and gloo on CPU."""
     world_size = _env_int("WORLD_SIZE", 1)
-    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", max(local_rank, 0))
     device = _device_for(requested_device, local_rank, world_size)
     if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend=backend, init_method="env://")
     return Distributed(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def init_from_args(args) -> Distributed:
+    """:func:`init_distributed` with the flags ``--device``, ``--local_rank``, ``--dist_backend``."""
+    return init_distributed(args.device, local_rank=getattr(args, "local_rank", -1),
+                            backend=getattr(args, "dist_backend", None))
 
 
 def wrap_model(model: nn.Module, setup: Distributed, *, private: bool) -> nn.Module:

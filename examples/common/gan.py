@@ -92,6 +92,10 @@ def _digits(image_size: int, target_digit):
 def build_dataset(args):
     """``(dataset, channels)`` for ``args.dataset`` (see the DCGAN example's doc)."""
     size = args.image_size
+    channels = 1 if args.dataset in ("mnist", "digits") else 3
+    if getattr(args, "synthetic", False):
+        return vision_data.synthetic_images(args.synthetic_size, channels=channels, side=size, num_classes=10,
+                                            seed=args.seed), channels
     if args.dataset == "digits":
         return _digits(size, args.target_digit), 1
     if args.dataset == "mnist":

@@ -47,6 +47,22 @@ def progress(iterable, *, total: int, epoch: int, enabled: bool):
     return tqdm(iterable, total=total, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
 
 
+def set_learning_rate(optimizer: torch.optim.Optimizer, args, epoch: int) -> None:
+    """``--lr-schedule cos``: ``lr · (1 + cos(π·epoch/(epochs+1)))/2`` for ``epoch`` (Opacus's
+    CIFAR-10 schedule); ``constant`` leaves the learning rate alone."""
+    if getattr(args, "lr_schedule", "constant") != "cos":
+        return
+    lr = args.lr * 0.5 * (1 + math.cos(math.pi * epoch / (args.epochs + 1)))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def first_epoch(args, entries: dict) -> int:
+    """``--start-epoch`` if given, else the epoch after the resumed one (1 for a new run)."""
+    start = getattr(args, "start_epoch", None)
+    return start if start is not None else entries.get("epoch", 0) + 1
+
+
 def train_epoch(run: TrainingRun, epoch: int, *, device: torch.device, print_freq: int,
                 show_progress: bool) -> EpochStats:
     """One pass over ``run.train_loader``; raises PrivacyBudgetExceededError from ``step``."""
@@ -72,8 +88,8 @@ def train_epoch(run: TrainingRun, epoch: int, *, device: torch.device, print_fre
                 loss_sum += loss.item() * len(targets)
                 correct += int((outputs.argmax(dim=1) == targets).sum())
                 seen += len(targets)
-            if run.private and stepped > steps and stepped % print_freq == 0:
-                epsilon = run.epsilon()
+            if run.private and stepped > steps and (steps == 0 or stepped % print_freq == 0):
+                epsilon = run.epsilon()  # at the epoch's first step, then every print_freq steps
             steps = stepped
             if show_progress:
                 bar.set_postfix(loss=f"{loss_sum / max(seen, 1):.3f}",

@@ -99,13 +99,23 @@ def _plain_loader(args, train_set: Dataset, setup: Distributed, collate_fn) -> D
                       num_workers=args.workers, collate_fn=collate_fn)
 
 
+def clipping_bounds(args: argparse.Namespace, model: nn.Module):
+    """``(clipping, max_grad_norm)``: ``("flat", C)``, or with ``--clip_per_layer``
+    ``("per_layer", [C/√n] * n)`` for the n trainable tensors (the whole gradient stays ≤ C)."""
+    if not getattr(args, "clip_per_layer", False):
+        return "flat", args.max_grad_norm
+    n = sum(1 for p in model.parameters() if p.requires_grad)
+    return "per_layer", [args.max_grad_norm / math.sqrt(n)] * n
+
+
 def _modern(args, model, optimizer, loader, sigma: Optional[float], budget_delta, device):
     from opacus_dp import PrivacyEngine
 
     engine = PrivacyEngine(accountant=args.accountant, secure_mode=args.secure_rng,
                            max_epsilon=args.max_epsilon, max_epsilon_delta=budget_delta)
-    common = dict(module=model, optimizer=optimizer, data_loader=loader,
-                  max_grad_norm=args.max_grad_norm, noise_generator=_noise_generator(args, device),
+    clipping, bound = clipping_bounds(args, model)
+    common = dict(module=model, optimizer=optimizer, data_loader=loader, clipping=clipping,
+                  max_grad_norm=bound, noise_generator=_noise_generator(args, device),
                   grad_sample_mode=args.grad_sample_mode)
     if sigma is None and args.target_epsilon is not None:
         model, optimizer, loader = engine.make_private_with_epsilon(
@@ -124,7 +134,7 @@ def _classic(args, model, optimizer, loader, sigma: Optional[float], device):
         model, sample_rate=loader.sample_rate, sample_size=len(loader.dataset),
         noise_multiplier=None if calibrate else (args.sigma if sigma is None else sigma),
         target_epsilon=args.target_epsilon if calibrate else None,
-        epochs=args.epochs if calibrate else None, max_grad_norm=args.max_grad_norm,
+        epochs=args.epochs if calibrate else None, max_grad_norm=clipping_bounds(args, model)[1],
         secure_rng=args.secure_rng, target_delta=args.delta, poisson=True,
         max_epsilon=args.max_epsilon, noise_generator=_noise_generator(args, device),
         grad_sample_mode=args.grad_sample_mode)

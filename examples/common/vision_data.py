@@ -7,7 +7,10 @@ private data enters the preprocessing.
 import os
 from typing import Callable, List, Optional
 
-from common.data import missing_dataset
+import torch
+from torch.utils.data import TensorDataset
+
+from common.data import download_errors, missing_dataset
 
 MNIST_RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                    "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -48,7 +51,8 @@ def cifar10(root: str, *, download: bool, train: bool = True, transform: Optiona
         raise missing_dataset("CIFAR-10", missing,
                               f"Get it with --download (into --data-root {root}), or unpack "
                               f"{CIFAR10.url} so that {folder} holds these files.")
-    return CIFAR10Files(root, train=train, transform=transform or to_unit_range(3), download=download)
+    with download_errors("CIFAR-10", CIFAR10.url, enabled=download and bool(missing)):
+        return CIFAR10Files(root, train=train, transform=transform or to_unit_range(3), download=download)
 
 
 def mnist(root: str, *, download: bool, train: bool = True, transform: Optional[Callable] = None):
@@ -61,7 +65,8 @@ def mnist(root: str, *, download: bool, train: bool = True, transform: Optional[
         raise missing_dataset("MNIST", missing,
                               f"Get it with --download (into --data-root {root}), or place the "
                               f"uncompressed idx files in {raw}.")
-    return MNIST(root, train=train, transform=transform or to_unit_range(1), download=download)
+    with download_errors("MNIST", MNIST.mirrors[0], enabled=download and bool(missing)):
+        return MNIST(root, train=train, transform=transform or to_unit_range(1), download=download)
 
 
 def image_folder(root: str, *, transform: Callable):
@@ -72,3 +77,13 @@ def image_folder(root: str, *, transform: Callable):
         raise missing_dataset("image folder", [os.path.join(_absolute(root), "<class>", "<image>")],
                               "Pass --data-root, a folder with one sub-folder of images per class.")
     return ImageFolder(root, transform=transform)
+
+
+def synthetic_images(size: int, *, channels: int, side: int, num_classes: int, seed: int,
+                     train: bool = True) -> TensorDataset:
+    """``--synthetic``: uniform pixels in [-1, 1] of shape ``(channels, side, side)`` and random
+    labels; ``size`` training examples, or ``size // 4`` (at least 1) test examples."""
+    generator = torch.Generator().manual_seed(seed * 2 + (0 if train else 1))
+    n = size if train else max(1, size // 4)
+    images = torch.rand(n, channels, side, side, generator=generator) * 2 - 1
+    return TensorDataset(images, torch.randint(num_classes, (n,), generator=generator))

@@ -53,8 +53,11 @@ def get_noise_multiplier(
 ) -> float:
     """Noise multiplier σ such that the run spends at most ``target_epsilon`` at ``target_delta``.
 
-    The returned σ satisfies ``target − tol ≤ ε(σ) ≤ target`` with
-    ``tol = epsilon_tolerance × min(1, target_epsilon)`` (relative for ε ≥ 1, absolute below);
+    The returned σ satisfies ``target − tol/2 < ε(σ) ≤ target`` with
+    ``tol = epsilon_tolerance × min(1, target_epsilon)`` (relative for ε ≥ 1, absolute below), so
+    ε rounds to the target at the tolerance's precision: ``round(ε, 2) == 2.0`` for target 2 and
+    the default 0.01, as Opacus's tests check (Opacus's own search stops anywhere in
+    ``[target − tol, target]``);
     ``epsilon_kwargs`` go unchanged to ``accountant.get_epsilon`` (e.g. ``alphas`` for RDP).
     The default accountant is RDP, as in Opacus (``make_private_with_epsilon`` uses the
     engine's accountant).
@@ -73,11 +76,11 @@ def get_noise_multiplier(
     def eps(sigma: float) -> float:
         return _epsilon_at(accountant, sigma, q, count, delta, epsilon_kwargs)
 
-    return _search_sigma(eps, target, epsilon_tolerance * min(1.0, target))
+    return _search_sigma(eps, target, epsilon_tolerance * min(1.0, target) / 2)
 
 
 def _search_sigma(eps, target: float, tolerance: float) -> float:
-    """Largest-known σ with target − tolerance ≤ eps(σ) ≤ target, for decreasing ``eps``."""
+    """Largest-known σ with target − tolerance < eps(σ) ≤ target, for decreasing ``eps``."""
     sigma_low, sigma_high = 0.0, 1.0
     eps_low, eps_high = math.inf, eps(sigma_high)
     while eps_high > target:
@@ -87,7 +90,7 @@ def _search_sigma(eps, target: float, tolerance: float) -> float:
         eps_high = eps(sigma_high)
     aim, use_interpolation = target - tolerance / 2, True
     for _ in range(_MAX_BISECTIONS):
-        if target - eps_high <= tolerance:
+        if target - eps_high < tolerance:
             return sigma_high
         width = sigma_high - sigma_low
         sigma = _next_sigma(sigma_low, sigma_high, eps_low - aim, eps_high - aim, use_interpolation)

@@ -73,7 +73,8 @@ class DPDataLoader(SamplingGeneratorKept, DataLoader):
     batch of the usual structure with zero rows (see ``opacus_dp.data.collate``). The sampling
     randomness comes from ``generator`` (a fresh one seeded from torch's global RNG by default),
     exposed as ``loader.generator`` so that ``loader.generator.get_state()`` can be checkpointed.
-    ``drop_last`` has no meaning for Poisson batches and is ignored with a warning.
+    ``drop_last`` has no meaning for Poisson batches and is ignored with a warning, as is Opacus
+    1.x's ``rand_on_empty`` (empty batches already have the right structure).
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class DPDataLoader(SamplingGeneratorKept, DataLoader):
         generator=None,
         distributed: bool = False,
         batch_first: bool = True,
+        rand_on_empty: bool = False,
         steps: Optional[int] = None,
         num_workers: int = 0,
         pin_memory: bool = False,
@@ -105,6 +107,10 @@ class DPDataLoader(SamplingGeneratorKept, DataLoader):
         generator = generator_from_global_rng() if generator is None else generator
         if drop_last:
             warnings.warn("DPDataLoader ignores drop_last=True: Poisson batches have no fixed size", UserWarning)
+        if rand_on_empty:
+            warnings.warn("DPDataLoader ignores rand_on_empty=True (Opacus 1.x: one random example instead of "
+                          "an empty batch): an empty batch is delivered with the usual structure and zero rows",
+                          UserWarning)
         batch_sampler = self._make_batch_sampler(len(dataset), generator, steps)
         collate = EmptyBatchCollate.from_dataset(dataset, unwrap_collate(collate_fn), batch_first=batch_first)
         super().__init__(
@@ -129,7 +135,8 @@ class DPDataLoader(SamplingGeneratorKept, DataLoader):
                 total_size=num_samples, sample_rate=self.sample_rate, generator=generator, steps=steps
             )
         return UniformWithReplacementSampler(
-            num_samples=num_samples, sample_rate=self.sample_rate, generator=generator, steps=steps
+            num_samples=num_samples, sample_rate=self.sample_rate, generator=generator, steps=steps,
+            skip_empty=False,  # delivered as empty batches (EmptyBatchCollate)
         )
 
     @classmethod

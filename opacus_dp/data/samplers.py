@@ -12,6 +12,8 @@ from typing import Iterator, List, Optional
 import torch
 from torch.utils.data import Sampler
 
+from opacus_dp.data.empty_draws import report_empty_draw
+
 
 def check_sample_rate(sample_rate) -> float:
     """``sample_rate`` as a float in (0, 1], or a ValueError naming the argument."""
@@ -65,26 +67,40 @@ def poisson_mask(num_samples: int, sample_rate: float, generator) -> torch.Tenso
 class UniformWithReplacementSampler(Sampler[List[int]]):
     """Batch sampler drawing ``steps`` Poisson batches over ``range(num_samples)``.
 
-    Each yielded list holds the indices i with ``U_i < sample_rate`` for fresh uniforms, so each
-    example is in each batch independently with probability q; lists may be empty.
-    ``len(sampler) == steps`` (default ``round(1/q)``). Accepts the keyword form
-    ``(num_samples=, sample_rate=, generator=, steps=)`` and the positional form
-    ``(num_samples, sample_rate, generator)``.
+    Each draw holds the indices i with ``U_i < sample_rate`` for fresh uniforms, so each example
+    is in each batch independently with probability q. ``len(sampler) == steps`` draws (default
+    ``round(1/q)``). Accepts the keyword form ``(num_samples=, sample_rate=, generator=, steps=)``
+    and the positional form ``(num_samples, sample_rate, generator)``.
+
+    An empty draw (probability ``(1-q)^N``) is, by default (``skip_empty=True``), never yielded,
+    as in Opacus 0.x: torch's default collate fails on an empty list. It is reported to the
+    privacy engines following rate q (:mod:`opacus_dp.data.empty_draws`): the classic
+    ``PrivacyEngine(..., poisson=True)`` takes its step then (noise only, parameters updated)
+    and records one ``(σ, q)``, so every draw is one accounted step, empty ones included. Opacus
+    0.x instead took a random (geometric) number of noise-only steps after each step, drawn
+    apart from the sampler. ``skip_empty=False`` yields empty lists (Opacus 1.x; for a
+    collate that builds empty batches, as :class:`~opacus_dp.data.DPDataLoader` does).
     """
 
-    def __init__(self, num_samples: int, sample_rate: float, generator=None, steps: Optional[int] = None):
+    def __init__(self, num_samples: int, sample_rate: float, generator=None, steps: Optional[int] = None,
+                 *, skip_empty: bool = True):
         self.num_samples = check_positive_int(num_samples, "num_samples")
         self.sample_rate = check_sample_rate(sample_rate)
         self.generator = generator
         self.steps = default_steps(self.sample_rate) if steps is None else check_positive_int(steps, "steps")
+        self.skip_empty = bool(skip_empty)
 
     def __len__(self) -> int:
+        """Number of draws per pass (the batches yielded, when none is empty)."""
         return self.steps
 
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps):
-            mask = poisson_mask(self.num_samples, self.sample_rate, self.generator)
-            yield mask.nonzero().view(-1).tolist()
+            indices = poisson_mask(self.num_samples, self.sample_rate, self.generator).nonzero().view(-1).tolist()
+            if indices or not self.skip_empty:
+                yield indices
+            else:
+                report_empty_draw(self)  # its step is taken by the engine following rate q
 
     def expected_batch_size(self) -> float:
         """E|B| = N·q."""
@@ -119,7 +135,9 @@ class DistributedPoissonBatchSampler(Sampler[List[int]]):
     * local batches of different ranks are disjoint (ranks own disjoint positions); when all
       ranks share the generator seed their union is exactly one global Poisson batch;
     * every rank yields exactly ``steps`` batches (empty ones included), so ranks never fall out
-      of step in collective operations.
+      of step in collective operations. (Opacus 0.x skipped a rank's empty local batch, which
+      let ranks fall out of step; a loader over this sampler needs a collate that accepts an
+      empty list, as :class:`~opacus_dp.data.DPDataLoader`'s.)
 
     ``set_epoch(epoch)`` changes the shard assignment for the next iteration.
     """

@@ -15,10 +15,7 @@ from torch.utils.data import (BatchSampler, DataLoader, RandomSampler, Sequentia
 from torch.utils.data.distributed import DistributedSampler
 
 from opacus_dp.data.samplers import DistributedPoissonBatchSampler, UniformWithReplacementSampler
-
-
-class SamplingWarning(UserWarning):
-    """The loader's sampling differs from the Poisson sampling the accountant assumes."""
+from opacus_dp.data.sampling_warning import SamplingWarning
 
 
 POISSON_SAMPLERS = (UniformWithReplacementSampler, DistributedPoissonBatchSampler)

@@ -9,6 +9,7 @@
 * :mod:`~opacus_dp.distributed.data_parallel` — per-sample gradients inside nn.DataParallel.
 """
 
+from opacus_dp.distributed.average import average_gradients
 from opacus_dp.distributed.checks import check_same_on_all_ranks, parameters_in_sync
 from opacus_dp.distributed.configure import (
     check_data_loader_world_size,
@@ -32,6 +33,7 @@ __all__ = [
     "DifferentiallyPrivateDistributedDataParallel",
     "StepCollectiveError",
     "StepRefusedError",
+    "average_gradients",
     "check_data_loader_world_size",
     "check_same_on_all_ranks",
     "configure_optimizer",

@@ -54,3 +54,16 @@ def unfold3d(tensor: torch.Tensor, *, kernel_size: IntOrTuple, padding: Union[st
     if tensor.dim() != 5:
         raise ValueError(f"unfold3d takes a (B, C, D, H, W) tensor, got shape {tuple(tensor.shape)}")
     return _unfold(tensor, 3, kernel_size, padding, stride, dilation)
+
+
+def filter_dilated_rows(tensor: torch.Tensor, dilation: Tuple[int, ...], dilated_kernel_size: Tuple[int, ...],
+                        kernel_size: Tuple[int, ...]) -> torch.Tensor:
+    """Keep, in each of the last ``len(kernel_size)`` dimensions (a dilated kernel window of size
+    ``dilated_kernel_size``), only the positions ``0, d, 2d, ...`` the dilated kernel reads:
+    ``(..., *dilated_kernel_size)`` -> ``(..., *kernel_size)``."""
+    rank = len(kernel_size)
+    offset = tensor.dim() - rank
+    for i in range(rank):
+        keep = torch.arange(0, dilated_kernel_size[i], dilation[i], device=tensor.device)
+        tensor = tensor.index_select(offset + i, keep)
+    return tensor

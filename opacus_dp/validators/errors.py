@@ -2,7 +2,7 @@
 
 from typing import List, Sequence
 
-from opacus_dp.errors import UnsupportedModuleError
+from opacus_dp.errors import UnsupportedError, UnsupportedModuleError  # noqa: F401  (Opacus 1.x path)
 
 
 class UnsupportableModuleError(UnsupportedModuleError):

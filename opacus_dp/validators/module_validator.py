@@ -23,6 +23,7 @@ from opacus_dp.validators.errors import UnsupportedModuleError, combined_error
 from opacus_dp.validators.rules import (
     MODULE_RULES,
     RNN_REPLACEMENTS,
+    eval_mode_error,
     no_trainable_parameters_error,
 )
 
@@ -69,9 +70,28 @@ class ModuleValidator:
 
     @classmethod
     def validate(cls, module: nn.Module, *, strict: bool = False) -> List[UnsupportedModuleError]:
-        """All problems of ``module`` and its sub-modules; ``strict=True`` raises them as one error."""
+        """All problems of ``module`` and its sub-modules; ``strict=True`` raises them as one error.
+
+        As in Opacus 1.x a model in eval mode is reported (``module.training`` is False). Beyond
+        Opacus: a model with nothing trainable, and the sub-modules that break the privacy
+        guarantee or have no per-sample gradients (see :mod:`opacus_dp.validators.rules`)."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        errors: List[UnsupportedModuleError] = []
+        if not module.training:  # Opacus 1.x: the model must be in training mode
+            errors.append(eval_mode_error(module, ROOT_NAME))
+        errors.extend(cls.sub_module_errors(module))
+        no_params = no_trainable_parameters_error(module, ROOT_NAME)
+        if no_params is not None:
+            errors.append(no_params)
+        if strict and errors:
+            raise combined_error(errors)
+        return errors
+
+    @classmethod
+    def sub_module_errors(cls, module: nn.Module) -> List[UnsupportedModuleError]:
+        """The problems of the sub-modules (``module`` included) alone: the built-in rules and the
+        registered validators, without the whole model's (training mode, anything trainable)."""
         errors: List[UnsupportedModuleError] = []
         for name, sub_module in module.named_modules():
             path = module_path(name)
@@ -82,11 +102,6 @@ class ModuleValidator:
             custom = cls.VALIDATORS.get(type(sub_module))
             if custom is not None:
                 errors.extend(_custom_errors(custom, sub_module, path))
-        no_params = no_trainable_parameters_error(module, ROOT_NAME)
-        if no_params is not None:
-            errors.append(no_params)
-        if strict and errors:
-            raise combined_error(errors)
         return errors
 
     @classmethod
@@ -124,9 +139,8 @@ class ModuleValidator:
             replacement = replacements[id(sub_module)]
             if replacement is None:
                 continue
-            logger.info(
-                "replaced %s (%s) with %s", module_path(name), type(sub_module).__name__, type(replacement).__name__
-            )
+            logger.info("Replaced sub_module %s : %s with %s", module_path(name), type(sub_module).__name__,
+                        type(replacement).__name__)  # Opacus's wording
             if not name:
                 return replacement
             _set_submodule(fixed, name, replacement)

@@ -149,3 +149,12 @@ def no_trainable_parameters_error(model: nn.Module, root_name: str) -> Optional[
         f"{root_name} ({type(model).__name__}) has no trainable parameters: nothing to train privately; "
         "fix: set requires_grad=True on the parameters to train"
     )
+
+
+def eval_mode_error(model: nn.Module, root_name: str) -> IllegalModuleConfigurationError:
+    """The error of a model in eval mode (Opacus 1.x's "Model needs to be in training mode")."""
+    return IllegalModuleConfigurationError(
+        f"{root_name} ({type(model).__name__}) is in eval mode: the model needs to be in training mode "
+        "to be made private; fix: call model.train() first (sub-modules that must stay frozen, e.g. "
+        "a BatchNorm with running statistics, may be put in eval mode afterwards)"
+    )

@@ -151,7 +151,8 @@ def test_non_empty_batches_are_the_sampled_examples():
     # oracle: the same generator state drives the Poisson batch sampler alone (iterating the
     # loader draws its workers' base seed from a generator of its own)
     oracle_generator = seeded(3)
-    oracle_sampler = UniformWithReplacementSampler(num_samples=20, sample_rate=0.3, generator=oracle_generator, steps=5)
+    oracle_sampler = UniformWithReplacementSampler(num_samples=20, sample_rate=0.3, generator=oracle_generator, steps=5,
+                                                   skip_empty=False)
     oracle_indices = list(oracle_sampler)
     for (x, y, mask), indices in zip(loader, oracle_indices):
         expected = default_collate([ds[i] for i in indices]) if indices else None

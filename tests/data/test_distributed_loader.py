@@ -36,7 +36,8 @@ def test_two_ranks_share_one_poisson_draw():
     # examples whose permuted position j satisfies U_j < q, U drawn as by a single-process sampler
     torch.manual_seed(0)
     generator = DPDataLoader(TensorDataset(torch.arange(N)), sample_rate=Q).generator
-    positions = list(UniformWithReplacementSampler(num_samples=N, sample_rate=Q, generator=generator, steps=STEPS))
+    positions = list(UniformWithReplacementSampler(num_samples=N, sample_rate=Q, generator=generator, steps=STEPS,
+                                                   skip_empty=False))
     order = [None] * N
     for r in range(2):
         for k, index in enumerate(shards[r]):

@@ -31,9 +31,14 @@ def inclusion_matrix(batches, num_samples: int) -> torch.Tensor:
     return m
 
 
+def draws(**kwargs):
+    """Every draw of a sampler, empty ones included (``skip_empty=False``)."""
+    return list(UniformWithReplacementSampler(skip_empty=False, **kwargs))
+
+
 def test_batch_size_mean_and_variance_match_binomial():
     n, q, steps = 200, 0.1, 400
-    batches = list(UniformWithReplacementSampler(num_samples=n, sample_rate=q, generator=seeded(1), steps=steps))
+    batches = draws(num_samples=n, sample_rate=q, generator=seeded(1), steps=steps)
     sizes = torch.tensor([len(b) for b in batches], dtype=torch.float64)
     # mean of 400 Binomial(200, 0.1) draws: sd = sqrt(18/400) ≈ 0.21 -> 5 sd tolerance
     assert abs(sizes.mean().item() - n * q) < 5 * math.sqrt(n * q * (1 - q) / steps)
@@ -44,7 +49,7 @@ def test_batch_size_mean_and_variance_match_binomial():
 def test_every_example_has_rate_q_and_draws_are_independent():
     n, q, steps = 200, 0.1, 400
     m = inclusion_matrix(
-        list(UniformWithReplacementSampler(num_samples=n, sample_rate=q, generator=seeded(2), steps=steps)), n
+        draws(num_samples=n, sample_rate=q, generator=seeded(2), steps=steps), n
     )
     counts = m.sum(0)
     # Pearson statistic over N examples ~ chi2(N): mean N, sd sqrt(2N) = 20 -> 5 sd tolerance
@@ -66,7 +71,7 @@ def test_every_example_has_rate_q_and_draws_are_independent():
 
 def test_empty_batches_occur_at_rate_one_minus_q_to_the_n():
     n, q, steps = 5, 0.05, 2000
-    batches = list(UniformWithReplacementSampler(num_samples=n, sample_rate=q, generator=seeded(3), steps=steps))
+    batches = draws(num_samples=n, sample_rate=q, generator=seeded(3), steps=steps)
     p_empty = (1 - q) ** n
     empty = sum(len(b) == 0 for b in batches) / steps
     assert abs(empty - p_empty) < 5 * math.sqrt(p_empty * (1 - p_empty) / steps)
@@ -75,7 +80,7 @@ def test_empty_batches_occur_at_rate_one_minus_q_to_the_n():
 
 @pytest.mark.parametrize("q, expected_len", [(0.3, 3), (1 / 7, 7), (0.5, 2), (1.0, 1), (0.001, 1000)])
 def test_default_length_is_round_of_inverse_rate(q, expected_len):
-    sampler = UniformWithReplacementSampler(num_samples=10, sample_rate=q)
+    sampler = UniformWithReplacementSampler(num_samples=10, sample_rate=q, skip_empty=False)
     assert len(sampler) == expected_len
     assert len(list(sampler)) == expected_len
 
@@ -84,7 +89,7 @@ def test_steps_and_positional_form():
     g = seeded(4)
     sampler = CompatSampler(10, 0.5, g)
     assert sampler is not None and sampler.generator is g and len(sampler) == 2
-    assert len(list(UniformWithReplacementSampler(num_samples=10, sample_rate=0.5, steps=9))) == 9
+    assert len(draws(num_samples=10, sample_rate=0.5, steps=9)) == 9
 
 
 def test_rate_one_takes_everything():
@@ -120,7 +125,8 @@ def test_inclusion_probability_of_the_uniform_grid_never_exceeds_q(q, monkeypatc
 
 
 def test_generator_state_is_checkpointable():
-    sampler = UniformWithReplacementSampler(num_samples=50, sample_rate=0.2, generator=seeded(5), steps=6)
+    sampler = UniformWithReplacementSampler(num_samples=50, sample_rate=0.2, generator=seeded(5), steps=6,
+                                            skip_empty=False)
     it = iter(sampler)
     [next(it) for _ in range(2)]
     state = sampler.generator.get_state()

@@ -147,8 +147,9 @@ def test_attaching_second_engine_raises():
 def test_poisson_empty_batches_are_real_steps():
     x, y = small_data(8)
     dataset = TensorDataset(x, y)
-    sampler = UniformWithReplacementSampler(num_samples=8, sample_rate=0.125,
-                                            generator=torch.Generator().manual_seed(2))
+    sampler = UniformWithReplacementSampler(num_samples=8, sample_rate=0.125,  # yield empties to
+                                            generator=torch.Generator().manual_seed(2),  # the collate
+                                            skip_empty=False)
     loader = DataLoader(dataset, batch_sampler=sampler,
                         collate_fn=EmptyBatchCollate.from_dataset(dataset, None))
     model = small_model()

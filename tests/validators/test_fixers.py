@@ -189,8 +189,9 @@ def test_fixed_batch_first_transformer_runs_in_eval_mode_with_the_same_outputs(s
     layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
     model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True) if stacked else layer
     model.eval()
-    fixed = ModuleValidator.fix(model).eval()
-    assert ModuleValidator.validate(fixed) == []
+    fixed = ModuleValidator.fix(model)
+    assert ModuleValidator.validate(fixed.train()) == []  # (in eval mode: "needs training mode")
+    fixed.eval()
     x = torch.randn(3, 5, 16)
     mask = torch.zeros(3, 5, dtype=torch.bool)
     mask[0, 3:] = True

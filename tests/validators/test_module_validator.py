@@ -97,8 +97,13 @@ def test_attention_with_only_its_output_projection_trainable_is_flagged():
     assert str(error).startswith("model.0 (MultiheadAttention)") and "DPMultiheadAttention" in str(error)
 
 
-def test_eval_mode_is_not_an_error():
+def test_eval_mode_is_an_error_as_in_opacus_1x():
     model = nn.Sequential(nn.Linear(3, 2)).eval()
+    (error,) = ModuleValidator.validate(model)
+    assert isinstance(error, IllegalModuleConfigurationError) and not ModuleValidator.is_valid(model)
+    assert "model (Sequential) is in eval mode" in str(error) and "model.train()" in str(error)
+    assert ModuleValidator.is_valid(model.train())
+    model[0].eval()  # only the root's mode counts (Opacus 1.x)
     assert ModuleValidator.is_valid(model)
 
 
@@ -154,10 +159,10 @@ class SharedLayers(nn.Module):
 
 def test_fix_replaces_a_module_at_every_path_and_keeps_it_shared():
     model = SharedLayers().eval()
-    fixed = ModuleValidator.fix(model).eval()
+    fixed = ModuleValidator.fix(model)
     assert fixed.again["lstm"] is fixed.lstm and type(fixed.lstm).__name__ == "DPLSTM"
     assert fixed.again["norm"] is fixed.norm and isinstance(fixed.norm, nn.GroupNorm)
-    assert ModuleValidator.validate(fixed) == []
+    assert ModuleValidator.validate(fixed.train()) == []
     assert sum(1 for _ in fixed.parameters()) == sum(1 for _ in fixed.norm.parameters()) + sum(
         1 for _ in fixed.lstm.parameters())
     no_norms = SharedLayers().eval()
