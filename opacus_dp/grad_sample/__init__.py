@@ -1,9 +1,10 @@
 """Per-sample gradients: ``GradSampleModule``, the sampler registries and the samplers.
 
-Importing this package registers every dedicated sampler (one module per layer family).
+Importing this package registers every dedicated sampler (one module per layer family); those of
+optional libraries' layers (Hugging Face ``Conv1D``: :mod:`.hf_conv1d`) once the library is loaded.
 """
 
-from opacus_dp.grad_sample import conv, dp_layers, embedding, embedding_bag, linear, norms  # noqa: F401
+from opacus_dp.grad_sample import conv, dp_layers, embedding, embedding_bag, hf_conv1d, linear, norms  # noqa: F401
 from opacus_dp.grad_sample.functorch import functorch_grad_sample
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.bookkeeping import norm_samplers  # noqa: F401,E402  (ghost / bk layer functions)

@@ -16,7 +16,9 @@ undo the ``1/B`` of the mean. Gradient hooks are tied to one call's outputs (not
 module), so in-place operations after a layer (``ReLU(inplace=True)``), calls whose
 outputs never reach the loss, and evaluation passes leave no stale state behind
 (module-level full backward hooks are not used: torch forbids in-place changes of the
-outputs they wrap).
+outputs they wrap). A layer called on one sample that is broadcast over the batch (position ids
+of shape ``(1, T)``) is called on its inputs expanded to the batch (a view), which makes its
+per-sample gradients exact (:mod:`~opacus_dp.grad_sample.broadcast_inputs`).
 
 The hooks on the user's layers refer to their wrapper weakly: a wrapper dropped without ``close()``
 is collected while the model lives on, and a finalizer removes all it attached (:class:`_Attachments`).
@@ -36,6 +38,7 @@ from opacus_dp.distributed import data_parallel
 from opacus_dp.grad_sample.running_statistics import guard_running_statistics
 from opacus_dp.grad_sample.functorch import explained_fallback_error, functorch_grad_sample
 from opacus_dp.grad_sample.attachments import _HOOKED_BY, _Attachments, _owner, weakly
+from opacus_dp.grad_sample.broadcast_inputs import BroadcastInputs
 from opacus_dp.grad_sample.grad_sample_api import GradSampleModuleAPI
 from opacus_dp.grad_sample.layer_call import LayerCall, call_batch_dim, hook_output_grad, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
@@ -128,6 +131,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         self._finalizer = weakref.finalize(self, self._attached.detach)
         self._finalizer.atexit = False
         data_parallel.refuse_unsupported_replicas(module, lambda m: self._sampler_for(m) is not None)
+        self._broadcast = BroadcastInputs(batch_first, weakly(self._recording, False))
         self._add_hooks()
         self._handles.extend(guard_running_statistics(module, weakly(self._recording, False)))
         if self._handles:
@@ -190,8 +194,11 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
             if not own_parameters(sub) or id(sub) in bad:
                 continue
             hook = self._make_forward_hook(path, sub)
+            self._handles.append(self._broadcast.attach_to_layer(sub))
             self._handles.append(sub.register_forward_hook(hook, with_kwargs=True))
             _HOOKED_BY[sub] = self._attached.token
+        if self._handles:  # the model's forward: where broadcast calls learn the batch size
+            self._handles.extend(self._broadcast.attach_to_model(self._module))
 
     def _make_forward_hook(self, path: str, master: nn.Module):
         wrapper = self._attached.token  # the model must not keep its wrapper alive

@@ -22,6 +22,7 @@ from typing import Dict, Optional, Set, Tuple
 
 import torch
 
+from opacus_dp.grad_sample.broadcast_inputs import BROADCAST_HINT
 from opacus_dp.torch_internals import current_graph_task_id, queue_end_of_backward_callback
 
 _UNSET = object()
@@ -160,7 +161,7 @@ class PerSampleGradStore:
                 f"The batch dimension is probably wrong: this GradSampleModule uses "
                 f"batch_first={self._batch_first}; check that every layer with parameters "
                 f"receives inputs with the batch on that dimension (sequence-first models "
-                f"need batch_first=False)."
+                f"need batch_first=False)." + BROADCAST_HINT
             )
 
     def _close_pass(self, task: int) -> None:

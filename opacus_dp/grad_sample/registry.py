@@ -29,9 +29,10 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping.norm_rules import NORM_SAMPLERS, register_norm_rule  # noqa: F401
+from opacus_dp.grad_sample.optional_layers import LayerTable
 
 GradSampler = Callable
-GRAD_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
+GRAD_SAMPLERS: Dict[Type[nn.Module], GradSampler] = LayerTable()  # optional libraries' types: see optional_layers
 SAVED_STATISTICS: Dict[Type[nn.Module], Callable] = {}
 
 

@@ -52,6 +52,7 @@ import torch.nn as nn
 from opacus_dp.grad_sample.bookkeeping.passes import (
     LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, resolve_calls)
 from opacus_dp.grad_sample.bookkeeping.chunked_sums import ChunkBuffer
+from opacus_dp.grad_sample.broadcast_inputs import BROADCAST_HINT
 from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.per_sample_store import second_batch_error
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import materialise
@@ -148,6 +149,7 @@ class Bookkeeper:
                 f"size {batch_size} but layer {current.first_layer} has {current.batch_size}. "
                 f"Check that every layer with parameters gets its inputs with the batch on the "
                 f"wrapper's batch dimension (sequence-first models need batch_first=False)."
+                + BROADCAST_HINT
             )
         return current
 

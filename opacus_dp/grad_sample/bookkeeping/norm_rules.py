@@ -46,6 +46,8 @@ from typing import Callable, Dict, Iterable, Optional, Type, Union
 
 import torch.nn as nn
 
+from opacus_dp.grad_sample.optional_layers import LayerTable
+
 LayerTypes = Union[Type[nn.Module], Iterable[Type[nn.Module]]]
 
 
@@ -67,7 +69,7 @@ class NormRule:
         return self.norm_sampler is not None and self.weighted_grad is not None
 
 
-NORM_RULES: Dict[Type[nn.Module], NormRule] = {}
+NORM_RULES: Dict[Type[nn.Module], NormRule] = LayerTable()  # optional libraries' types: see optional_layers
 
 
 def _types(target_types: LayerTypes):

@@ -33,7 +33,7 @@ from opacus_dp.layers.batch_first import BatchFirstLinear
 LINEAR_TYPES = [nn.Linear, BatchFirstLinear]
 
 
-def _sequences(activations, backprops) -> Tuple[torch.Tensor, torch.Tensor]:
+def sequences(activations, backprops) -> Tuple[torch.Tensor, torch.Tensor]:
     """``A`` of shape ``(B, T, d)`` and ``G`` of shape ``(B, T, p)``."""
     g = backprops
     a = activations[0].to(g.dtype)
@@ -99,7 +99,7 @@ def linear_norm_sample(layer: nn.Linear, activations: List[torch.Tensor],
                        backprops: torch.Tensor) -> Dict[torch.Tensor, torch.Tensor]:
     """Per-sample squared norms of the weight gradient (ghost identity); the bias's per-sample
     gradients ``Σ_t g_t`` themselves (``B × p``, no larger than the norms' inputs)."""
-    a, g = _sequences(activations, backprops)
+    a, g = sequences(activations, backprops)
     norms = {}
     if trainable(layer.weight):
         norms[layer.weight] = gram_sq_norms(a, g)
@@ -108,7 +108,7 @@ def linear_norm_sample(layer: nn.Linear, activations: List[torch.Tensor],
     return norms
 
 
-def _scaled(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+def scaled(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     return t * factors.to(t.dtype).view(-1, *[1] * (t.dim() - 1))
 
 
@@ -116,16 +116,16 @@ def linear_weighted_grad(layer: nn.Linear, activations: List[torch.Tensor], back
                          factors: Dict[torch.Tensor, torch.Tensor]) -> Dict[torch.Tensor, torch.Tensor]:
     """``{weight: (f ⊙ G)ᵀ A, bias: Σ_i f_i Σ_t g_it}`` for the trainable parameters in
     ``factors`` (the weight's factors scale the smaller of ``A`` and ``G``)."""
-    a, g = _sequences(activations, backprops)
+    a, g = sequences(activations, backprops)
     sums = {}
     if trainable(layer.weight) and layer.weight in factors:
         f = factors[layer.weight]
         g_rows = g.reshape(-1, g.shape[-1])  # one copy at most (non-contiguous output gradients)
         if a.shape[-1] <= g.shape[-1]:  # rows of the product: the smaller side (module doc)
-            a_f = _scaled(a, f).reshape(-1, a.shape[-1])
+            a_f = scaled(a, f).reshape(-1, a.shape[-1])
             sums[layer.weight] = a_f.t().mm(g_rows).t().contiguous()
         else:
-            g_f = _scaled(g_rows.view_as(g), f).view_as(g_rows)
+            g_f = scaled(g_rows.view_as(g), f).view_as(g_rows)
             sums[layer.weight] = g_f.t().mm(a.reshape(-1, a.shape[-1]))
     if trainable(layer.bias) and layer.bias in factors:
         per_row = factors[layer.bias].to(g.dtype).repeat_interleave(g.shape[1])
@@ -135,19 +135,24 @@ def linear_weighted_grad(layer: nn.Linear, activations: List[torch.Tensor], back
 
 def linear_merge_calls(layer: nn.Linear, calls: Sequence[Tuple[List[torch.Tensor], torch.Tensor]]):
     """One call with the positions of all ``calls`` concatenated (same batch)."""
-    pairs = [_sequences(activations, backprops) for activations, backprops in calls]
+    pairs = [sequences(activations, backprops) for activations, backprops in calls]
     return [torch.cat([a for a, _ in pairs], dim=1)], torch.cat([g for _, g in pairs], dim=1)
 
 
-def _positions(activations: List[torch.Tensor]) -> int:
+def positions_of(activations: List[torch.Tensor]) -> int:
+    """``T``: the positions per sample of a call's input ``(B, ..., d)``."""
     x = activations[0]
     return x[0].numel() // x.shape[-1] if x.shape[0] > 0 else 1
 
 
-def linear_prefers_ghost(layer: nn.Linear, activations: List[torch.Tensor]) -> bool:
+def ghost_is_cheaper(positions: int, d: int, p: int) -> bool:
     """Mixed ghost clipping rule: ghost iff ``2 T² < d · p`` (``T`` positions per sample)."""
-    positions = _positions(activations)
-    return 2 * positions * positions < layer.in_features * layer.out_features
+    return 2 * positions * positions < d * p
+
+
+def linear_prefers_ghost(layer: nn.Linear, activations: List[torch.Tensor]) -> bool:
+    """:func:`ghost_is_cheaper` for the layer's features."""
+    return ghost_is_cheaper(positions_of(activations), layer.in_features, layer.out_features)
 
 
 # Chunked per-sample gradients replace the Gram products T²(d + p) by two passes over the d p
@@ -157,18 +162,21 @@ def linear_prefers_ghost(layer: nn.Linear, activations: List[torch.Tensor]) -> b
 CHUNK_RULE = 16
 
 
-def linear_prefers_chunks(layer: nn.Linear, activations: List[torch.Tensor]) -> bool:
+def chunks_pay(positions: int, d: int, p: int) -> bool:
     """Per-layer clipping: form the per-sample gradients in chunks iff ``T²(d + p) ≥ 16 d p``."""
-    positions = _positions(activations)
-    d, p = layer.in_features, layer.out_features
     return positions > 1 and positions * positions * (d + p) >= CHUNK_RULE * d * p
+
+
+def linear_prefers_chunks(layer: nn.Linear, activations: List[torch.Tensor]) -> bool:
+    """:func:`chunks_pay` for the layer's features."""
+    return chunks_pay(positions_of(activations), layer.in_features, layer.out_features)
 
 
 def linear_chunk_grads(layer: nn.Linear, activations: List[torch.Tensor], backprops: torch.Tensor):
     """``([weight], grads(rows, out), {bias: Σ_t g_t})``: the weight's per-sample gradients
     ``G_iᵀ A_i`` ``(n, p, d)`` of the samples ``rows`` written into ``out[weight]``; the bias's
     (``B × p``, small) for the whole batch."""
-    a, g = _sequences(activations, backprops)
+    a, g = sequences(activations, backprops)
     whole = {layer.bias: sum_over_positions(g)} if trainable(layer.bias) else {}
     if not trainable(layer.weight):
         return [], None, whole
@@ -180,14 +188,18 @@ def linear_chunk_grads(layer: nn.Linear, activations: List[torch.Tensor], backpr
     return [layer.weight], grads, whole
 
 
-def linear_materialise_if_kept(layer: nn.Linear, activations: List[torch.Tensor]) -> bool:
+def materialising_is_lean(positions: int, d: int, p: int) -> bool:
     """Materialise when the per-sample gradient (``d · p``) is no larger than the kept
     ``A_i``, ``G_i`` (``T (d + p)``): the same memory, and faster, since the ghost path's
     Gram matrices and its clipped-sum product ``(f ⊙ G)ᵀ A`` are replaced by one weighted
     sum of the per-sample gradients: ``T d p + d p`` multiply-adds per sample (forming
     ``G_iᵀ A_i``, then the weighted add) against ``T²(d + p) + T d p``."""
-    d, p = layer.in_features, layer.out_features
-    return d * p <= _positions(activations) * (d + p)
+    return d * p <= positions * (d + p)
+
+
+def linear_materialise_if_kept(layer: nn.Linear, activations: List[torch.Tensor]) -> bool:
+    """:func:`materialising_is_lean` for the layer's features."""
+    return materialising_is_lean(positions_of(activations), layer.in_features, layer.out_features)
 
 
 register_norm_rule(LINEAR_TYPES, weighted_grad=linear_weighted_grad,
