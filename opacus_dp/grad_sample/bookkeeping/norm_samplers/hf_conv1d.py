@@ -19,9 +19,8 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping.norm_samplers.linear import (
-    chunks_pay, ghost_is_cheaper, linear_merge_calls, linear_norm_sample, linear_weighted_grad,
+    chunk_grads_of, chunks_pay, ghost_is_cheaper, linear_merge_calls, linear_norm_sample, linear_weighted_grad,
     materialising_is_lean, positions_of, scaled, sequences)
-from opacus_dp.grad_sample.support import sum_over_positions
 from opacus_dp.module_parameters import trainable
 
 
@@ -46,18 +45,8 @@ def conv1d_weighted_grad(layer: nn.Module, activations: List[torch.Tensor], back
 
 
 def conv1d_chunk_grads(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor):
-    """``([weight], grads(rows, out), {bias: Σ_t g_t})``: the weight's per-sample gradients
-    ``A_iᵀ G_i`` ``(n, d, p)`` of the samples ``rows`` written into ``out[weight]``."""
-    a, g = sequences(activations, backprops)
-    whole = {layer.bias: sum_over_positions(g)} if trainable(layer.bias) else {}
-    if not trainable(layer.weight):
-        return [], None, whole
-
-    def grads(rows: slice, out: Dict[torch.Tensor, torch.Tensor]) -> Dict[torch.Tensor, torch.Tensor]:
-        n = rows.stop - rows.start
-        return {layer.weight: torch.bmm(a[rows].transpose(1, 2), g[rows], out=out[layer.weight][:n])}
-
-    return [layer.weight], grads, whole
+    """The per-sample gradients ``A_iᵀ G_i`` ``(n, d, p)`` in chunks (:func:`chunk_grads_of`)."""
+    return chunk_grads_of(layer, activations, backprops, input_major=True)
 
 
 def conv1d_prefers_ghost(layer: nn.Module, activations: List[torch.Tensor]) -> bool:

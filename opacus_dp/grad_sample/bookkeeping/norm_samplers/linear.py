@@ -172,20 +172,28 @@ def linear_prefers_chunks(layer: nn.Linear, activations: List[torch.Tensor]) -> 
     return chunks_pay(positions_of(activations), layer.in_features, layer.out_features)
 
 
-def linear_chunk_grads(layer: nn.Linear, activations: List[torch.Tensor], backprops: torch.Tensor):
+def chunk_grads_of(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
+                   input_major: bool = False):
     """``([weight], grads(rows, out), {bias: Σ_t g_t})``: the weight's per-sample gradients
-    ``G_iᵀ A_i`` ``(n, p, d)`` of the samples ``rows`` written into ``out[weight]``; the bias's
-    (``B × p``, small) for the whole batch."""
+    ``G_iᵀ A_i`` ``(n, p, d)`` (``input_major``: ``A_iᵀ G_i`` ``(n, d, p)``, a weight stored
+    (in, out)) of the samples ``rows`` written into ``out[weight]``; the bias's (``B × p``, small)
+    for the whole batch."""
     a, g = sequences(activations, backprops)
     whole = {layer.bias: sum_over_positions(g)} if trainable(layer.bias) else {}
     if not trainable(layer.weight):
         return [], None, whole
+    left, right = (a, g) if input_major else (g, a)
 
     def grads(rows: slice, out: Dict[torch.Tensor, torch.Tensor]) -> Dict[torch.Tensor, torch.Tensor]:
         n = rows.stop - rows.start
-        return {layer.weight: torch.bmm(g[rows].transpose(1, 2), a[rows], out=out[layer.weight][:n])}
+        return {layer.weight: torch.bmm(left[rows].transpose(1, 2), right[rows], out=out[layer.weight][:n])}
 
     return [layer.weight], grads, whole
+
+
+def linear_chunk_grads(layer: nn.Linear, activations: List[torch.Tensor], backprops: torch.Tensor):
+    """:func:`chunk_grads_of` for a weight stored (out, in)."""
+    return chunk_grads_of(layer, activations, backprops)
 
 
 def materialising_is_lean(positions: int, d: int, p: int) -> bool:
