@@ -19,6 +19,7 @@ wrapper declares its source with ``grad_source()`` (:class:`PerSampleWrapper`). 
 :mod:`opacus_dp.optim` and :mod:`opacus_dp.grad_sample` import it, neither imports the other.
 """
 
+import abc
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -109,7 +110,7 @@ def check_grad_samples(params, grad_samples: Dict[torch.Tensor, torch.Tensor], n
     return next(iter(sizes.values()), 0)
 
 
-class _MaterialisedSource:
+class _MaterialisedSource(abc.ABC):
     """A :class:`GradSource` over materialised per-sample gradients ``g_il``: the norms take
     them (held until :meth:`clipped_sums`), the sums are ``Σ_i f_il g_il`` at the step."""
 
@@ -118,11 +119,13 @@ class _MaterialisedSource:
     def __init__(self):
         self._held: Dict[torch.Tensor, torch.Tensor] = {}
 
+    @abc.abstractmethod
     def _take(self, params: Sequence[torch.Tensor]) -> Dict[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """Take (and stop holding) the per-sample gradients of ``params``."""
 
+    @abc.abstractmethod
     def _forget(self, params: Sequence[torch.Tensor]) -> None:
-        raise NotImplementedError
+        """Drop the per-sample gradients of ``params`` not taken yet."""
 
     def per_sample_norms(self, params, name_of: Optional[NameOf] = None) -> List[torch.Tensor]:
         self._held = {}
