@@ -161,9 +161,9 @@ class BroadcastInputs:
         return None
 
     def _layer_starts(self, master, layer, args, kwargs):
-        """Expand a broadcast call (returns new ``(args, kwargs)``), note the size of another."""
-        if isinstance(layer, nn.EmbeddingBag) or not (
-                torch.is_grad_enabled() and self._recording() and has_trainable_parameters(master)):
+        """Expand a broadcast call (returns new ``(args, kwargs)``), note the size of another.
+        The common call (a batch) costs the size check only; the recording checks come after."""
+        if not torch.is_grad_enabled() or isinstance(layer, nn.EmbeddingBag):
             return None
         tensors = _tensors(args, kwargs)
         if not tensors:
@@ -172,6 +172,8 @@ class BroadcastInputs:
         sizes = [t.shape[batch_dim] for t in tensors if t.dim() > batch_dim]
         if any(size != 1 for size in sizes):
             self._state.latest = next(size for size in sizes if size != 1)
+            return None
+        if not (self._recording() and has_trainable_parameters(master)):
             return None
         target = self._target(tensors[0], batch_dim) if sizes else None
         if target is None or target <= 1:
