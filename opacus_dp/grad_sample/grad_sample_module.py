@@ -70,6 +70,19 @@ def _has_replicas(module: nn.Module) -> bool:
     return any(isinstance(m, (nn.DataParallel, DistributedDataParallel)) for m in module.modules())
 
 
+def batch_first_backprops(call: LayerCall, hooked: Sequence[int], n_outputs: int, grads,
+                          scale: Optional[int] = None) -> Optional[List[Optional[torch.Tensor]]]:
+    """The call's output gradients, detached, batch on dim 0 (times ``scale`` if given; None for
+    an output without gradient); None if no output got one."""
+    backprops: List[Optional[torch.Tensor]] = [None] * n_outputs
+    for index, grad in zip(hooked, grads):
+        if grad is not None:
+            grad = grad.detach()
+            grad = grad.movedim(call.batch_dim, 0) if call.batch_dim != 0 else grad
+            backprops[index] = grad * scale if scale is not None else grad
+    return None if all(b is None for b in backprops) else backprops
+
+
 class GradSampleModule(GradSampleModuleAPI, nn.Module):
     """Wraps ``module`` so that each trainable parameter gets ``p.grad_sample``.
 
@@ -309,11 +322,9 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         """Gradient hook body: per-sample gradients of one call, added to the table."""
         if not self.hooks_enabled:
             return
-        backprops: List[Optional[torch.Tensor]] = [None] * n_outputs
-        for index, grad in zip(hooked, grads):
-            if grad is not None:
-                backprops[index] = self._batch_first_backprop(grad, call)
-        if all(b is None for b in backprops):
+        scale = call.batch_size if self.loss_reduction == "mean" else None
+        backprops = batch_first_backprops(call, hooked, n_outputs, grads, scale)
+        if backprops is None:
             return
         layer_name = describe(path, master)
         if call.released:
@@ -327,12 +338,6 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         call.release()
         for param, grad_sample in _master_grad_samples(master, layer, grad_samples).items():
             self._store.add(param, grad_sample, layer_name, chunk, task=call.outer_task)
-
-    def _batch_first_backprop(self, grad: torch.Tensor, call: LayerCall) -> torch.Tensor:
-        grad = grad.detach()
-        if call.batch_dim != 0:
-            grad = grad.movedim(call.batch_dim, 0)
-        return grad * call.batch_size if self.loss_reduction == "mean" else grad
 
     def _per_sample_grads(self, layer, call: LayerCall, backprops) -> Dict:
         """The single dispatch point: registered sampler, else the torch.func fallback."""

@@ -36,7 +36,7 @@ from torch.nn.parallel import DataParallel
 from opacus_dp.grad_sample.bookkeeping.bookkeeper import Bookkeeper
 from opacus_dp.grad_sample.bookkeeping.passes import shared_layers
 from opacus_dp.grad_sample.attachments import weakly
-from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
+from opacus_dp.grad_sample.grad_sample_module import GradSampleModule, batch_first_backprops
 from opacus_dp.grad_sample.support import describe
 from opacus_dp.maths.per_sample import check_finite_norm_list
 from opacus_dp.module_parameters import has_trainable_parameters
@@ -104,12 +104,8 @@ class BookkeepingGradSampleModule(GradSampleModule):
         """Record the call (batch-first output gradients, loss-reduction scale) for later."""
         if not self.hooks_enabled:
             return
-        backprops: List[Optional[torch.Tensor]] = [None] * n_outputs
-        for index, grad in zip(hooked, grads):
-            if grad is not None:
-                grad = grad.detach()
-                backprops[index] = grad.movedim(call.batch_dim, 0) if call.batch_dim != 0 else grad
-        if all(b is None for b in backprops):
+        backprops = batch_first_backprops(call, hooked, n_outputs, grads)
+        if backprops is None:
             return
         if call.released:
             raise RuntimeError(
