@@ -24,7 +24,7 @@ from torch.utils.data import BatchSampler, DataLoader
 from opacus_dp import checkpoint
 from opacus_dp.accountants import create_accountant, get_noise_multiplier
 from opacus_dp.accountants.validation import warn_if_delta_not_small
-from opacus_dp.data import DPDataLoader, check_sampling, switch_generator
+from opacus_dp.data import DPDataLoader, UniformWithReplacementSampler, check_sampling, switch_generator
 from opacus_dp.data.sampling_checks import check_batching
 from opacus_dp.distributed.checks import share_generator_state
 from opacus_dp.engine_setup import (
@@ -250,6 +250,7 @@ class PrivacyEngine(metaclass=_EngineType):
             return DPDataLoader.from_data_loader(data_loader, generator=generator,
                                                  distributed=distributed, batch_first=batch_first)
         check_batching(data_loader, "make_private(poisson_sampling=False)")
+        _refuse_skipped_empty_draws(data_loader)
         check_sampling(data_loader, poisson_expected=False)
         if generator is None:
             return data_loader
@@ -326,6 +327,19 @@ def _ghost_criterion(criterion, loss_reduction: str, module, optimizer):
         criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
     clipping = StepClipping(params=lambda: optimizer.params, clip_factors=optimizer.clip_factors)
     return GhostCriterion(criterion, loss_reduction, module=module, clipping=clipping)
+
+
+def _refuse_skipped_empty_draws(data_loader: DataLoader) -> None:
+    """A 0.x ``UniformWithReplacementSampler`` skips its empty draws (:mod:`opacus_dp.data.empty_draws`);
+    this engine would neither step on them nor account them, which under-reports ε."""
+    sampler = getattr(data_loader, "batch_sampler", None)
+    if isinstance(sampler, UniformWithReplacementSampler) and sampler.skip_empty:
+        raise ValueError(
+            "data_loader draws Poisson batches with UniformWithReplacementSampler, which skips empty "
+            "draws: with poisson_sampling=False they would be neither steps nor accounted (epsilon "
+            "under-reported). Pass poisson_sampling=True (the engine then samples itself), or "
+            "UniformWithReplacementSampler(..., skip_empty=False) with a collate_fn that accepts an "
+            "empty list")
 
 
 def _planned_steps(data_loader: DataLoader, epochs) -> int:

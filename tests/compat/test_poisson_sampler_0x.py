@@ -147,3 +147,21 @@ def test_classic_poisson_engine_accounts_every_draw_of_a_0x_loader():
     engine.detach()
     draws = drawn_batches()
     assert engine.accountant.history == hand_built_history(draws).history
+
+
+def test_modern_engine_refuses_a_0x_sampler_that_would_skip_unaccounted_empty_draws():
+    """With poisson_sampling=False the modern engine does not follow the sampler's empty draws:
+    taking the loader as it is would leave them out of the accounting (epsilon under-reported)."""
+    from opacus_dp import PrivacyEngine
+
+    model = nn.Linear(4, 2)
+    sampler = UniformWithReplacementSampler(num_samples=8, sample_rate=0.1,
+                                            generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(dataset(), batch_sampler=sampler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine()
+    with pytest.raises(ValueError, match="skips empty draws.*poisson_sampling=True"):
+        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                            poisson_sampling=False)
