@@ -32,7 +32,17 @@ History = List[Tuple[float, float, int]]
 
 
 def _normalized(history) -> History:
-    return [(float(s), float(q), int(n)) for s, q, n in history]
+    """The steps that cost privacy, equal neighbours merged: free steps (``q = 0``, e.g. between
+    the rounds of a correlated-noise mechanism) neither change ε nor break the cache."""
+    merged: History = []
+    for s, q, n in history:
+        if float(q) == 0 or int(n) == 0:
+            continue
+        if merged and merged[-1][:2] == (float(s), float(q)):
+            merged[-1] = (float(s), float(q), merged[-1][2] + int(n))
+        else:
+            merged.append((float(s), float(q), int(n)))
+    return merged
 
 
 def with_extra_steps(accountant, noise_multiplier: float, sample_rate: float, steps: int):
@@ -108,7 +118,10 @@ class BudgetGuard:
 
         Fast path: the step is among the ``k_safe`` steps found well inside the budget.
         Otherwise the candidate is verified exactly: ε(history + this step) ≤ max_epsilon.
+        A step of rate 0 (the free steps of a correlated-noise mechanism) costs nothing.
         """
+        if sample_rate == 0:
+            return
         if self._cached_steps("_cache", noise_multiplier, sample_rate, self._safe_steps) >= 1:
             return
         eps_next = self._epsilon_after(noise_multiplier, sample_rate, 1)

@@ -5,12 +5,15 @@ Usage (console script ``opacus-dp-calculator`` or ``python -m opacus_dp.cli``)::
     opacus-dp-calculator -r 0.004267 -n 1.1 -e 60 -d 1e-5
     opacus-dp-calculator --batch-size 256 --dataset-size 60000 --steps 14063 -n 1.1 --json
     opacus-dp-calculator -r 0.01 -e 10 --target-epsilon 3 --accountant rdp
+    opacus-dp-calculator -r 0.0125 -n 1.1 --steps 1000 --noise-mechanism banded --bands 4
 
 The flags ``-r/--sample-rate``, ``-n/--noise-multiplier``, ``-e/--epochs``, ``-d/--delta`` and
 ``-a/--alphas`` are those of Opacus's ``compute_dp_sgd_privacy`` script, and so is the step
 count of ``--epochs``: ``ceil(epochs × ceil(1/q))`` (``ceil(N/B)`` batches per epoch with
 ``--batch-size``/``--dataset-size``), never fewer than a run really takes.  The accountant is
 ``prv`` unless ``--alphas`` is given, which selects ``rdp`` as in Opacus's script.
+``--noise-mechanism`` accounts a correlated-noise run by its reduction
+(:mod:`opacus_dp.mechanisms.accounting`; ``-r`` stays the rate of one step, ``q``).
 """
 
 import argparse
@@ -29,6 +32,8 @@ from opacus_dp.accountants.validation import (
     check_sample_rate,
     check_steps,
 )
+from opacus_dp.mechanisms.accounting import reduction_for
+from opacus_dp.mechanisms.strategies import KINDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--accountant", choices=available_accountants(), help="default: prv (rdp with --alphas)")
     parser.add_argument("--target-epsilon", type=float, help="also report the noise multiplier for this epsilon")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--noise-mechanism", choices=KINDS, default="independent",
+                        help="correlated noise (docs/mechanisms.md); default: independent (DP-SGD)")
+    parser.add_argument("--bands", type=int, help="bands b of --noise-mechanism banded")
     return parser
+
+
+def _accounted(args, parser, q: float, steps: int):
+    """``(rate, events)`` the accountant composes: DP-SGD's ``(q, T)``; banded ``(b·q, ⌈T/b⌉)``;
+    blt and tree one Gaussian mechanism ``(1, 1)`` (:mod:`opacus_dp.mechanisms.accounting`)."""
+    if args.noise_mechanism != "banded":
+        if args.bands is not None:
+            parser.error("--bands only applies to --noise-mechanism banded")
+        if args.noise_mechanism == "independent":
+            return q, steps
+    elif args.bands is None or args.bands < 1 or args.bands * q > 1 + 1e-12:
+        parser.error("--noise-mechanism banded needs --bands b >= 1 with b x sample rate <= 1")
+    reduction = reduction_for(args.noise_mechanism, sample_rate=min(1.0, (args.bands or 1) * q), bands=args.bands or 1)
+    return reduction.rate, reduction.rounds(steps)
 
 
 def _sample_rate(args, parser) -> float:
@@ -85,24 +107,26 @@ def compute_report(args, parser) -> dict:
     q = _sample_rate(args, parser)
     delta = check_delta(args.delta, "--delta")
     steps = _steps(args, parser, q)
+    rate, events = _accounted(args, parser, q, steps)
     name = args.accountant or ("rdp" if args.alphas else "prv")
     if args.alphas and name != "rdp":
         parser.error("--alphas only applies to --accountant rdp")
     if args.sigma is None and args.target_epsilon is None:
         parser.error("give --noise-multiplier (to get epsilon) and/or --target-epsilon (to get the noise)")
     options = {"alphas": args.alphas} if args.alphas else {}
-    report = {"sample_rate": q, "steps": steps, "delta": delta, "accountant": name, "upper_bound": name != "gdp"}
+    report = {"sample_rate": q, "steps": steps, "delta": delta, "accountant": name, "upper_bound": name != "gdp",
+              "noise_mechanism": args.noise_mechanism, "accounted": [rate, events]}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if args.sigma is not None:
             accountant = create_accountant(name)
-            accountant.history = [(check_noise_multiplier(args.sigma, "--noise-multiplier"), q, steps)]
+            accountant.history = [(check_noise_multiplier(args.sigma, "--noise-multiplier"), rate, events)]
             epsilon, best_alpha = accountant.get_privacy_spent(delta=delta, **options)
             report.update(noise_multiplier=args.sigma, epsilon=epsilon, best_alpha=best_alpha)
         if args.target_epsilon is not None:
             sigma = get_noise_multiplier(
-                target_epsilon=args.target_epsilon, target_delta=delta, sample_rate=q,
-                steps=steps, accountant=name, **options,
+                target_epsilon=args.target_epsilon, target_delta=delta, sample_rate=rate,
+                steps=events, accountant=name, **options,
             )
             report.update(target_epsilon=args.target_epsilon, required_noise_multiplier=sigma)
     return report
@@ -111,6 +135,10 @@ def compute_report(args, parser) -> dict:
 def format_report(report: dict) -> str:
     """Human-readable text of :func:`compute_report`'s dictionary."""
     lines = [f"DP-SGD with sample rate {100 * report['sample_rate']:.4g}% over {report['steps']} steps"]
+    if report.get("noise_mechanism", "independent") != "independent":
+        rate, events = report["accounted"]
+        lines[0] += (f", {report['noise_mechanism']} noise (accounted as {events} Gaussian events at "
+                     f"rate {100 * rate:.4g}%)")
     if "epsilon" in report:
         lines.append(
             f"and noise multiplier {report['noise_multiplier']} satisfies "

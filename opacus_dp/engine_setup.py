@@ -4,18 +4,21 @@ the one mode table, :mod:`opacus_dp.grad_sample.mode_selection`), the optimizer.
 
 import math
 import secrets
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Type, Union
 
 import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample import BookkeepingGradSampleModule, GradSampleModule
+from opacus_dp.grad_sample.compiled_modules import compile_like, take_compiled
 from opacus_dp.grad_sample.mode_selection import MODE_NAMES, wrap_for_engine
 from opacus_dp.model_wrappers import parameter_names, unwrap_model  # noqa: F401  (also imported from here)
 from opacus_dp.optim import BatchingPolicy, DPOptimizer, grad_source_for
 from opacus_dp.optim.clipping import check_max_grad_norm
 from opacus_dp.optim.noise import check_noise_multiplier
+from opacus_dp.state_views import OPACUS_1X, StateViews
 from opacus_dp.validators import ModuleValidator
+from opacus_dp.validators.errors import UnsupportedModuleError, combined_error
 
 CLIPPING_MODES = ("flat", "per_layer", "adaptive")
 
@@ -66,23 +69,40 @@ def check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) 
         for pi, p in enumerate(group["params"]):
             if id(p) not in known:
                 raise ValueError(
+                    f"Module parameters are different than optimizer Parameters: "
                     f"optimizer.param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is not a "
-                    "parameter of the module: build the optimizer from module.parameters() "
+                    "parameter of the module (was the model changed, e.g. by ModuleValidator.fix, after "
+                    "the optimizer was built?): build the optimizer from module.parameters() "
                     "of the model passed to the privacy engine"
                 )
 
 
-def validate_module(module: nn.Module) -> None:
-    """Refuse a model that cannot be trained privately, with the validator's message."""
-    ModuleValidator.validate(unwrap_model(module), strict=True)
+def validate_module(module: nn.Module, error_class: Type[UnsupportedModuleError] = UnsupportedModuleError) -> None:
+    """Refuse a model that cannot be trained privately, with the validator's message, as an
+    ``error_class`` (a subclass of ``UnsupportedModuleError``: Opacus 0.x's
+    ``IncompatibleModuleException`` for the classic engine)."""
+    try:
+        ModuleValidator.validate(unwrap_model(module), strict=True)
+    except UnsupportedModuleError as error:
+        if isinstance(error, error_class):
+            raise
+        raise combined_error(getattr(error, "errors", [error]), error_class) from None
 
 
-def wrap_module(module: nn.Module, *, grad_sample_mode: str, batch_first: bool, loss_reduction: str):
-    """The per-sample-gradient wrapper of ``module`` for ``grad_sample_mode``.
+def wrap_module(module: nn.Module, *, grad_sample_mode: str, batch_first: bool, loss_reduction: str,
+                skip_weight_grads: Optional[bool] = None):
+    """The per-sample-gradient wrapper of ``module`` for ``grad_sample_mode`` (``skip_weight_grads``:
+    see :mod:`~opacus_dp.grad_sample.mode_selection`; None is the mode's default).
 
-    A GradSampleModule passed in is reused if its settings agree, else ValueError.
+    A GradSampleModule passed in is reused if its settings agree, else ValueError. A model passed
+    compiled (``torch.compile(model)``) is wrapped uncompiled, and the wrapper compiled alike.
     """
     check_choice(grad_sample_mode, MODE_NAMES, "grad_sample_mode")
+    module, compiled = take_compiled(module)
+    if compiled is not None:
+        wrapper = wrap_module(module, grad_sample_mode=grad_sample_mode, batch_first=batch_first,
+                              loss_reduction=loss_reduction, skip_weight_grads=skip_weight_grads)
+        return compile_like(wrapper, compiled)
     if isinstance(module, GradSampleModule):
         wanted = (batch_first, loss_reduction, grad_sample_mode == "functorch")
         found = (module.batch_first, module.loss_reduction, bool(module.force_functorch))
@@ -95,7 +115,8 @@ def wrap_module(module: nn.Module, *, grad_sample_mode: str, batch_first: bool, 
                 "requested: pass the unwrapped model"
             )
         return module
-    return wrap_for_engine(module, grad_sample_mode, batch_first=batch_first, loss_reduction=loss_reduction)
+    return wrap_for_engine(module, grad_sample_mode, batch_first=batch_first, loss_reduction=loss_reduction,
+                           skip_weight_grads=skip_weight_grads)
 
 
 def secure_generator() -> torch.Generator:
@@ -106,10 +127,13 @@ def secure_generator() -> torch.Generator:
 def make_dp_optimizer(optimizer, *, grad_sample_module, noise_multiplier: float,
                       max_grad_norm: Union[float, List[float]], expected_batch_size: Optional[float],
                       loss_reduction: str, clipping: str, generator=None,
-                      secure_mode: bool = False, batching: Optional[BatchingPolicy] = None) -> DPOptimizer:
+                      secure_mode: bool = False, batching: Optional[BatchingPolicy] = None,
+                      state_views: StateViews = OPACUS_1X) -> DPOptimizer:
     """A :class:`DPOptimizer` reading per-sample gradients from ``grad_sample_module``, with the
-    engine's :class:`BatchingPolicy`."""
-    return DPOptimizer(
+    engine's :class:`BatchingPolicy`; both show their state with the lifecycle ``state_views``
+    (:mod:`opacus_dp.state_views`: Opacus 1.x's for ``make_private``, 0.x's for ``attach``)."""
+    grad_sample_module.use_state_views(state_views)
+    dp_optimizer = DPOptimizer(
         optimizer,
         noise_multiplier=noise_multiplier,
         max_grad_norm=max_grad_norm,
@@ -122,3 +146,5 @@ def make_dp_optimizer(optimizer, *, grad_sample_module, noise_multiplier: float,
         param_names=parameter_names(grad_sample_module),
         batching=batching,
     )
+    dp_optimizer.use_state_views(state_views)
+    return dp_optimizer

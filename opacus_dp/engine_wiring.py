@@ -42,14 +42,19 @@ def check_distributed_loader(data_loader: DataLoader, world_size: int, poisson_s
 def connect_private_step(module: nn.Module, dp_optimizer, *, accountant, sample_rate: float,
                          step_timeout=None, max_epsilon: Optional[float] = None,
                          max_epsilon_delta: Optional[float] = None,
-                         epsilon_of: Optional[Callable] = None) -> None:
+                         epsilon_of: Optional[Callable] = None,
+                         mechanism=None) -> None:
     """Distributed reduction of ``dp_optimizer``'s steps (all ranks agree from here on), the
     budget guard (a pre-step hook, if ``max_epsilon``: ε at ``max_epsilon_delta``, measured by
     ``epsilon_of(accountant)`` if given) and
-    the accountant (a step hook recording each step's event, σ and ``min(1, k·q)``)."""
+    the accountant (a step hook recording each step's event, σ and ``min(1, k·q)``). A noise
+    ``mechanism``'s hooks (:class:`~opacus_dp.mechanisms.accounting.MechanismHooks`) replace the
+    recorded event and the rate the guard charges."""
     configure_optimizer(module, dp_optimizer, sample_rate=sample_rate, step_timeout=step_timeout)
     if max_epsilon is not None:
         dp_optimizer.attach_pre_step_hook(BudgetGuard(
-            accountant, max_epsilon=max_epsilon, delta=max_epsilon_delta, sample_rate=sample_rate,
+            accountant, max_epsilon=max_epsilon, delta=max_epsilon_delta,
+            sample_rate=sample_rate if mechanism is None else mechanism.next_rate,
             epsilon_of=epsilon_of))
-    dp_optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate))
+    dp_optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate) if mechanism is None
+                                  else mechanism.record_step)

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, runtime_c
 import torch
 
 from opacus_dp.maths.per_sample import per_sample_norms, sum_dtype, weighted_sum
+from opacus_dp.state_views import is_consumed, mark_consumed
 
 FactorFunction = Callable[[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
 NameOf = Callable[[torch.Tensor], str]
@@ -155,15 +156,17 @@ class _MaterialisedSource(abc.ABC):
 
 class AttributeGradSource(_MaterialisedSource):
     """Per-sample gradients stored by hooks in ``p.grad_sample`` (a tensor, or a list of tensors
-    concatenated along the batch dimension)."""
+    concatenated along the batch dimension). As in Opacus 1.x, a step leaves them there, marked
+    consumed (:mod:`opacus_dp.state_views`): read, never taken twice."""
 
     def _take(self, params):
         found = {}
         for i, p in enumerate(params):
             value = getattr(p, "grad_sample", None)
-            if value is not None:
+            if value is not None and not is_consumed(value):
                 found[p] = _as_batch_tensor(value, f"parameter #{i}")
-                p.grad_sample = None
+                mark_consumed(found[p])
+                p.grad_sample = found[p]
         return found
 
     def _forget(self, params) -> None:

@@ -13,18 +13,18 @@ Beyond Opacus, ``max_epsilon`` (with ``max_epsilon_delta``) installs a budget gu
 refuses, before anything changes, the step that would push ε above the maximum.
 """
 
-import math
 import warnings
 from typing import List, Optional, Union
 
 import torch
 import torch.nn as nn
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import DataLoader
 
 from opacus_dp import checkpoint
 from opacus_dp.accountants import create_accountant, get_noise_multiplier
 from opacus_dp.accountants.validation import warn_if_delta_not_small
 from opacus_dp.data import DPDataLoader, UniformWithReplacementSampler, check_sampling, switch_generator
+from opacus_dp.data.loader_facts import expected_batch_size_for, fixed_batch_size, planned_steps, sample_rate_of
 from opacus_dp.data.sampling_checks import check_batching
 from opacus_dp.distributed.checks import share_generator_state
 from opacus_dp.engine_setup import (
@@ -46,6 +46,7 @@ from opacus_dp.engine_wiring import (
 )
 from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion, StepClipping
 from opacus_dp.grad_sample.mode_selection import MODE_NAMES
+from opacus_dp.mechanisms.engine import calibrated_noise_multiplier, plan_mechanism, use_mechanism
 from opacus_dp.optim.adaptive_clipping import adaptive_clipper
 from opacus_dp.optim.logical_batches import BatchingPolicy
 from opacus_dp.privacy_engine_classic import ClassicPrivacyEngine
@@ -96,6 +97,7 @@ class PrivacyEngine(metaclass=_EngineType):
         if max_epsilon is not None and max_epsilon_delta is None:
             raise ValueError("max_epsilon needs max_epsilon_delta (the δ at which ε is measured)")
         self._data_loader = None
+        self._mechanism = None  # a correlated noise mechanism's plan (make_private)
         warn_if_not_secure(self.secure_mode)
 
     # ------------------------------------------------------------------ make_private
@@ -108,7 +110,9 @@ class PrivacyEngine(metaclass=_EngineType):
                      rand_on_empty: bool = False, target_unclipped_quantile: Optional[float] = None,
                      clipbound_learning_rate: Optional[float] = None,
                      max_clipbound: Optional[float] = None, min_clipbound: Optional[float] = None,
-                     unclipped_num_std: Optional[float] = None, step_timeout=None):
+                     unclipped_num_std: Optional[float] = None, step_timeout=None,
+                     skip_weight_grads: Optional[bool] = None, noise_mechanism: str = "independent",
+                     bands: Optional[int] = None, epochs: Optional[float] = None):
         """Return ``(GradSampleModule, DPOptimizer, DataLoader)`` ready for private training.
 
         With ``poisson_sampling`` the loader is replaced by a ``DPDataLoader`` with
@@ -118,7 +122,10 @@ class PrivacyEngine(metaclass=_EngineType):
         and runs "hooks", which computes the same per-sample gradients for more layers. As in Opacus 1.6, "ghost" returns
         ``(module, optimizer, criterion, data_loader)``, ``criterion`` (default
         ``nn.CrossEntropyLoss()``) wrapped in a ``GhostCriterion`` whose losses' ``backward()``
-        runs the memory-lean two-pass backward; other modes ignore it.
+        runs the memory-lean two-pass backward; other modes ignore it. After ``loss.backward()``
+        ``p.grad`` holds the ordinary gradient in "hooks"/"functorch" (as in Opacus) and stays None
+        in "bk"/"ghost"; ``skip_weight_grads`` changes that (``True``: a third less backward
+        arithmetic for Linear layers in "hooks"/"functorch"; see ``docs/migration.md``).
 
         Semantics the privacy guarantee relies on (as in Opacus 1.x):
 
@@ -143,8 +150,12 @@ class PrivacyEngine(metaclass=_EngineType):
         wrapper is called (``wrap_model=False``); empty batches are delivered as empty batches
         in every mode, so ``rand_on_empty=True`` (random data instead) is not needed (a warning
         says so). ``step_timeout`` (DDP/DPDDP, seconds or timedelta): :mod:`opacus_dp.distributed.step_wait`.
+        ``noise_mechanism`` "banded" (with ``bands``), "blt" or "tree", for ``epochs`` passes:
+        correlated noise (:mod:`opacus_dp.mechanisms`, ``docs/mechanisms.md``).
         """
         _check_opacus_flags(wrap_model, rand_on_empty)
+        self._mechanism = plan_mechanism(noise_mechanism, data_loader=data_loader, bands=bands, epochs=epochs,
+                                         poisson_sampling=poisson_sampling, clipping=clipping)
         check_privacy_arguments(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                                 loss_reduction=loss_reduction, clipping=clipping)
         adaptive = adaptive_options(clipping, target_unclipped_quantile=target_unclipped_quantile,
@@ -161,7 +172,7 @@ class PrivacyEngine(metaclass=_EngineType):
         check_distributed_loader(data_loader, world_size, poisson_sampling)
         validate_module(module)
         gsm = wrap_module(module, grad_sample_mode=grad_sample_mode, batch_first=batch_first,
-                          loss_reduction=loss_reduction)
+                          loss_reduction=loss_reduction, skip_weight_grads=skip_weight_grads)
         try:
             loader, dp_optimizer = self._private_loader_and_optimizer(
                 gsm, module, optimizer, data_loader, noise_multiplier=noise_multiplier,
@@ -190,7 +201,9 @@ class PrivacyEngine(metaclass=_EngineType):
                                   clipbound_learning_rate: Optional[float] = None,
                                   max_clipbound: Optional[float] = None,
                                   min_clipbound: Optional[float] = None,
-                                  unclipped_num_std: Optional[float] = None, step_timeout=None, **epsilon_kwargs):
+                                  unclipped_num_std: Optional[float] = None, step_timeout=None,
+                                  skip_weight_grads: Optional[bool] = None, noise_mechanism: str = "independent",
+                                  bands: Optional[int] = None, **epsilon_kwargs):
         """:meth:`make_private` with σ calibrated so that ``epochs`` passes spend ≤ target ε;
         ``epsilon_kwargs`` go to the accountant's ``get_epsilon`` during the calibration (as in
         Opacus: ``alphas`` for RDP, ``eps_error`` for PRV). With ``clipping="adaptive"`` the
@@ -199,9 +212,13 @@ class PrivacyEngine(metaclass=_EngineType):
             warnings.warn("make_private_with_epsilon: privacy already spent by this engine is not "
                           "included in the calibration; the final epsilon will be higher", UserWarning)
         warn_if_delta_not_small(target_delta, len(data_loader.dataset))
-        sample_rate = _sample_rate_of(data_loader)
-        sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
-                                     sample_rate=sample_rate, steps=_planned_steps(data_loader, epochs),
+        sample_rate = sample_rate_of(data_loader)
+        sigma = calibrated_noise_multiplier(
+            noise_mechanism, data_loader=data_loader, bands=bands, epochs=epochs, accountant=self.accountant.mechanism(),
+            target_epsilon=target_epsilon, target_delta=target_delta, epsilon_tolerance=epsilon_tolerance,
+            **epsilon_kwargs) if noise_mechanism != "independent" else get_noise_multiplier(
+                                     target_epsilon=target_epsilon, target_delta=target_delta,
+                                     sample_rate=sample_rate, steps=planned_steps(data_loader, epochs),
                                      accountant=self.accountant.mechanism(),
                                      epsilon_tolerance=epsilon_tolerance, **epsilon_kwargs)
         return self.make_private(
@@ -212,6 +229,7 @@ class PrivacyEngine(metaclass=_EngineType):
             rand_on_empty=rand_on_empty, target_unclipped_quantile=target_unclipped_quantile,
             clipbound_learning_rate=clipbound_learning_rate, max_clipbound=max_clipbound,
             min_clipbound=min_clipbound, unclipped_num_std=unclipped_num_std, step_timeout=step_timeout,
+            skip_weight_grads=skip_weight_grads, noise_mechanism=noise_mechanism, bands=bands, epochs=epochs,
         )
 
     def _private_loader_and_optimizer(self, gsm, module, optimizer, data_loader, *,
@@ -222,8 +240,8 @@ class PrivacyEngine(metaclass=_EngineType):
             gsm.forbid_grad_accumulation()
         loader = self._prepare_data_loader(data_loader, poisson_sampling=poisson_sampling,
                                            distributed=world_size > 1, batch_first=batch_first)
-        sample_rate = _sample_rate_of(loader)
-        expected_batch_size = _expected_batch_size(len(loader.dataset), sample_rate)
+        sample_rate = sample_rate_of(loader)
+        expected_batch_size = expected_batch_size_for(len(loader.dataset), sample_rate)
         if adaptive is not None:
             clipping = adaptive_clipper(max_grad_norm, expected_batch_size=expected_batch_size, **adaptive)
         if world_size > 1:
@@ -231,7 +249,7 @@ class PrivacyEngine(metaclass=_EngineType):
         # Poisson batches: one per step, split only by BatchMemoryManager; fixed-size batches:
         # a step may not combine more than one
         batching = BatchingPolicy(poisson_batches=True) if poisson_sampling else \
-            BatchingPolicy(max_batch_size=_fixed_batch_size(loader))
+            BatchingPolicy(max_batch_size=fixed_batch_size(loader))
         dp_optimizer = make_dp_optimizer(
             optimizer, grad_sample_module=gsm, noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
@@ -246,6 +264,8 @@ class PrivacyEngine(metaclass=_EngineType):
     def _prepare_data_loader(self, data_loader, *, poisson_sampling, distributed, batch_first):
         self.dataset = data_loader.dataset
         generator = secure_generator() if self.secure_mode else None
+        if self._mechanism is not None:  # the sampling its analysis needs (opacus_dp.mechanisms.engine)
+            return self._mechanism.loader(data_loader, generator=generator, distributed=distributed, batch_first=batch_first)
         if poisson_sampling:
             return DPDataLoader.from_data_loader(data_loader, generator=generator,
                                                  distributed=distributed, batch_first=batch_first)
@@ -266,6 +286,7 @@ class PrivacyEngine(metaclass=_EngineType):
         """Distributed reduction, budget guard and accountant (see :mod:`opacus_dp.engine_wiring`)."""
         connect_private_step(module, dp_optimizer, accountant=self.accountant, sample_rate=sample_rate,
                              step_timeout=step_timeout, max_epsilon=self.max_epsilon,
+                             mechanism=use_mechanism(self._mechanism, dp_optimizer, self.accountant),
                              max_epsilon_delta=self.max_epsilon_delta, epsilon_of=self._budget_epsilon)
 
     def _budget_epsilon(self, accountant) -> float:
@@ -342,26 +363,6 @@ def _refuse_skipped_empty_draws(data_loader: DataLoader) -> None:
             "empty list")
 
 
-def _planned_steps(data_loader: DataLoader, epochs) -> int:
-    """Steps of ``epochs`` passes: ``⌈epochs · len(data_loader)⌉``.
-
-    The loader used for training (``DPDataLoader.from_data_loader`` of it, or itself) has
-    ``len(data_loader)`` batches per pass, each one accounted step. Opacus computes
-    ``int(epochs / q)`` instead, which can be fewer steps than the run takes (e.g. a
-    DPDataLoader with q = 0.35 takes round(1/q) = 3 steps per pass, not 2; and
-    ``1 / (1 / 75)`` is below 75 in floating point): σ would then be too small for the target.
-    """
-    if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) \
-            or epochs <= 0:
-        raise ValueError(f"epochs must be a positive number, got {epochs!r}")
-    check_batching(data_loader, "data_loader")
-    return max(1, math.ceil(epochs * len(data_loader)))
-
-
-def _fixed_batch_size(data_loader: DataLoader) -> Optional[int]:
-    """Size of the loader's batches if it draws them with a ``BatchSampler``, else None."""
-    batch_sampler = getattr(data_loader, "batch_sampler", None)
-    return batch_sampler.batch_size if isinstance(batch_sampler, BatchSampler) else None
 
 
 def _check_opacus_flags(wrap_model, rand_on_empty) -> None:
@@ -371,21 +372,3 @@ def _check_opacus_flags(wrap_model, rand_on_empty) -> None:
     if rand_on_empty:
         warnings.warn("rand_on_empty=True has no effect: empty Poisson batches are delivered as "
                       "batches with zero rows, which every grad_sample_mode handles", UserWarning)
-
-
-def _expected_batch_size(num_samples: int, sample_rate: float) -> int:
-    """``⌊q·N⌋`` (at least 1), as Opacus 1.x; a product within rounding of an integer is that
-    integer (``98 · (1/49)`` is 1.9999999999999998 in floating point: 2, not 1)."""
-    product = num_samples * sample_rate
-    nearest = round(product)
-    exact = abs(product - nearest) <= 1e-9 * max(1.0, product)
-    return max(1, nearest if exact else math.floor(product))
-
-
-def _sample_rate_of(data_loader: DataLoader) -> float:
-    """``q`` of a loader: its own ``sample_rate`` if it has one, else ``1/len(loader)``."""
-    rate = getattr(data_loader, "sample_rate", None)
-    if rate is not None:
-        return float(rate)
-    check_batching(data_loader, "data_loader")
-    return 1.0 / len(data_loader)

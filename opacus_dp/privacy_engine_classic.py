@@ -41,6 +41,8 @@ from opacus_dp.privacy_engine_classic_setup import (
     restore_optimizer,
     warn_fixed_size_batches,
 )
+from opacus_dp.state_views import OPACUS_0X
+from opacus_dp.validators.errors import IncompatibleModuleException
 
 
 class ClassicPrivacyEngine:
@@ -57,7 +59,8 @@ class ClassicPrivacyEngine:
     ``enable_stat``, ``experimental`` and its clipping settings (see :func:`check_misc_settings`
     in :mod:`~opacus_dp.privacy_engine_classic_setup`). Beyond Opacus 0.x:
     ``grad_sample_mode`` ("hooks", "functorch", "ghost", "bk", "auto"; see
-    :mod:`opacus_dp.grad_sample.mode_selection`).
+    :mod:`opacus_dp.grad_sample.mode_selection`) and its ``skip_weight_grads``. ``p.grad_sample``
+    and ``p.summed_grad`` follow 0.x's lifecycle (:mod:`opacus_dp.state_views`).
     """
 
     def __init__(self, module: nn.Module, batch_size: Optional[int] = None,
@@ -71,7 +74,7 @@ class ClassicPrivacyEngine:
                  grad_norm_type: int = 2, max_epsilon: Optional[float] = None,
                  noise_generator: Optional[torch.Generator] = None, grad_sample_mode: str = "hooks",
                  enable_stat: bool = False, experimental: bool = False, clipping_method=None,
-                 clipping_ratio=None, clipping_momentum=None):
+                 clipping_ratio=None, clipping_momentum=None, skip_weight_grads: Optional[bool] = None):
         check_misc_settings(enable_stat=enable_stat, experimental=experimental, clipping_method=clipping_method,
                             clipping_ratio=clipping_ratio, clipping_momentum=clipping_momentum)
         self.secure_mode = self.secure_rng = bool(secure_rng)
@@ -106,6 +109,7 @@ class ClassicPrivacyEngine:
         self.max_epsilon, self.max_epsilon_delta = max_epsilon, target_delta
         self.noise_generator = noise_generator
         self.grad_sample_mode = check_choice(grad_sample_mode, MODE_NAMES, "grad_sample_mode")
+        self.skip_weight_grads = skip_weight_grads
         self.device = None
         self.optimizer = None
         self.grad_sample_module = None
@@ -126,16 +130,16 @@ class ClassicPrivacyEngine:
         if self.optimizer is not None:
             raise ValueError("this PrivacyEngine is already attached to an optimizer: detach it first")
         check_optimizer_params(self.module, optimizer)
-        validate_module(self.module)
+        validate_module(self.module, error_class=IncompatibleModuleException)  # 0.x's error type
         gsm = wrap_module(self.module, grad_sample_mode=self.grad_sample_mode, batch_first=self.batch_first,
-                          loss_reduction=self.loss_reduction)
+                          loss_reduction=self.loss_reduction, skip_weight_grads=self.skip_weight_grads)
         try:
             dp_optimizer = make_dp_optimizer(
                 optimizer, grad_sample_module=gsm, noise_multiplier=self._noise_multiplier,
                 max_grad_norm=self._max_grad_norm, expected_batch_size=self.expected_batch_size,
                 loss_reduction=self.loss_reduction, clipping=self.clipping,
                 generator=self.noise_generator, secure_mode=self.secure_mode,
-                batching=self._limit_logical_batches(gsm))
+                batching=self._limit_logical_batches(gsm), state_views=OPACUS_0X)
             connect_private_step(self.module, dp_optimizer, accountant=self.accountant,
                                  sample_rate=self.sample_rate, max_epsilon=self.max_epsilon,
                                  max_epsilon_delta=self.target_delta, epsilon_of=self._budget_epsilon)

@@ -9,11 +9,13 @@ import torch
 
 from opacus_dp.accountants import get_noise_multiplier
 from opacus_dp.data import SamplingWarning
+from opacus_dp.optim.amp_scaling import copy_found_inf
 
 # Opacus 0.x default RDP orders: 1.1, 1.2, ..., 10.9 and 12, ..., 63.
 DEFAULT_ALPHAS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
 
-PATCHED_ATTRIBUTES = ("step", "zero_grad", "virtual_step", "signal_skip_step", "privacy_engine")
+PATCHED_ATTRIBUTES = ("step", "zero_grad", "virtual_step", "signal_skip_step", "privacy_engine",
+                      "_step_supports_amp_scaling")
 _MISSING = object()
 
 
@@ -104,8 +106,15 @@ def warn_fixed_size_batches(sample_rate: float) -> None:
 
 
 # -------------------------------------------------------------- optimizer instance patching
-def _dp_step(optimizer, closure=None):
-    return optimizer.privacy_engine._dp_optimizer.step(closure)
+def _dp_step(optimizer, closure=None, grad_scaler=None):
+    """The private step; with a ``torch.amp.GradScaler`` (which keys its state by the patched
+    ``optimizer``) the scaler's ``found_inf`` is the one the private step gave back."""
+    dp_optimizer = optimizer.privacy_engine._dp_optimizer
+    if grad_scaler is None:
+        return dp_optimizer.step(closure)
+    result = dp_optimizer.step(closure, grad_scaler=grad_scaler)
+    copy_found_inf(grad_scaler, dp_optimizer, optimizer)
+    return result
 
 
 def _dp_zero_grad(optimizer, set_to_none: bool = True):
@@ -126,8 +135,8 @@ def _marked_as_scheduler_wrapped(optimizer):
     The wrapped original (called inside the private step) still records the call for the
     scheduler, so the scheduler need not warn that ``step`` was overridden.
     """
-    def step(closure=None):
-        return _dp_step(optimizer, closure)
+    def step(closure=None, grad_scaler=None):
+        return _dp_step(optimizer, closure, grad_scaler)
 
     step._wrapped_by_lr_sched = True
     return step
@@ -144,6 +153,7 @@ def patch_optimizer(optimizer: torch.optim.Optimizer, engine) -> Dict[str, objec
     optimizer.zero_grad = types.MethodType(_dp_zero_grad, optimizer)
     optimizer.virtual_step = types.MethodType(_dp_virtual_step, optimizer)
     optimizer.signal_skip_step = types.MethodType(_dp_signal_skip_step, optimizer)
+    optimizer._step_supports_amp_scaling = True  # a GradScaler hands itself to the private step
     return saved
 
 

@@ -13,7 +13,11 @@ weights, same fixed batch):
   its wrapped criterion), when ``opacus`` is installed.
 
 One step = ``zero_grad``, forward, cross-entropy loss, backward, private ``step`` (σ = 1,
-C = 1). **Time**: after ``--warmup`` untimed rounds, ``--repeats`` rounds in which every
+C = 1). ``--precision`` runs every variant, non-private included, in that precision: ``fp32``,
+``bf16`` (forward and loss under bfloat16 autocast) or ``fp16`` (float16 autocast and a
+``torch.amp.GradScaler``; in ``ghost`` the scaler scales the plain loss tensor, one
+book-keeping pass, and per-layer ``bk``/``ghost`` are refused: docs/precision.md).
+**Time**: after ``--warmup`` untimed rounds, ``--repeats`` rounds in which every
 variant runs one step, the order rotating each round (interleaved, so load drifts hit all
 variants alike); the median per variant is reported (wall clock, or process CPU time with
 ``--timer cpu``, steadier on a shared machine with ``--threads 1``), and ``paired x``: the median
@@ -30,6 +34,10 @@ there: huge pages would round resident sizes up).
 **Allocator**: the timed process runs with the environment it is given, reported in the
 table's header and the JSON: e.g. ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator on
 2 MiB transparent huge pages, fewer page faults for large tensors) applies to every variant alike.
+
+``--compile BACKEND`` also times non-private and each of our modes compiled
+(``model.compile(backend=BACKEND)``, the private model after ``make_private``) in the same rounds,
+and prints each compiled variant's time divided by its eager time and by compiled non-private's.
 
 Usage::
 
@@ -58,14 +66,26 @@ SIGMA, CLIP, LR = 1.0, 1.0, 0.01
 OURS = ("hooks", "ghost", "bk")
 PER_LAYER = "-per-layer"  # suffix of a mode run with per-layer clipping, e.g. "bk-per-layer"
 THEIRS = ("opacus:hooks", "opacus:ghost")
+COMPILED = "@"  # "bk@inductor": variant "bk" with its model compiled by that backend (--compile)
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # ----------------------------------------------------------------------------- variants
-def _private_step(model, optimizer, criterion, x, y) -> Callable[[], None]:
+def _private_step(model, optimizer, criterion, x, y, precision: str = "fp32") -> Callable[[], None]:
+    dtype, device = PRECISIONS[precision], x.device.type
+    scaler = torch.amp.GradScaler(device) if dtype is torch.float16 else None
+
     def step():
         optimizer.zero_grad()
-        criterion(model(x), y).backward()
-        optimizer.step()
+        with torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = criterion(model(x), y)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+            return
+        scaler.scale(getattr(loss, "value", loss)).backward()  # ghost: its plain loss tensor
+        scaler.step(optimizer)
+        scaler.update()
 
     return step
 
@@ -99,8 +119,10 @@ def _theirs(model, optimizer, loader, mode):
     return model, optimizer, nn.CrossEntropyLoss()
 
 
-def build_step(workload, variant: str, x, y) -> Callable[[], None]:
+def build_step(workload, variant: str, x, y, precision: str = "fp32") -> Callable[[], None]:
     """One training step of ``variant`` on a fresh copy of ``workload``'s model."""
+    if COMPILED in variant:
+        return compiled_step(workload, variant, x, y, precision)
     theirs = variant.startswith("opacus:")
     if theirs:
         import opacus.layers as layers
@@ -110,13 +132,32 @@ def build_step(workload, variant: str, x, y) -> Callable[[], None]:
     model = workload.build(layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     if variant == "non-private":
-        return _private_step(model, optimizer, nn.CrossEntropyLoss(), x, y)
+        return _private_step(model, optimizer, nn.CrossEntropyLoss(), x, y, precision)
     loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make = _theirs if theirs else _ours
         model, optimizer, criterion = make(model, optimizer, loader, variant.split(":")[-1])
-    return _private_step(model, optimizer, criterion, x, y)
+    return _private_step(model, optimizer, criterion, x, y, precision)
+
+
+def compiled_step(workload, variant: str, x, y, precision: str = "fp32") -> Callable[[], None]:
+    """``<name>@<backend>``: the step of ``name`` (one of ours, or non-private) with the model it
+    trains compiled in place (``model.compile(backend=...)``; the private model after
+    ``make_private``; docs/compile.md)."""
+    import opacus_dp.layers as layers
+
+    name, backend = variant.split(COMPILED)
+    torch.manual_seed(0)
+    model = workload.build(layers)
+    optimizer, criterion = torch.optim.SGD(model.parameters(), lr=LR), nn.CrossEntropyLoss()
+    if name != "non-private":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
+            model, optimizer, criterion = _ours(model, optimizer, loader, name)
+    model.compile(backend=backend)
+    return _private_step(model, optimizer, criterion, x, y, precision)
 
 
 def auto_choice(workload) -> str:
@@ -127,6 +168,12 @@ def auto_choice(workload) -> str:
 
 
 # ----------------------------------------------------------------------------- timing
+def _precision(args) -> dict:
+    """``build_step``'s keyword for ``--precision`` (none for fp32, the default)."""
+    precision = getattr(args, "precision", "fp32")
+    return {} if precision == "fp32" else {"precision": precision}
+
+
 def _timer(kind: str) -> Callable[[], float]:
     return time.process_time if kind == "cpu" else time.perf_counter
 
@@ -138,7 +185,7 @@ def time_variants(workload, variants: List[str], args) -> Dict[str, dict]:
     steps, errors = {}, {}
     for variant in variants:
         try:
-            steps[variant] = build_step(workload, variant, x, y)
+            steps[variant] = build_step(workload, variant, x, y, **_precision(args))
             steps[variant]()
         except Exception as e:  # a library that cannot run this model: reported, not fatal
             errors[variant] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
@@ -175,6 +222,35 @@ def add_paired_ratios(timing: Dict[str, dict]) -> None:
             r["paired_speedup_vs_opacus_hooks"] = statistics.median(h / a for a, h in zip(s, opacus_hooks))
 
 
+def add_compile_ratios(timing: Dict[str, dict]) -> None:
+    """For each compiled variant ``name@backend``, medians over rounds of its time divided by
+    ``name``'s eager time (``paired_x_eager``) and by ``non-private@backend``'s time
+    (``paired_x_compiled_non_private``)."""
+    for v, r in timing.items():
+        if COMPILED not in v or not r.get("samples_ms"):
+            continue
+        name, backend = v.split(COMPILED)
+        for key, base in (("paired_x_eager", name), ("paired_x_compiled_non_private",
+                                                      f"non-private{COMPILED}{backend}")):
+            base_samples = timing.get(base, {}).get("samples_ms")
+            if base_samples:
+                r[key] = statistics.median(a / b for a, b in zip(r["samples_ms"], base_samples))
+
+
+def print_compile_ratios(report: dict) -> None:
+    """The ``--compile`` rows: compiled ÷ eager, and compiled private ÷ compiled non-private."""
+    print(f"\n{'model':12s} {'compiled':22s} {'step ms':>9s} {'x eager':>8s} {'x compiled non-priv':>20s}")
+    for model_name, entry in report["models"].items():
+        for v, r in entry["raw_timing"].items():
+            if COMPILED not in v:
+                continue
+            if "error" in r:
+                print(f"{model_name:12s} {v:22s} n/a: {r['error']}")
+                continue
+            print(f"{model_name:12s} {v:22s} {r['ms']:9.1f} {_fmt(r.get('paired_x_eager'), '8.2f')} "
+                  f"{_fmt(r.get('paired_x_compiled_non_private'), '20.2f')}")
+
+
 # ----------------------------------------------------------------------------- memory
 def _status_kb(key: str) -> int:
     with open("/proc/self/status") as f:
@@ -184,12 +260,12 @@ def _status_kb(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-def probe_memory(model_name: str, variant: str, steps: int) -> dict:
+def probe_memory(model_name: str, variant: str, steps: int, precision: str = "fp32") -> dict:
     """Run in a fresh process: peak RSS increase of ``steps`` training steps (MiB)."""
     workload = WORKLOADS[model_name]
     torch.manual_seed(1)
     x, y = workload.batch()
-    step = build_step(workload, variant, x, y)
+    step = build_step(workload, variant, x, y, precision)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     baseline = _status_kb("VmRSS")
@@ -202,7 +278,8 @@ def measure_memory(model_name: str, variant: str, args) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(args.threads))
     env.pop("THP_MEM_ALLOC_ENABLE", None)  # 2 MiB pages would round the resident sizes up
     cmd = [sys.executable, os.path.abspath(__file__), "--probe", model_name, variant,
-           "--memory-steps", str(args.memory_steps), "--threads", str(args.threads)]
+           "--memory-steps", str(args.memory_steps), "--threads", str(args.threads),
+           "--precision", getattr(args, "precision", "fp32")]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1][:160]}
@@ -286,6 +363,12 @@ def parse_args(argv=None):
     parser.add_argument("--memory-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--timer", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+                        help="every variant (non-private too) in this precision: bf16/fp16 autocast, "
+                             "fp16 with a torch.amp.GradScaler")
+    parser.add_argument("--compile", metavar="BACKEND",
+                        help="also time non-private and our modes compiled (model.compile(backend=BACKEND), "
+                             "e.g. inductor): rows 'x eager' and 'x compiled non-priv'")
     parser.add_argument("--json", help="also write the report to this file")
     parser.add_argument("--probe", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -294,24 +377,31 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message="GradScaler is going to stop", category=FutureWarning)
     if args.probe:
-        print(json.dumps(probe_memory(*args.probe, steps=args.memory_steps)))
+        print(json.dumps(probe_memory(*args.probe, steps=args.memory_steps, precision=args.precision)))
         return
     variants = ["non-private"] + [m for m in args.modes.split(",") if m]
     if not args.no_opacus:
         variants += list(THEIRS)
+    if args.compile:  # compiled copies of non-private and of our modes, timed in the same rounds
+        variants += [f"{v}{COMPILED}{args.compile}" for v in variants if not v.startswith("opacus:")]
     report = {"machine": machine(), "settings": vars(args), "models": {}}
     for model_name in args.models.split(","):
         workload = WORKLOADS[model_name]
         timing = time_variants(workload, variants, args)
+        add_compile_ratios(timing)
         memory = {} if args.no_memory else {v: measure_memory(model_name, v, args) for v in timing}
         report["models"][model_name] = {"description": workload.description, "auto": auto_choice(workload),
                                         "variants": summarise(model_name, timing, memory),
                                         "raw_timing": timing, "memory": memory}
         print(f"done: {model_name}", file=sys.stderr)
     report["machine"]["load_average_after"] = os.getloadavg()
-    print(f"allocator settings of the timed process: {report['machine']['allocator'] or 'defaults'}")
+    print(f"allocator settings of the timed process: {report['machine']['allocator'] or 'defaults'}; "
+          f"precision: {args.precision}")
     print_table(report)
+    if args.compile:
+        print_compile_ratios(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -10,6 +10,7 @@ from opacus_dp.audit.statistics import check_confidence, check_delta
 APIS = ("modern", "classic")
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 LOSS_REDUCTIONS = ("mean", "sum")
+MECHANISMS = ("independent", "banded", "blt")  # opacus_dp.audit.correlated scores the last two
 
 
 def _check_number(value, name: str, *, low: float, low_inclusive: bool, high: float = math.inf) -> float:
@@ -42,7 +43,8 @@ class AuditConfig:
     uses ``PrivacyEngine(model, ...).attach(optimizer)`` (RDP accounting, so ``accountant``
     must be "rdp"); "modern" uses ``make_private``. ``max_physical_batch_size`` splits each
     logical batch with ``BatchMemoryManager`` (virtual steps). ``grad_sample_mode`` is passed
-    to ``make_private`` (modern API only).
+    to ``make_private`` (modern API only), as are ``noise_mechanism`` and ``bands`` (the run is
+    planned for ``steps``; scores: :mod:`~opacus_dp.audit.correlated`).
     """
 
     noise_multiplier: float
@@ -63,6 +65,8 @@ class AuditConfig:
     loss_reduction: str = "mean"
     max_physical_batch_size: Optional[int] = None
     seed: int = 0
+    noise_mechanism: str = "independent"
+    bands: Optional[int] = None
 
     def __post_init__(self):
         _check_number(self.noise_multiplier, "noise_multiplier", low=0.0, low_inclusive=True)
@@ -84,6 +88,10 @@ class AuditConfig:
         if self.max_physical_batch_size is not None:
             _check_int(self.max_physical_batch_size, "max_physical_batch_size")
         _check_int(self.seed, "seed", minimum=0)
+        _check_choice(self.noise_mechanism, MECHANISMS, "noise_mechanism")
+        if self.noise_mechanism != "independent" and (self.api != "modern" or self.noise_multiplier == 0):
+            raise ValueError("a correlated noise_mechanism is audited through make_private (api='modern') "
+                             "with noise_multiplier > 0")
         self.layout()  # validates the canary sizes
 
     def layout(self) -> CanaryLayout:

@@ -22,6 +22,8 @@ import torch.nn as nn
 
 from opacus_dp.audit.canaries import CanaryLoss, canary_dataset, canary_model, draw_membership
 from opacus_dp.audit.config import AuditConfig
+from opacus_dp.audit.correlated import MechanismRecord, canary_groups
+from opacus_dp.data.cyclic_sampler import CyclicPoissonSampler
 from opacus_dp.data import BatchMemoryManager, DPDataLoader
 from opacus_dp.distributed import world_size_of
 from opacus_dp.privacy_engine import PrivacyEngine
@@ -41,6 +43,8 @@ class RunRecord:
     observations: torch.Tensor
     privacy_history: List[Tuple[float, float, int]]
     accountant_epsilon: Optional[float]
+    mechanism: Optional[MechanismRecord] = None  # a correlated noise mechanism's, and
+    canary_groups: Optional[torch.Tensor] = None  # each canary's group
 
 
 @dataclass
@@ -72,13 +76,28 @@ def _modern(config: AuditConfig, network, optimizer, dataset, generators) -> _Pr
         module=network, optimizer=optimizer, data_loader=loader,
         noise_multiplier=config.noise_multiplier, max_grad_norm=config.max_grad_norm,
         loss_reduction=config.loss_reduction, noise_generator=generators["noise"],
-        grad_sample_mode=config.grad_sample_mode, criterion=criterion)
+        grad_sample_mode=config.grad_sample_mode, criterion=criterion, **_mechanism_options(config, loader))
     private_net, dp_optimizer, dp_loader = made[0], made[1], made[-1]
     criterion = made[2] if len(made) == 4 else criterion
     divisor = _divisor(config, dp_optimizer.expected_batch_size, world_size_of(network))
     return _PrivateTraining(private_net, dp_optimizer, dp_loader, criterion, divisor,
                             epsilon=lambda: engine.get_epsilon(config.delta),
                             accountant=engine.accountant, release=private_net.close)
+
+
+def _mechanism_options(config: AuditConfig, loader) -> dict:
+    if config.noise_mechanism == "independent":
+        return {}
+    return {"noise_mechanism": config.noise_mechanism, "bands": config.bands, "epochs": config.steps / len(loader)}
+
+
+def _mechanism_of(training: _PrivateTraining, membership: torch.Tensor):
+    """The run's :class:`MechanismRecord` and canary groups (None, None for DP-SGD)."""
+    sampler = training.loader.batch_sampler
+    if not isinstance(sampler, CyclicPoissonSampler):
+        return None, None
+    record = MechanismRecord(training.optimizer.noise.strategy, sampler.groups, sampler.sample_rate)
+    return record, canary_groups(membership, sampler.assignment)
 
 
 def _classic(config: AuditConfig, network, optimizer, dataset, generators) -> _PrivateTraining:
@@ -170,6 +189,7 @@ def run_with_canaries(config: AuditConfig, run_index: int = 0,
     try:
         observations = _train(training, model.weight, layout.canary_coordinates, config)
         epsilon = float(training.epsilon()) if report_epsilon else None
-        return RunRecord(membership, observations, list(training.accountant.history), epsilon)
+        return RunRecord(membership, observations, list(training.accountant.history), epsilon,
+                         *_mechanism_of(training, membership))
     finally:
         training.release()

@@ -22,6 +22,7 @@ import torch
 
 from opacus_dp.audit.claimed_model import model_thresholds
 from opacus_dp.audit.config import AuditConfig
+from opacus_dp.audit.correlated import MechanismRecord, correlated_scores
 from opacus_dp.audit.one_run import OneRunBound, one_run_audit
 from opacus_dp.audit.runner import ModelWrapper, run_with_canaries
 from opacus_dp.audit.scores import membership_scores
@@ -41,11 +42,13 @@ class AuditReport:
     gdp: ErrorRateBound
     plain: ErrorRateBound
     one_run: OneRunBound
+    gaussian_curve: bool = False  # a correlated mechanism whose groups are taken whole
 
     @property
     def headline_method(self) -> str:
-        """"gdp" when every step is full-batch (a Gaussian mechanism), else "plain"."""
-        return "gdp" if self.config.sample_rate == 1.0 else "plain"
+        """"gdp" when every step is full-batch (a Gaussian mechanism; also a correlated
+        mechanism whose group rate is 1), else "plain"."""
+        return "gdp" if self.config.sample_rate == 1.0 or self.gaussian_curve else "plain"
 
     @property
     def epsilon_lower_bound(self) -> float:
@@ -68,14 +71,21 @@ def _resolve_threshold(threshold, membership: np.ndarray, config: AuditConfig):
 
 
 def analyse(observations, membership, *, config: AuditConfig, accountant_epsilon: float,
-            threshold: Threshold = "model") -> AuditReport:
+            threshold: Threshold = "model", mechanism: Optional[MechanismRecord] = None,
+            groups=None) -> AuditReport:
     """Bounds from ``(T, m)`` observations and ``(m,)`` membership (see the module doc).
 
     ``threshold``: "model" (chosen in advance from the claimed mechanism, see
-    :mod:`claimed_model`), "split" or fixed values (see :func:`threshold_audit`).
+    :mod:`claimed_model`), "split" or fixed values (see :func:`threshold_audit`). With a
+    correlated ``mechanism`` (and the canaries' ``groups``) the scores are those of
+    :mod:`~opacus_dp.audit.correlated` and "model" means "split".
     """
-    scores = membership_scores(observations, noise_multiplier=config.noise_multiplier,
-                               sample_rate=config.sample_rate)
+    if mechanism is None:
+        scores = membership_scores(observations, noise_multiplier=config.noise_multiplier,
+                                   sample_rate=config.sample_rate)
+    else:
+        scores = correlated_scores(observations, groups, record=mechanism, noise_multiplier=config.noise_multiplier)
+        threshold = "split" if isinstance(threshold, str) else threshold
     membership = np.asarray(torch.as_tensor(membership).cpu(), dtype=bool)
     threshold = _resolve_threshold(threshold, membership, config)
     gdp, plain = threshold_audit(scores, membership, delta=config.delta,
@@ -85,7 +95,8 @@ def analyse(observations, membership, *, config: AuditConfig, accountant_epsilon
     if config.sample_rate == 1.0:
         mu = gaussian_mechanism_mu(noise_multiplier=config.noise_multiplier, steps=config.steps)
         gaussian = gdp_epsilon(mu, config.delta) if config.delta > 0 else float("inf")
-    return AuditReport(config, float(accountant_epsilon), gaussian, gdp, plain, one_run)
+    whole_groups = mechanism is not None and mechanism.group_rate == 1.0
+    return AuditReport(config, float(accountant_epsilon), gaussian, gdp, plain, one_run, whole_groups)
 
 
 def run_audit(config: AuditConfig, model_wrapper: Optional[ModelWrapper] = None,
@@ -104,5 +115,6 @@ def run_audit(config: AuditConfig, model_wrapper: Optional[ModelWrapper] = None,
                            f"{config.steps} trained steps: the privacy history is inconsistent")
     observations = torch.cat([r.observations for r in records], dim=1)
     membership = torch.cat([r.membership for r in records])
-    return analyse(observations, membership, config=config,
-                   accountant_epsilon=records[0].accountant_epsilon, threshold=threshold)
+    groups = None if records[0].mechanism is None else torch.cat([r.canary_groups for r in records])
+    return analyse(observations, membership, config=config, accountant_epsilon=records[0].accountant_epsilon,
+                   threshold=threshold, mechanism=records[0].mechanism, groups=groups)

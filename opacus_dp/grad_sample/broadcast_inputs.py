@@ -176,6 +176,6 @@ class BroadcastInputs:
         if not (self._recording() and has_trainable_parameters(master)):
             return None
         target = self._target(tensors[0], batch_dim) if sizes else None
-        if target is None or target <= 1:
+        if target is None or target == 1:
             return None
-        return expanded(args, kwargs, batch_dim, target)
+        return expanded(args, kwargs, batch_dim, target)  # B = 0 too: an empty batch adds no rows

@@ -11,6 +11,7 @@ from opacus_dp.errors import UnsupportedModuleError
 from opacus_dp.grad_sample.support import describe, unsupported_modules
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.per_sample_source import ModuleGradSource
+from opacus_dp.state_views import StateViews
 
 
 class GradSampleModuleAPI:
@@ -28,8 +29,15 @@ class GradSampleModuleAPI:
         """Its :class:`~opacus_dp.per_sample_source.GradSource` (via :meth:`pop_grad_samples`)."""
         return ModuleGradSource(self)
 
+    def use_state_views(self, views: StateViews) -> None:
+        """Show ``p.grad_sample`` with the lifecycle of ``views`` (:mod:`opacus_dp.state_views`):
+        Opacus 1.x's (the default) or 0.x's (the classic engine's)."""
+        self._store.views = views
+        self._store.show_absent([p for _, p in self.trainable_parameters()])
+
     def pop_grad_samples(self) -> Dict[torch.Tensor, torch.Tensor]:
-        """Return ``{param: per-sample gradient}`` and drop them from the wrapper and params."""
+        """Return ``{param: per-sample gradient}`` and drop them from the wrapper; they stay
+        readable as ``p.grad_sample`` where the lifecycle keeps them (marked consumed)."""
         self._consumed()
         return self._store.pop_all()
 

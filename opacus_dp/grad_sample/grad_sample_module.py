@@ -39,7 +39,9 @@ from opacus_dp.grad_sample.running_statistics import guard_running_statistics
 from opacus_dp.grad_sample.functorch import explained_fallback_error, functorch_grad_sample
 from opacus_dp.grad_sample.attachments import _HOOKED_BY, _Attachments, _owner, weakly
 from opacus_dp.grad_sample.broadcast_inputs import BroadcastInputs
+from opacus_dp.grad_sample.compiled_modules import prepare_for_compile
 from opacus_dp.grad_sample.grad_sample_api import GradSampleModuleAPI
+from opacus_dp.grad_sample.outside_use_totals import OutsideUseTotals
 from opacus_dp.grad_sample.layer_call import LayerCall, call_batch_dim, hook_output_grad, separate_outputs
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
@@ -146,12 +148,16 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         data_parallel.refuse_unsupported_replicas(module, lambda m: self._sampler_for(m) is not None)
         self._broadcast = BroadcastInputs(batch_first, weakly(self._recording, False))
         self._add_hooks()
+        self._store.show_absent([p for _, p in self.trainable_parameters()])  # as Opacus 1.x
         self._handles.extend(guard_running_statistics(module, weakly(self._recording, False)))
         if self._handles:
             data_parallel.acquire(self)
         self.skips_weight_grads = bool(skip_weight_grads) and not _has_replicas(module)
         if self.skips_weight_grads:
             self._skip_weight_grads()
+        elif not _has_replicas(module):
+            self._compare_pass_totals()
+        prepare_for_compile(module, self._handles)  # torch.compile: see compiled_modules
 
     def _skip_weight_grads(self) -> None:
         self._outside_use = OutsideUseCheck({id(p): n for n, p in self._module.named_parameters()})
@@ -161,6 +167,11 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
                 layer, weakly(self._recording, False), self._outside_use,
                 recomputing=lambda: getattr(_RECOMPUTING, "active", False), switches=self._switches))
         self._handles.append(self._outside_use)
+
+    def _compare_pass_totals(self) -> None:
+        """Weight gradients kept: find outside uses from each pass's totals (outside_use_totals)."""
+        names = {id(p): n for n, p in self._module.named_parameters()}
+        self._store.totals = OutsideUseTotals(names, self._handles)
 
     def _restore_switches(self) -> None:
         """Parameters left switched off by an interrupted forward get requires_grad back."""
@@ -245,6 +256,8 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
             return replaced
         call = LayerCall.capture(args, kwargs, batch_dim, batch_size,
                                   track_producers=self._tracks_producers)
+        if self._store.totals is not None:
+            self._store.totals.watch_layer(master, autocast_of(master) is not None)
         call.outer_task = torch._C._current_graph_task_id()
         if call.outer_task != -1:  # recomputed during a backward pass (activation checkpointing)
             self._open_outer_pass(call, describe(path, master))

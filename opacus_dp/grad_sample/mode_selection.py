@@ -3,7 +3,8 @@ what ``"auto"`` picks. ``make_private``, ``attach`` (:mod:`opacus_dp.engine_setu
 ``wrap_model`` / ``get_gsm_class`` (:mod:`opacus_dp.grad_sample.utils`) all read it.
 
 * ``"hooks"`` (and Opacus's ``"ew"``, ExpandedWeights: the same per-sample gradients):
-  :class:`GradSampleModule` with the dedicated per-layer samplers;
+  :class:`GradSampleModule` with the dedicated per-layer samplers; ``p.grad`` holds autograd's
+  ordinary gradient after ``loss.backward()``, as in Opacus;
 * ``"functorch"``: the same wrapper with the ``torch.func`` fallback for every layer;
 * ``"bk"``: :class:`BookkeepingGradSampleModule` with the ``"mixed"`` layer rule — per layer
   the cheaper of the ghost norm and materialised per-sample gradients (Bu et al. 2022), the
@@ -17,13 +18,16 @@ what ``"auto"`` picks. ``make_private``, ``attach`` (:mod:`opacus_dp.engine_setu
   does the least arithmetic (per layer the cheaper computation, no autograd weight gradient, no
   second backward; see ``docs/benchmarks.md``).
 
-``options`` make the mode; ``engine_options`` are what the privacy engines add for speed (the
-DP optimizer forms ``p.grad`` from the per-sample gradients, so autograd's own weight gradient
-is skipped). Opacus's ``wrap_model`` builds ``options`` only, and keeps ``p.grad`` as Opacus does.
+``options`` make the mode. ``skip_weight_grads`` (the engines' argument): autograd's own weight
+gradient of the hooked layers is not computed, as the DP step forms ``p.grad`` from the
+per-sample state anyway (``p.grad`` then stays None after ``loss.backward()``). Default: off
+in ``"hooks"``/``"functorch"`` (Opacus's behaviour), on in ``"bk"``/``"ghost"``, which have no
+Opacus 0.x counterpart and whose speed comes from it; ``True`` is an opt-in for speed in the
+first two, ``False`` gives the ordinary ``p.grad`` in the last two.
 """
 
 from dataclasses import dataclass, field
-from typing import Mapping, Type
+from typing import Mapping, Optional, Type
 
 import torch.nn as nn
 from torch.nn.parallel import DataParallel
@@ -35,26 +39,27 @@ from opacus_dp.grad_sample.grad_sample_module_fast_gradient_clipping import Grad
 
 @dataclass(frozen=True)
 class Mode:
-    """One row of the table: the engines' wrapper class, its options, the engines' extra
-    options, and the class Opacus's API returns for the mode (default: the same)."""
+    """One row of the table: the engines' wrapper class, its options, whether the engines skip
+    autograd's weight gradients by default, and the class Opacus's API returns for the mode
+    (default: the same)."""
 
     wrapper: Type[GradSampleModule]
     options: Mapping = field(default_factory=dict)
-    engine_options: Mapping = field(default_factory=dict)
+    skips_weight_grads: bool = False
     opacus_wrapper: Type[GradSampleModule] = None
 
     def opacus_class(self) -> Type[GradSampleModule]:
         return self.opacus_wrapper or self.wrapper
 
 
-_HOOKS = Mode(GradSampleModule, engine_options={"skip_weight_grads": True})
+_HOOKS = Mode(GradSampleModule)
 MODES: Mapping[str, Mode] = {
     "hooks": _HOOKS,
     "ew": _HOOKS,
-    "functorch": Mode(GradSampleModule, {"force_functorch": True}, {"skip_weight_grads": True}),
-    "ghost": Mode(BookkeepingGradSampleModule, {"layer_rule": "mixed"},
+    "functorch": Mode(GradSampleModule, {"force_functorch": True}),
+    "ghost": Mode(BookkeepingGradSampleModule, {"layer_rule": "mixed"}, skips_weight_grads=True,
                   opacus_wrapper=GradSampleModuleFastGradientClipping),
-    "bk": Mode(BookkeepingGradSampleModule, {"layer_rule": "mixed"}),
+    "bk": Mode(BookkeepingGradSampleModule, {"layer_rule": "mixed"}, skips_weight_grads=True),
 }
 MODE_NAMES = (*MODES, "auto")  # what grad_sample_mode accepts
 
@@ -73,11 +78,17 @@ def mode_of(name: str, module: nn.Module) -> Mode:
     return MODES[choose_mode(module) if name == "auto" else name]
 
 
-def wrap_for_engine(module: nn.Module, name: str, *, batch_first: bool, loss_reduction: str) -> GradSampleModule:
-    """The wrapper ``make_private`` / ``attach`` build for mode ``name`` (strict validation)."""
+def wrap_for_engine(module: nn.Module, name: str, *, batch_first: bool, loss_reduction: str,
+                    skip_weight_grads: Optional[bool] = None) -> GradSampleModule:
+    """The wrapper ``make_private`` / ``attach`` build for mode ``name`` (strict validation);
+    ``skip_weight_grads=None``: the mode's default (module doc)."""
     mode = mode_of(name, module)
+    if skip_weight_grads is None:
+        skip_weight_grads = mode.skips_weight_grads
+    elif not isinstance(skip_weight_grads, bool):
+        raise TypeError(f"skip_weight_grads must be a bool or None, got {skip_weight_grads!r}")
     return mode.wrapper(module, batch_first=batch_first, loss_reduction=loss_reduction, strict=True,
-                        **mode.options, **mode.engine_options)
+                        skip_weight_grads=skip_weight_grads, **mode.options)
 
 
 def wrap_norms_only(module: nn.Module, name: str, *, batch_first: bool, loss_reduction: str) -> GradSampleModule:

@@ -14,7 +14,10 @@ Accumulation rule (documented behaviour of ``GradSampleModule``):
 
 The end of a backward pass is detected with an autograd engine callback queued by the
 first hook of that pass. ``p.grad_sample`` mirrors the table; if a consumer replaces or
-clears ``p.grad_sample`` itself, the table adopts that value.
+clears ``p.grad_sample`` itself, the table adopts that value. What a step leaves there (kept
+and marked consumed, or removed) follows the generation's lifecycle
+(:mod:`opacus_dp.state_views`): a consumed gradient is never taken again, and the next
+backward pass replaces it.
 """
 
 import threading
@@ -23,6 +26,8 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 
 from opacus_dp.grad_sample.broadcast_inputs import BROADCAST_HINT
+from opacus_dp.grad_sample.outside_use_totals import OutsideUseTotals
+from opacus_dp.state_views import OPACUS_1X, StateViews, is_consumed, mark_consumed
 from opacus_dp.torch_internals import current_graph_task_id, queue_end_of_backward_callback
 
 _UNSET = object()
@@ -96,6 +101,14 @@ class PerSampleGradStore:
         self.passes = 0  # backward passes that added per-sample gradients since the last pop/clear
         self.other_batches = lambda: 0  # batches held elsewhere (the bk mode's passes)
         self.counted_elsewhere = lambda task: False  # a graph task whose pass is held elsewhere
+        self.views: StateViews = OPACUS_1X
+        self.totals: Optional[OutsideUseTotals] = None  # per-pass totals to compare (outside uses)
+
+    def show_absent(self, params) -> None:
+        """Show ``params``' per-sample gradients as absent now (1.x: ``p.grad_sample = None``)."""
+        with self._lock:
+            for param in params:
+                self._publish(param, None)
 
     # ----------------------------------------------------------------- adding
     def add(self, param: torch.Tensor, grad_sample: torch.Tensor, layer: str, chunk: int = 0,
@@ -167,14 +180,25 @@ class PerSampleGradStore:
     def _close_pass(self, task: int) -> None:
         with self._lock:
             finished = self._passes.pop(task, None)
-            if finished is None or not (finished.sums or finished.empty_batch):
-                return
-            if not finished.sums and self.counted_elsewhere(task):
-                return  # a layer called on no rows within a batch that is counted already
-            self._refuse_second_batch()
-            for param in finished.sums:
-                self._append(param, finished.concatenated(param, self._undo_mean))
-            self.passes += 1
+            try:
+                self._finish(task, finished)
+            finally:
+                if self.totals is not None:
+                    self.totals.forget(task)
+
+    def _finish(self, task: int, finished: Optional[_Pass]) -> None:
+        """Add a finished pass's per-sample gradients (checked against the totals, if watched)."""
+        if finished is None or not (finished.sums or finished.empty_batch):
+            return
+        if not finished.sums and self.counted_elsewhere(task):
+            return  # a layer called on no rows within a batch that is counted already
+        self._refuse_second_batch()
+        grads = {param: finished.concatenated(param, self._undo_mean) for param in finished.sums}
+        if self.totals is not None:
+            self.totals.check(task, grads, self._undo_mean)
+        for param, grad_sample in grads.items():
+            self._append(param, grad_sample)
+        self.passes += 1
 
     def _append(self, param: torch.Tensor, grad_sample: torch.Tensor) -> None:
         previous = self._synced(param)
@@ -190,18 +214,21 @@ class PerSampleGradStore:
             self._done.pop(param, None)
         else:
             self._done[param] = grad_sample
-        param.grad_sample = grad_sample
+        self.views.show(param, "grad_sample", grad_sample)
 
     def _synced(self, param: torch.Tensor) -> Optional[torch.Tensor]:
-        """Current per-sample gradient, adopting any value set on ``param.grad_sample``."""
+        """Current per-sample gradient, adopting any value set on ``param.grad_sample`` (a
+        deleted attribute is None); a gradient a step consumed counts as none."""
         view = param.__dict__.get("grad_sample", _UNSET)
+        if view is _UNSET and id(param) in self._touched:
+            view = None
         stored = self._done.get(param)
         if view is not _UNSET and view is not stored:
             stored = view if isinstance(view, torch.Tensor) else None
-            if stored is None:
-                self._done.pop(param, None)
-            else:
-                self._done[param] = stored
+        if stored is None or is_consumed(stored):
+            self._done.pop(param, None)
+            return None
+        self._done[param] = stored
         return stored
 
     # ---------------------------------------------------------------- reading
@@ -211,14 +238,18 @@ class PerSampleGradStore:
             return self._synced(param)
 
     def pop_all(self) -> Dict[torch.Tensor, torch.Tensor]:
-        """All per-sample gradients; the table and ``p.grad_sample`` are cleared."""
+        """All per-sample gradients, marked consumed; ``p.grad_sample`` keeps them (1.x) or is
+        cleared (0.x), and the table forgets them."""
         with self._lock:
             result = {}
             for param in list(self._touched.values()):
                 grad_sample = self._synced(param)
+                self._done.pop(param, None)
+                if grad_sample is None or not self.views.keeps_after_step:
+                    self.views.hide(param, "grad_sample")
                 if grad_sample is not None:
+                    mark_consumed(grad_sample)
                     result[param] = grad_sample
-                self._publish(param, None)
             self.passes = 0
             return result
 

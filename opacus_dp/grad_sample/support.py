@@ -102,11 +102,30 @@ def rewrites_parameters_from_data(module: nn.Module) -> bool:
     return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None
 
 
+BATCHLESS_TABLE = (
+    "it is looked up with position ids that have no batch dimension (T5's relative position "
+    "buckets, shape (T, T)) and its output is added to every sample's attention scores, so the "
+    "samples' gradients are summed before it sees them (with T equal to the batch size they "
+    "would pass for per-sample ones); freeze it (requires_grad_(False)) or train without it"
+)
+BATCHLESS_TABLES = ("relative_attention_bias",)  # T5, mT5, LongT5, UMT5, Switch Transformers
+
+
+def _batchless_table(path: str, module: nn.Module) -> bool:
+    """A trainable embedding registered under a name of :data:`BATCHLESS_TABLES`."""
+    return path.rsplit(".", 1)[-1] in BATCHLESS_TABLES and isinstance(module, nn.Embedding) \
+        and has_trainable_parameters(module)
+
+
 def unsupported_modules(root: nn.Module) -> Iterator[Tuple[str, nn.Module, str]]:
     """``(path, module, reason)`` for every submodule that is refused: those with trainable
-    parameters and no correct per-sample gradients, and (frozen or not) those that rewrite
-    their parameters from the data (:func:`rewrites_parameters_from_data`)."""
+    parameters and no correct per-sample gradients, (frozen or not) those that rewrite their
+    parameters from the data (:func:`rewrites_parameters_from_data`), and trainable tables looked
+    up without a batch dimension (:data:`BATCHLESS_TABLE`)."""
     for path, module in root.named_modules():
+        if _batchless_table(path, module):
+            yield path, module, BATCHLESS_TABLE
+            continue
         if not (has_trainable_parameters(module) or rewrites_parameters_from_data(module)
                 or (is_parametrization(module) and trains_anything(module))):
             continue

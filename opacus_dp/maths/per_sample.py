@@ -1,11 +1,15 @@
 """Per-sample norms and weighted sums of per-sample gradients, in the dtype they are formed in.
 
 Half-precision gradients are normed and summed in float32 (:func:`sum_dtype`); the products that
-decide a sample's clipped contribution run in IEEE float32 (:mod:`.float32_products`).
+decide a sample's clipped contribution run in IEEE float32 (:mod:`.float32_products`). A sample
+whose factor is 0 or non-finite (a dropped sample) adds nothing: its rows are zeroed before any
+product (:func:`without_dropped_rows`).
 """
 
 import math
-from typing import Callable, List, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -51,7 +55,101 @@ def check_finite_norm_list(norms: Sequence[torch.Tensor], name_of: Callable[[int
 
 def weighted_sum(factors: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     """``Σ_i f_i g_i`` of per-sample gradients ``(B, ...)``, in :func:`sum_dtype` of theirs, with
-    IEEE float32 products (:mod:`~opacus_dp.maths.float32_products`)."""
+    IEEE float32 products (:mod:`~opacus_dp.maths.float32_products`); rows of dropped samples
+    (``f_i`` 0 or non-finite) are zeroed first (:func:`drops_rows`)."""
     dtype = sum_dtype(grads.dtype)
+    factors = factors.to(device=grads.device, dtype=dtype)
+    if drops_rows(factors):
+        factors, grads = without_dropped_rows(factors, grads)
     with ieee_float32_products():
-        return torch.einsum("i,i...->...", factors.to(device=grads.device, dtype=dtype), grads.to(dtype))
+        return torch.einsum("i,i...->...", factors, grads.to(dtype))
+
+
+# ------------------------------------------------------------------ dropped (non-finite) samples
+# A sample whose norm is NaN or inf gets clip factor 0 (:mod:`opacus_dp.optim.nonfinite`). Its
+# gradient rows may hold NaN or inf, and 0 · NaN = NaN: its rows are zeroed, never multiplied.
+_KNOWN_DROPS: ContextVar[Optional[bool]] = ContextVar("opacus_dp_known_drops", default=None)
+
+
+@contextmanager
+def known_drops(dropping: bool):
+    """Within: the weighted sums take ``dropping`` (whether some factor is 0 or non-finite) as
+    known, so they zero rows only then. Outside (sums formed during the backward pass) they find
+    out themselves: on CPU by a check, elsewhere they always zero (no device sync)."""
+    token = _KNOWN_DROPS.set(bool(dropping))
+    try:
+        yield
+    finally:
+        _KNOWN_DROPS.reset(token)
+
+
+_LOSS_SCALED: ContextVar[bool] = ContextVar("opacus_dp_loss_scaled", default=False)
+
+
+@contextmanager
+def loss_scaled(scaled: bool):
+    """Within (``scaled``): the per-sample gradients a source reads are multiplied by a loss scale
+    that the step divides out (``torch.amp.GradScaler``); a source holding clipped sums formed
+    during the backward pass, from factors of scaled norms, must refuse (:func:`is_loss_scaled`)."""
+    token = _LOSS_SCALED.set(bool(scaled))
+    try:
+        yield
+    finally:
+        _LOSS_SCALED.reset(token)
+
+
+def is_loss_scaled() -> bool:
+    """Whether the step now reading a source divides a loss scale out (:func:`loss_scaled`)."""
+    return _LOSS_SCALED.get()
+
+
+def kept_rows(factors: torch.Tensor) -> torch.Tensor:
+    """``f_i ≠ 0 and finite``: the samples whose rows reach a weighted sum."""
+    return torch.isfinite(factors) & (factors != 0)
+
+
+def _flat_by_device(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    by_device = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t.reshape(-1))
+    return [torch.cat(ts) for ts in by_device.values()]
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every value is finite: one check (one device sync) per device."""
+    return all(bool(torch.isfinite(t).all()) for t in _flat_by_device(tensors))
+
+
+def any_dropped(factors: Sequence[torch.Tensor]) -> bool:
+    """Whether some factor is 0 or non-finite: one check per device."""
+    return not all(bool(kept_rows(f).all()) for f in _flat_by_device(factors))
+
+
+def drops_rows(factors: torch.Tensor) -> bool:
+    """Whether a weighted sum with ``factors`` must zero rows (:func:`known_drops`)."""
+    known = _KNOWN_DROPS.get()
+    if known is not None:
+        return known
+    return factors.device.type != "cpu" or not bool(kept_rows(factors).all())
+
+
+def finite_factors(factors: torch.Tensor) -> torch.Tensor:
+    """``factors`` with NaN (from a NaN norm) and ±inf set to 0: the sample is dropped."""
+    return torch.where(torch.isfinite(factors), factors, 0.0)
+
+
+def finite_values(t):
+    """A floating tensor with NaN and ±inf set to 0 (anything else as it is). For the inputs of a
+    weighted sum: a kept sample's are finite (a non-finite one makes its norm non-finite), so only
+    dropped samples' values change."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return t
+    return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def without_dropped_rows(factors: torch.Tensor, grads: torch.Tensor):
+    """``(f', g')``: samples ``i`` outside :func:`kept_rows` get ``f'_i = 0`` and ``g'_i = 0``
+    (rows of the batch-first ``grads``); the others are unchanged."""
+    keep = kept_rows(factors)
+    rows = keep.to(grads.device).view(-1, *[1] * (grads.dim() - 1))
+    return torch.where(keep, factors, 0.0), torch.where(rows, grads, 0.0)

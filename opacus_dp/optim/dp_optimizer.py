@@ -33,16 +33,21 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch.optim import Optimizer
 
-from opacus_dp.maths.per_sample import check_finite_norm_list, sum_dtype
+from opacus_dp.maths.per_sample import known_drops, loss_scaled, sum_dtype
 from opacus_dp.model_wrappers import parameter_names
+from opacus_dp.optim.amp_scaling import (ScaledStep, refuse_attribute_contract,
+                                         refuse_sums_formed_in_backward, unscaled)
 from opacus_dp.optim.clipping import PerLayerClipper, make_clipper
 from opacus_dp.optim.dp_optimizer_settings import DPOptimizerSettingsMixin
 from opacus_dp.optim.logical_batches import BatchingPolicy, LogicalBatchMixin
 from opacus_dp.optim.noise import GaussianNoise, noise_std
+from opacus_dp.optim.nonfinite import DROP, screen_norms
 from opacus_dp.optim.reduction import LocalReducer
 from opacus_dp.optim.step_refusal import CollectiveRefusalMixin
 from opacus_dp.optim.wrapped_optimizer import WrappedOptimizerMixin
 from opacus_dp.per_sample_source import AttributeGradSource, GradSource, grad_source_for
+from opacus_dp.optim.summed_grad_views import SummedGradViewsMixin
+from opacus_dp.state_views import OPACUS_1X
 
 
 def _check_expected_batch_size(expected_batch_size, loss_reduction: str):
@@ -64,8 +69,8 @@ def dp_optimizer_behind(optimizer) -> Optional["DPOptimizer"]:
     return getattr(getattr(optimizer, "privacy_engine", None), "_dp_optimizer", None)
 
 
-class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusalMixin, WrappedOptimizerMixin,
-                  Optimizer):
+class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusalMixin, SummedGradViewsMixin,
+                  WrappedOptimizerMixin, Optimizer):
     """Differentially private wrapper of ``optimizer`` (SGD, Adam, AdamW, RMSprop, ...).
 
     Args:
@@ -123,6 +128,7 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
         self.accumulated_iterations = 1
         self.batching = batching if batching is not None else BatchingPolicy()
         self.steps_taken = 0  # private steps released (checkpoints compare it with the history)
+        self.use_state_views(OPACUS_1X)
 
     def _use_grad_source(self, source: GradSource) -> None:
         if not isinstance(source, GradSource):
@@ -144,25 +150,34 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
         self.param_names.update(parameter_names(module))
 
     # ----------------------------------------------------------------- the private step
-    # torch.amp.GradScaler then hands the step its scale (``grad_scale``) instead of unscaling
-    # p.grad itself, which it cannot here: p.grad is formed by the step (refused below).
+    # torch.amp.GradScaler passes itself to step(grad_scaler=...) and leaves unscaling and its
+    # found_inf to the step (opacus_dp.optim.amp_scaling)
     _step_supports_amp_scaling = True
+    non_finite_samples = DROP  # a sample with a NaN/inf norm: "drop" or "refuse" (nonfinite.py)
+    _loss_scale: Optional[float] = None  # the GradScaler's scale while step() runs
+    _loss_scale_ceiling: Optional[float] = None  # the first scale of a scaled step
 
-    def step(self, closure: Optional[Callable[[], float]] = None):
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """One private step (or only clip + accumulate if a skip was signalled):
-        :meth:`pre_step`, then the inner optimizer's update."""
-        if getattr(self, "grad_scale", None) is not None:
-            raise RuntimeError(
-                "torch.amp.GradScaler scales the loss, so the per-sample gradients this step "
-                "clips are scaled too (the clipping bound would not hold in the gradient's units) "
-                "and p.grad, which the scaler checks for overflow, only exists after the step: "
-                "train with torch.autocast(dtype=torch.bfloat16), which needs no scaler, or in "
-                "float32; nothing was updated")
+        :meth:`pre_step`, then the inner optimizer's update. ``grad_scaler``: the
+        ``torch.amp.GradScaler`` whose ``scaler.step(optimizer)`` calls this; norms and clipped
+        sums are unscaled by its scale and it gets back a ``found_inf`` formed from released
+        values only (:mod:`~opacus_dp.optim.amp_scaling`)."""
+        refuse_attribute_contract(self)
+        scaled = None if grad_scaler is None else ScaledStep(grad_scaler, self._loss_scale_ceiling)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.pre_step():
+        self._loss_scale = None if scaled is None else scaled.scale
+        try:
+            stepped = self.pre_step()
+        finally:
+            self._loss_scale = None
+        if scaled is not None:
+            self._loss_scale_ceiling = scaled.ceiling
+            stepped = scaled.give_back(self, self.params, stepped) and stepped
+        if not stepped:
             return loss
         result = self._inner_step()
         return loss if loss is not None else result
@@ -182,6 +197,7 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
         refusal = self._local_refusal()  # several processes: decided in the all-reduce
         count = self.clipper.take_observation()  # adaptive clipping: its unclipped count
         sums = self._take_summed_grads()
+        self._show_step_sums(sums)
         reduced = self._release(sums, count, refusal)  # noise, reduce (step_refusal.py)
         self._set_grads(self.scale_grad(reduced[:len(sums)]))
         if count is not None:  # the bound of the next step, from released values only
@@ -220,22 +236,33 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
     def expected_batch_size(self, value) -> None:
         self._expected_batch_size = _check_expected_batch_size(value, self.loss_reduction)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear ``p.grad`` and per-sample gradients; clipped sums of virtual steps are kept."""
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Clear ``p.grad`` (zeros, or None with ``set_to_none``, as Opacus 1.x) and the
+        per-sample gradients; clipped sums of virtual steps are kept (and shown as
+        ``p.summed_grad`` in the 1.x lifecycle)."""
         self.grad_source.clear(self.params)
+        self._show_summed(self._summed if self.state_views.keeps_after_step else {})
         self._inner_zero_grad(set_to_none)
 
     # -------------------------------------------------------------- the pieces of a step
     def clip_and_accumulate(self) -> None:
         """``S_l += Σ_i f_il · g_il`` for the backward pass(es) not yet consumed, through the
-        :class:`~opacus_dp.per_sample_source.GradSource` protocol: norms ``n_il`` (all finite,
-        or ValueError naming the tensor) → factors ``f_il`` (the clipper) → clipped sums."""
-        params, source = self.params, self.grad_source
-        norms = check_finite_norm_list(source.per_sample_norms(params, self._name),
+        :class:`~opacus_dp.per_sample_source.GradSource` protocol: norms ``n_il`` (divided by
+        the GradScaler's scale ``s`` in a scaled step) → factors ``f_il`` (the clipper; 0 for a
+        sample with a NaN/inf norm, whose rows are dropped: :mod:`~opacus_dp.optim.nonfinite`)
+        → clipped sums with ``f_il / s``."""
+        params, source, scale = self.params, self.grad_source, self._loss_scale
+        refuse_sums_formed_in_backward(source, scale)
+        with loss_scaled(scale is not None):
+            norms = source.per_sample_norms(params, self._name)
+        norms, dropping = screen_norms(norms, self.non_finite_samples,
                                        lambda index: self._name(params[index]))
+        norms = unscaled(norms, scale)
         factors = self.clip_factors(params, norms)
         self.clipper.observe(norms)
-        for p, clipped in zip(params, source.clipped_sums(params, factors)):
+        with known_drops(dropping):
+            clipped_sums = source.clipped_sums(params, unscaled(factors, scale))
+        for p, clipped in zip(params, clipped_sums):
             if clipped is not None:
                 clipped = clipped.to(sum_dtype(p.dtype))
                 self._summed[p] = self._summed[p] + clipped if p in self._summed else clipped
@@ -277,6 +304,7 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
         except Exception:
             self._drop_accumulated()
             raise
+        self._show_summed(self._summed)
 
     def add_noise(self, sums: List[torch.Tensor]) -> List[torch.Tensor]:
         """``S_l + N(0, (σ · sensitivity)²)``, one draw per coordinate (new tensors)."""
@@ -304,6 +332,7 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
         """Forget the clipped sums (and unclipped count) of an unfinished logical batch."""
         self._summed, self._num_accumulated = {}, 0
         self.clipper.forget_observations()
+        self._show_summed({})
 
     # ---------------------------------------------------------------------- helpers
     def _take_summed_grads(self) -> List[torch.Tensor]:

@@ -87,6 +87,10 @@ class GaussianNoise:
         if self.secure_mode:
             self.generator = torch.Generator(device=device).manual_seed(secrets.randbits(63))
 
+    def discard_step(self) -> None:
+        """Nothing to forget for independent noise (a refused step's generator state is
+        restored by its caller; correlated noise also drops its uncommitted buffers)."""
+
     def sample(self, reference: torch.Tensor, std: float) -> torch.Tensor:
         """A tensor like ``reference`` with i.i.d. ``N(0, std²)`` entries (zeros if std=0)."""
         if std == 0:

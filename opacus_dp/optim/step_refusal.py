@@ -1,8 +1,9 @@
 """Refusing a private step on every process at once (distributed DP-SGD).
 
-Some checks of a step run on one rank alone: non-finite per-sample gradients, the budget
-guard, merged Poisson batches, a step over ``max_batch_size``, a failed earlier piece of the
-logical batch. If that rank raised before the step's all-reduce while the others entered it,
+Some checks of a step run on one rank alone: the budget guard, merged Poisson batches, a step
+over ``max_batch_size``, a failed earlier piece of the logical batch, non-finite per-sample
+gradients with the ``non_finite_samples = "refuse"`` debugging switch (by default such a sample
+is dropped, :mod:`~opacus_dp.optim.nonfinite`). If that rank raised before the step's all-reduce while the others entered it,
 its next all-reduce would pair with the others' current one and the ranks would train one step
 apart from then on (with different ε at the same step index).
 
@@ -99,6 +100,7 @@ def noise_state(noise) -> Tuple[Optional[torch.Generator], Optional[torch.Tensor
 
 def restore_noise(noise, saved) -> None:
     generator, state = saved
+    noise.discard_step()
     noise.generator = generator
     if state is not None:
         generator.set_state(state)

@@ -32,7 +32,7 @@ def test_make_private_and_attach_build_the_tables_wrapper(name):
     modern = wrap_module(model(), grad_sample_mode=name, batch_first=True, loss_reduction="mean")
     for wrapper in (classic, modern):
         assert type(wrapper) is expected.wrapper
-        assert wrapper.skips_weight_grads == expected.engine_options.get("skip_weight_grads", True)
+        assert wrapper.skips_weight_grads == expected.skips_weight_grads
         assert wrapper.force_functorch == expected.options.get("force_functorch", False)
     engine.detach()
     modern.close()

@@ -78,6 +78,7 @@ def test_one_process_raises_as_before_without_any_note(group):
         step_timeout=2)
     assert isinstance(optimizer, DPOptimizer) and optimizer.reducer.world_size == 1
     assert optimizer.reducer.step_timeout == 2.0  # make_private's overrides the wrapper's
+    optimizer.non_finite_samples = "refuse"  # the debugging switch: a non-finite sample raises
     with pytest.raises(ValueError, match="non-finite") as error:
         _nan_step(model, optimizer)
     assert not isinstance(error.value, StepRefusedError)

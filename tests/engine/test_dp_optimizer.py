@@ -175,8 +175,11 @@ def test_zero_grad_clears_per_sample_state():
     x, y = small_data(4)
     nn.functional.cross_entropy(gsm(x), y).backward()
     assert all(p.grad_sample is not None for p in gsm.parameters())
-    opt.zero_grad()
-    assert all(p.grad_sample is None and p.grad is None for p in gsm.parameters())
+    assert all(p.grad is not None for p in gsm.parameters())  # autograd's own gradient, as Opacus
+    opt.zero_grad()  # Opacus 1.x: p.grad zeroed, per-sample state None
+    assert all(p.grad_sample is None and not p.grad.any() and p.summed_grad is None for p in gsm.parameters())
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in gsm.parameters())
     with pytest.raises(RuntimeError, match="no per-sample gradients"):
         opt.step()
 
@@ -185,6 +188,7 @@ def test_nan_per_sample_gradient_raises_naming_parameter():
     gsm, opt = dp_setup(small_model(), OPTIMIZERS["SGD"], noise_multiplier=1.0, max_grad_norm=1.0,
                         expected_batch_size=4, param_names=None)
     opt.param_names = {p: n for n, p in gsm._module.named_parameters()}
+    opt.non_finite_samples = "refuse"  # the debugging switch (the default drops the sample)
     x, y = small_data(4)
     x[2, 0] = float("nan")
     before = [p.detach().clone() for p in gsm.parameters()]

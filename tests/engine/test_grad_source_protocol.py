@@ -13,6 +13,7 @@ from opacus_dp import PrivacyEngine
 from opacus_dp.grad_sample import BookkeepingGradSampleModule, GradSampleModule
 from opacus_dp.optim import DPOptimizer
 from opacus_dp.optimizers import DPOptimizerFastGradientClipping
+from opacus_dp.state_views import is_consumed
 from opacus_dp.per_sample_source import (
     AttributeGradSource,
     GradSource,
@@ -165,8 +166,11 @@ def test_materialised_sources_keep_their_checks():
         source.per_sample_norms([p], lambda q: "w")
     p.grad_sample = torch.tensor([[1.0, 2.0, 2.0], [0.0, 0.0, 0.0]])
     norms = source.per_sample_norms([p], lambda q: "w")
-    assert p.grad_sample is None and torch.equal(norms[0], torch.tensor([3.0, 0.0]))
+    assert torch.equal(norms[0], torch.tensor([3.0, 0.0]))
+    assert is_consumed(p.grad_sample)  # kept to be read (Opacus 1.x), never taken again
     (total,) = source.clipped_sums([p], [torch.tensor([0.5, 1.0])])
     assert torch.equal(total, torch.tensor([0.5, 1.0, 1.0]))
     assert source.clipped_sums([p], [torch.ones(2)]) == [None]  # consumed
+    with pytest.raises(RuntimeError, match="no per-sample gradients to process"):
+        source.per_sample_norms([p], lambda q: "w")
     assert math.isclose(source.pending_passes(), 1)

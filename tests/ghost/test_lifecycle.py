@@ -94,7 +94,7 @@ def test_empty_batch_gives_zero_rows_and_no_sums():
     assert all(n.shape == (0,) for n in wrapper.per_sample_norms(params))
 
 
-def test_forbidden_accumulation_and_non_finite_gradients_raise():
+def test_forbidden_accumulation_raises_and_non_finite_norms_reach_the_optimizer():
     model = convnet()
     wrapper = BookkeepingGradSampleModule(model, loss_reduction="sum")
     wrapper.forbid_grad_accumulation()
@@ -105,8 +105,8 @@ def test_forbidden_accumulation_and_non_finite_gradients_raise():
     wrapper.zero_grad()
     x[0, 0, 0, 0] = float("nan")
     run_backward(wrapper, (x,), "sum", 2)
-    with pytest.raises(ValueError, match="non-finite.*0.weight"):
-        wrapper.per_sample_norms([p for p in model.parameters()])
+    norms = wrapper.per_sample_norms([p for p in model.parameters()])
+    assert not bool(torch.isfinite(norms[0][0])) and bool(torch.isfinite(norms[0][1]))  # the optimizer drops sample 0
 
 
 def test_inconsistent_batch_sizes_are_refused():

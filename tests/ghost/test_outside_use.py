@@ -1,10 +1,12 @@
 """A parameter used outside the module that owns it, and parameters tied between modules.
 
 ``F.linear(h, emb.weight)`` in a parent's forward (or in the loss) adds a gradient that no
-per-sample hook sees: the private update would silently leave that use out. Every mode of
-``make_private`` (and the classic ``attach``) switches the owner's weight gradients off, so any
-gradient autograd still accumulates into the parameter comes from such a use: the backward
-pass is refused, naming the parameter, and nothing is updated. Tying the weight through a second
+per-sample hook sees: the private update would silently leave that use out. Where the owner's
+weight gradients are switched off (``bk``/``ghost``, ``skip_weight_grads=True``), any gradient
+autograd still accumulates into the parameter comes from such a use; where they are kept
+(``hooks``/``functorch`` by default) the pass's total gradient differs from the sum of the
+per-sample gradients. Either way the backward pass is refused, naming the parameter, and
+nothing is updated. Tying the weight through a second
 module (``head.weight = emb.weight``) is the supported form: every mode's update equals the
 float64 oracle (per-sample autograd loop, clipped by hand). Layers whose own calls leave
 their parameters requiring grad (an ``EmbeddingBag`` on the token input, ``disable_hooks``)
@@ -255,11 +257,12 @@ def test_hooks_disabled_around_a_forward_only_is_an_ordinary_pass(mode):
 @pytest.mark.parametrize("mode", ["hooks", "bk"])
 def test_a_forward_interrupted_inside_a_layer_leaves_nothing_switched_off(mode):
     """Ctrl-C inside a layer's forward skips torch's always_call hooks: the parameters the
-    switch turned off get requires_grad back at the next forward, and train."""
+    switch turned off get requires_grad back at the next forward, and train (``hooks``: with
+    its opt-in ``skip_weight_grads``)."""
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 2))
     x = torch.randn(BATCH, DIM)
-    _, module, optimizer, criterion, _ = private(model, loader(x), mode, 0.1)
+    _, module, optimizer, criterion, _ = private(model, loader(x), mode, 0.1, skip_weight_grads=True)
     first, forward = model[0], model[0].forward
 
     def interrupted(inputs):

@@ -80,15 +80,16 @@ def oracle_update(rows, bound, clipping, divisor):
     return [s / divisor for s in clipped_sum_oracle(rows, bound, clipping == "per_layer")]
 
 
-def private(model, loader, mode, bound, reduction="mean", clipping="flat"):
-    """``(engine, module, optimizer, criterion, loader)`` of a σ = 0 private run."""
+def private(model, loader, mode, bound, reduction="mean", clipping="flat", **options):
+    """``(engine, module, optimizer, criterion, loader)`` of a σ = 0 private run (``options``:
+    further ``make_private`` arguments)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = PrivacyEngine(accountant="rdp")
     result = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
         noise_multiplier=0.0, max_grad_norm=bound, loss_reduction=reduction, clipping=clipping,
-        poisson_sampling=False, grad_sample_mode=mode, criterion=QuadraticLoss(reduction))
+        poisson_sampling=False, grad_sample_mode=mode, criterion=QuadraticLoss(reduction), **options)
     assert len(result) == (4 if mode == "ghost" else 3)
     criterion = result[2] if mode == "ghost" else QuadraticLoss(reduction)
     return engine, result[0], result[1], criterion, result[-1]

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from opacus_dp.errors import UnsupportedModuleError
 from opacus_dp.grad_sample import GradSampleModule
+from opacus_dp.state_views import OPACUS_0X, is_consumed
 
 HOOK_DICTS = (
     "_forward_hooks",
@@ -80,10 +81,32 @@ def test_pop_grad_samples_frees_memory():
     refs = [weakref.ref(p.grad_sample) for p in model.parameters()]
     popped = gsm.pop_grad_samples()
     assert set(map(id, popped)) == set(map(id, model.parameters()))
+    # Opacus 1.x's lifecycle: still readable, marked consumed, never popped twice
+    assert all(p.grad_sample is popped[p] and is_consumed(p.grad_sample) for p in model.parameters())
+    assert gsm.pop_grad_samples() == {}
+    del popped
+    gsm.zero_grad_sample()
+    gc.collect()
+    assert all(r() is None for r in refs)
     assert all(p.grad_sample is None for p in model.parameters())
+    gsm.close()
+
+
+def test_pop_grad_samples_in_the_0x_lifecycle_deletes_the_views():
+    model = make_model()
+    gsm = GradSampleModule(model)
+    gsm.use_state_views(OPACUS_0X)
+    assert not any(hasattr(p, "grad_sample") for p in model.parameters())
+    train_step(gsm)
+    refs = [weakref.ref(p.grad_sample) for p in model.parameters()]
+    popped = gsm.pop_grad_samples()
+    assert set(map(id, popped)) == set(map(id, model.parameters()))
+    assert not any(hasattr(p, "grad_sample") for p in model.parameters())
     del popped
     gc.collect()
     assert all(r() is None for r in refs)
+    train_step(gsm, batch=3)  # the next backward pass starts afresh
+    assert all(p.grad_sample.shape[0] == 3 for p in model.parameters())
     gsm.close()
 
 
@@ -139,7 +162,7 @@ def test_disable_hooks():
     gsm = GradSampleModule(model)
     gsm.disable_hooks()
     train_step(gsm)
-    assert not any(hasattr(p, "grad_sample") for p in model.parameters())
+    assert all(p.grad_sample is None for p in model.parameters())  # None from wrapping, as Opacus 1.x
     gsm.enable_hooks()
     train_step(gsm)
     assert all(p.grad_sample.shape[0] == 4 for p in model.parameters())

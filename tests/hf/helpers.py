@@ -85,3 +85,25 @@ def assert_private_step_matches_oracle(make_model: Callable[[], nn.Module], loss
     for name, want in expected.items():
         error = float((got[name] - want).abs().max())
         assert error <= rtol * scale, f"{mode}: {name} differs by {error:.3g} (scale {scale:.3g})"
+
+
+def oracle_step(model: nn.Module, loss_fn: LossFn, batch_size: int):
+    """``(expected update, bound, scale)`` of one σ = 0 step on ``model``: the bound lies between
+    the smallest and largest per-sample norm (clipping binds for some samples, not all), and
+    ``scale`` is the largest entry of the expected update (the unit of the tolerance)."""
+    grads = oracle_grads(model, loss_fn, batch_size)
+    norms = flat_norms(grads)
+    bound = float(norms.min() + norms.max()) / 2
+    expected = oracle_update(grads, bound)
+    scale = max(float(t.abs().max()) for t in expected.values())
+    assert scale > 0 and float(norms.min()) < bound < float(norms.max())
+    return expected, bound, scale
+
+
+def assert_update_matches(expected: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor],
+                          scale: float, rtol: float, label: str) -> None:
+    """Every tensor of ``got`` within ``rtol · scale`` of ``expected`` (max abs error)."""
+    assert got.keys() == expected.keys(), f"{label}: trainable tensors differ"
+    for name, want in expected.items():
+        error = float((got[name] - want).abs().max())
+        assert error <= rtol * scale, f"{label}: {name} differs by {error:.3g} (scale {scale:.3g})"

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from opacus_dp.errors import UnsupportedModuleError
 from opacus_dp.grad_sample import BookkeepingGradSampleModule, GradSampleModule
 from tests.grad_sample.oracle import assert_grad_samples_close, gsm_grad_samples, oracle_grad_samples
 from tests.hf.helpers import MODES, assert_private_step_matches_oracle
@@ -211,3 +212,68 @@ def test_parts_called_outside_the_wrapped_model_are_refused_with_the_fix():
             (model.tok(ids) + model.pos(torch.arange(6)[None])).sum().backward()
     finally:
         wrapper.close()
+
+
+class RelativeBias(nn.Module):
+    """A T5-style attention: a position table looked up with (T, T) ids, added to every sample."""
+
+    def __init__(self, length: int = 4):
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        self.relative_attention_bias = nn.Embedding(2 * length, 1)
+        self.length = length
+
+    def forward(self, x):
+        ids = (torch.arange(self.length)[:, None] - torch.arange(self.length)[None, :]).abs()
+        bias = self.relative_attention_bias(ids)[..., 0]  # (T, T), no batch dimension
+        scores = self.proj(x) @ self.proj(x).transpose(1, 2) + bias
+        return scores.sum(dim=(1, 2))
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_trainable_table_looked_up_without_a_batch_is_refused_by_structure(frozen):
+    """With T = B = 4 the (T, T) ids would pass for a batch: refused whatever T and B, by name."""
+    model = RelativeBias()
+    model.relative_attention_bias.requires_grad_(not frozen)
+    if frozen:
+        GradSampleModule(model).close()
+        return
+    with pytest.raises(UnsupportedModuleError, match=r"relative_attention_bias \(Embedding\) cannot be trained "
+                                                     r"privately.*freeze it"):
+        GradSampleModule(model)
+
+
+class PositionsOfOneRow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos, self.fc = nn.Embedding(10, 4), nn.Embedding(6, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc((self.tok(x) + self.pos(torch.arange(x.shape[1])[None])).mean(1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_empty_batch_with_broadcast_positions_is_a_step_on_zero_samples(mode):
+    """Poisson batches may be empty: the (1, T) positions expand to 0 rows, no sample contributes,
+    and the update is the noise alone (σ = 0: nothing moves)."""
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opacus_dp import PrivacyEngine
+
+    model = PositionsOfOneRow()
+    data = TensorDataset(torch.randint(0, 10, (8, 5)), torch.randint(0, 2, (8,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=4),
+            noise_multiplier=0.0, max_grad_norm=1.0, grad_sample_mode=mode, poisson_sampling=False)
+    module, optimizer = result[0], result[1]
+    before = [p.detach().clone() for p in model.parameters()]
+    out = module(torch.zeros(0, 5, dtype=torch.long))
+    loss = nn.functional.cross_entropy(out, torch.zeros(0, dtype=torch.long), reduction="sum")
+    (result[2](out, torch.zeros(0, dtype=torch.long)) if mode == "ghost" else loss).backward()
+    optimizer.step()
+    assert optimizer.steps_taken == 1
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))

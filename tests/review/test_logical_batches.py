@@ -184,6 +184,7 @@ def test_failed_last_chunk_does_not_leak_into_the_next_logical_batch():
     gsm = GradSampleModule(model, loss_reduction="sum")
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
                             max_grad_norm=1e6, expected_batch_size=1, loss_reduction="sum")
+    optimizer.non_finite_samples = "refuse"  # the debugging switch: a non-finite sample raises
     x, y = tiny_dataset(12).tensors
     optimizer.signal_skip_step(do_skip=True)
     loss_of(gsm, x[:4], y[:4], "sum").backward()

@@ -60,3 +60,22 @@ def test_replace_all_modules_with_custom_class():
     assert isinstance(model[0], nn.Tanh) and isinstance(model[1][1], nn.Tanh)
     x = torch.randn(3, 2)
     torch.testing.assert_close(model(x), torch.tanh(model[1][0](torch.tanh(x))))
+
+
+def test_classic_attach_refuses_an_invalid_model_with_opacus_0x_error_type():
+    """Opacus 0.x's attach raised IncompatibleModuleException listing every offending module
+    (still an UnsupportedModuleError for code written against 1.x); nothing is attached."""
+    import warnings
+
+    from opacus_dp import PrivacyEngine
+    from opacus_dp.errors import UnsupportedModuleError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2), nn.BatchNorm1d(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine(model, sample_rate=0.1, noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(IncompatibleModuleException, match=r"(?s)2 module\(s\).*model.1 \(BatchNorm1d\).*model.3") as error:
+        engine.attach(optimizer)
+    assert isinstance(error.value, UnsupportedModuleError) and len(error.value.errors) == 2
+    assert engine.optimizer is None and not hasattr(optimizer, "privacy_engine")

@@ -57,7 +57,7 @@ from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.per_sample_store import second_batch_error
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import materialise
 from opacus_dp.module_parameters import own_tensors
-from opacus_dp.maths.per_sample import weighted_sum
+from opacus_dp.maths.per_sample import any_dropped, finite_factors, weighted_sum
 from opacus_dp.torch_internals import current_graph_task_id, queue_end_of_backward_callback
 
 
@@ -67,6 +67,7 @@ class _SumsPass:
 
     target: Pass
     factors: Dict[torch.Tensor, torch.Tensor]
+    drops: bool  # some factor is 0: rows of dropped samples are zeroed
 
 
 class Bookkeeper:
@@ -186,10 +187,11 @@ class Bookkeeper:
     def begin_sums(self, params: Sequence[torch.Tensor], factors: Sequence[torch.Tensor]) -> None:
         """The next backward pass recomputes the output gradients of the last pass; its ghost
         layers' clipped sums are computed at once with ``factors`` (one ``(B,)`` per param)."""
+        factors = [finite_factors(f) for f in factors]  # a NaN norm's factor: 0, dropped
         with self._lock:
             if not self._resolved:
                 raise RuntimeError("begin_sums needs a finished norms pass")
-            self._summing = _SumsPass(self._resolved[-1], dict(zip(params, factors)))
+            self._summing = _SumsPass(self._resolved[-1], dict(zip(params, factors)), any_dropped(factors))
             self._summing.target.factors = self._summing.factors
 
     def end_sums(self) -> None:
@@ -204,7 +206,7 @@ class Bookkeeper:
             return  # materialised in the norms pass: its per-sample gradients are kept
         wanted = _owned(entry.layer, self._summing.factors, entry.scale, target)
         for p, s in ghost_weighted_grad(entry.layer, entry.call.activations(entry.layer),
-                                        entry.backprops[0], wanted).items():
+                                        entry.backprops[0], wanted, drops=self._summing.drops).items():
             add_to(target.sums, p, s)
 
     # ------------------------------------------------------------------ consuming
@@ -219,6 +221,11 @@ class Bookkeeper:
         for resolved in self._resolved:
             modes.update(resolved.modes)
         return modes
+
+    def has_sums_from_backward(self) -> bool:
+        """Whether an unconsumed pass holds clipped sums formed with factors fixed during the
+        backward pass (the factors it used are recorded for the step's check)."""
+        return any(r.factors is not None for r in self._resolved)
 
     def recorded_params(self) -> set:
         """Parameters with per-sample information in the unconsumed passes."""

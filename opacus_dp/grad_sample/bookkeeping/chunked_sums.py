@@ -25,7 +25,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from opacus_dp.maths.per_sample import per_sample_norms, sum_dtype
+from opacus_dp.maths.per_sample import (drops_rows, finite_factors, per_sample_norms, sum_dtype,
+                                        without_dropped_rows)
 from opacus_dp.maths.float32_products import ieee_float32_products
 
 CHUNK_BYTES = 4 << 20  # per-sample gradients of one chunk: small enough to stay in cache
@@ -94,14 +95,19 @@ def chunked_clipped_sums(params: List[torch.Tensor], chunk_grads: Optional[Calla
                     flat = g.view(g.shape[0], -1)
                     sq = _scaled_sq_norms(flat, scale, out=sq_norms[p][rows])
                     f = factors[p][rows]
-                    f.copy_(factor_function(p, sq.clamp(min=0).sqrt()))
-                    sums[p].addmv_(flat.t(), f, alpha=scale)
+                    f.copy_(finite_factors(factor_function(p, sq.clamp(min=0).sqrt())))
+                    sums[p].addmv_(_kept(f, flat).t(), f, alpha=scale)
         for p, g in whole.items():
             flat = g.reshape(g.shape[0], -1)
             sq_norms[p] = _scaled_sq_norms(flat, scale)
-            factors[p] = factor_function(p, sq_norms[p].clamp(min=0).sqrt())
-            sums[p] = torch.mv(flat.t().to(sum_dtype(dtype)), factors[p] * scale)
+            factors[p] = finite_factors(factor_function(p, sq_norms[p].clamp(min=0).sqrt()))
+            sums[p] = torch.mv(_kept(factors[p], flat).t().to(sum_dtype(dtype)), factors[p] * scale)
     return sq_norms, factors, {p: s.view(p.shape) for p, s in sums.items()}
+
+
+def _kept(factors: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` with the rows of dropped samples (factor 0: a NaN/inf norm) zeroed, if any."""
+    return without_dropped_rows(factors, flat)[1] if drops_rows(factors) else flat
 
 
 def _scaled_sq_norms(flat: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:

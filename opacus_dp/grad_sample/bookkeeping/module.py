@@ -38,9 +38,16 @@ from opacus_dp.grad_sample.bookkeeping.passes import shared_layers
 from opacus_dp.grad_sample.attachments import weakly
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule, batch_first_backprops
 from opacus_dp.grad_sample.support import describe
-from opacus_dp.maths.per_sample import check_finite_norm_list
+from opacus_dp.maths.per_sample import is_loss_scaled
 from opacus_dp.module_parameters import has_trainable_parameters
 from opacus_dp.per_sample_source import NO_GRADS, FactorFunction, NameOf
+
+
+SCALED_SUMS_FROM_BACKWARD = (
+    "torch.amp.GradScaler with clipped sums formed during the backward pass (the 'ghost' mode's "
+    "two-pass loss.backward(), or per-layer clipping): their clip factors came from norms still "
+    "multiplied by the loss scale, known only at scaler.step(). In 'ghost' scale the loss tensor, "
+    "scaler.scale(loss.value).backward() (one book-keeping pass); nothing was updated")
 
 
 def _refuse_data_parallel(module: nn.Module) -> None:
@@ -124,14 +131,16 @@ class BookkeepingGradSampleModule(GradSampleModule):
 
     def per_sample_norms(self, params: Sequence[torch.Tensor],
                          name_of: Optional[NameOf] = None) -> List[torch.Tensor]:
-        """``‖g_i‖₂`` of every param, shape ``(B,)`` (B summed over unconsumed passes); errors
+        """``‖g_i‖₂`` of every param, shape ``(B,)`` (B summed over unconsumed passes), NaN or
+        inf included (the optimizer drops those samples, :mod:`opacus_dp.optim.nonfinite`); errors
         name the parameters as the wrapped model does (``name_of`` is not needed)."""
         if self._bookkeeper.num_passes == 0:
             return self._norms_without_passes(params)
+        if is_loss_scaled() and self.has_sums_from_backward:
+            raise RuntimeError(SCALED_SUMS_FROM_BACKWARD)
         self._check_unrecorded_grads(params)
         self._store.clear()  # empty batches merged into this step add no rows
-        norms = [sq.clamp(min=0).sqrt() for sq in self._bookkeeper.sq_norms(params)]
-        return check_finite_norm_list(norms, lambda index: self._param_name(params[index]))
+        return [sq.clamp(min=0).sqrt() for sq in self._bookkeeper.sq_norms(params)]
 
     def _param_name(self, p: torch.Tensor) -> str:
         """``p``'s name in the wrapped model (its shape if it is not there), for messages."""
@@ -175,6 +184,12 @@ class BookkeepingGradSampleModule(GradSampleModule):
     def forms_sums_in_backward(self) -> bool:
         """Whether a factor function is set (:meth:`set_factor_function`)."""
         return self._bookkeeper.factor_function is not None
+
+    @property
+    def has_sums_from_backward(self) -> bool:
+        """Whether an unconsumed pass holds clipped sums formed during its backward pass (with
+        factors fixed then: per-layer clipping, or the ``ghost`` mode's sums pass)."""
+        return self._bookkeeper.has_sums_from_backward()
 
     def last_per_sample_norms(self, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """``‖g_i‖₂`` of the last finished backward pass only (for the two-pass backward)."""

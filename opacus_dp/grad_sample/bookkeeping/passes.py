@@ -21,7 +21,8 @@ from opacus_dp.grad_sample.bookkeeping.norm_rules import norm_rule_of
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import RecomputedInput, recomputed_in
 from opacus_dp.grad_sample.registry import PerSampleGrads
 from opacus_dp.module_parameters import own_tensors
-from opacus_dp.maths.per_sample import per_sample_norms, sum_dtype, weighted_sum
+from opacus_dp.maths.per_sample import (drops_rows, finite_factors, finite_values, per_sample_norms,
+                                        sum_dtype, weighted_sum, without_dropped_rows)
 from opacus_dp.maths.float32_products import ieee_float32_products
 
 LAYER_RULES = ("mixed", "ghost")
@@ -142,12 +143,32 @@ def ghost_norms(layer: nn.Module, activations: list, backprops: torch.Tensor) ->
 
 
 def ghost_weighted_grad(layer: nn.Module, activations: list, backprops: torch.Tensor,
-                        factors: Dict[torch.Tensor, torch.Tensor]) -> Dict:
+                        factors: Dict[torch.Tensor, torch.Tensor], drops: Optional[bool] = None) -> Dict:
     """The layer's ``Σ_i f_i g_i``, on float32 inputs for half-precision ones, with IEEE float32
-    products."""
+    products. ``drops``: whether some factor is 0 or non-finite (None: as
+    :func:`~opacus_dp.maths.per_sample.drops_rows` tells); then :func:`_without_dropped_samples`."""
     activations, backprops = _in_sum_dtype(activations, backprops)
+    if drops is None:
+        drops = any(drops_rows(f) for f in factors.values())
     with ieee_float32_products():
+        if drops:
+            return _without_dropped_samples(layer, activations, backprops, factors)
         return norm_rule_of(layer).weighted_grad(layer, activations, backprops, factors)
+
+
+def _without_dropped_samples(layer: nn.Module, activations: list, backprops: torch.Tensor,
+                             factors: Dict[torch.Tensor, torch.Tensor]) -> Dict:
+    """The weighted gradient of each parameter on its own, with the output-gradient rows of the
+    samples it drops (factor 0 or non-finite) zeroed, and every NaN/inf input value set to 0
+    (``0 · NaN = NaN``). The inputs need no rows (they need not be batch-first): an input value a
+    sample's gradient uses, if NaN/inf, makes its norm NaN/inf, so the sample is dropped."""
+    weighted_grad = norm_rule_of(layer).weighted_grad
+    activations = [finite_values(a) for a in activations]
+    sums = {}
+    for p, f in factors.items():
+        f, g = without_dropped_rows(f, backprops)
+        sums.update({q: s for q, s in weighted_grad(layer, activations, g, {p: f}).items() if q is p})
+    return sums
 
 
 def _factors_now(current: Pass, layer: nn.Module,
@@ -160,7 +181,7 @@ def _factors_now(current: Pass, layer: nn.Module,
         f = factor_function(p, current.sq_norms[p].clamp(min=0).sqrt())
         if f is None:
             return None
-        factors[p] = f
+        factors[p] = finite_factors(f)  # a NaN norm's factor: 0, the sample dropped
     if current.factors is None:
         current.factors = {}
     current.factors.update(factors)

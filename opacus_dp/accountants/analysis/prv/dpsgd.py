@@ -16,7 +16,7 @@ which is still an upper bound — never a finite under-estimate.
 import math
 import warnings
 from dataclasses import replace
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from opacus_dp.accountants.analysis.prv.composition import chernoff_window, compose, window_bins
 from opacus_dp.accountants.analysis.prv.discrete_pld import epsilon_for_delta
@@ -73,8 +73,14 @@ def _plds_on_fitting_grid(segments: Sequence[Segment], grid_step: float, window_
 
 
 def active_segments(history: Sequence[Segment]) -> List[Segment]:
-    """The segments that cost privacy (q > 0 and at least one step)."""
-    return [(float(s), float(q), int(n)) for s, q, n in history if q > 0 and n > 0]
+    """The segments that cost privacy (q > 0 and at least one step), those of equal ``(σ, q)``
+    merged (composition commutes; a history alternating with free ``q = 0`` steps, as the
+    correlated-noise mechanisms record, is composed once per distinct event)."""
+    merged: Dict[Tuple[float, float], int] = {}
+    for s, q, n in history:
+        if q > 0 and n > 0:
+            merged[(float(s), float(q))] = merged.get((float(s), float(q)), 0) + int(n)
+    return [(s, q, n) for (s, q), n in merged.items()]
 
 
 def compute_epsilon(history: Sequence[Segment], delta: float, grid_step: float, tail_mass: float) -> float:

@@ -1,0 +1,82 @@
+"""``torch.compile`` and the per-sample-gradient wrappers (see ``docs/compile.md``).
+
+A wrapped model may be compiled (``torch.compile(private_model)``, ``private_model.compile()``),
+or passed to ``make_private`` already compiled; either way a step gives the eager step's result.
+Three measures make that hold, taken when a wrapper is built:
+
+* :func:`run_hooks_eagerly`: the wrapper's module hooks run outside dynamo (each wrapped in
+  ``torch.compiler.disable``). Dynamo compiles the layers' computation between them and never
+  traces the bookkeeping, which reads autograd nodes, weak references and thread-local state
+  (tracing it can fail, e.g. on a norm layer's saved statistics); a graph break at each hooked layer.
+* :func:`guard_module_hooks`: dynamo guards on module hooks
+  (``torch._dynamo.config.skip_nnmodule_hook_guards = False``). By default it does not, so code
+  compiled for a module without hooks (this model before it was wrapped, or another instance of
+  one of its classes) would be reused and skip them. When the setting changes, the compile caches
+  are cleared (``torch.compiler.reset()``) so that no such code is left. Should code without the
+  hooks still run, the layers' parameters get ordinary gradients and no per-sample state, and the
+  DP optimizer refuses the step: never a silent non-private one.
+* :func:`take_compiled` / :func:`compile_like`: a model passed compiled (an ``OptimizedModule``)
+  is wrapped uncompiled and the wrapper compiled in place with the same backend and options (what
+  ``wrapper.compile(...)`` does), so names, state-dict keys and checkpoints are the uncompiled ones.
+
+The first wrapper of a process loads ``torch._dynamo`` (about a second, once). Private attributes
+used here: ``torch._dynamo.config.skip_nnmodule_hook_guards``, ``OptimizedModule._orig_mod`` and
+``.dynamo_ctx``, ``nn.Module._compiled_call_impl`` (tested in ``tests/compile``).
+"""
+
+import sys
+from typing import Iterable, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+
+def run_hooks_eagerly(model: nn.Module, handles: Iterable[object]) -> None:
+    """Wrap each forward (pre-)hook of ``model``'s modules registered with one of ``handles`` in
+    ``torch.compiler.disable`` (in place, same key: removing the handle still removes it)."""
+    hook_dicts = {id(d) for m in model.modules() for d in (m._forward_pre_hooks, m._forward_hooks)}
+    for handle in handles:
+        if not isinstance(handle, RemovableHandle):
+            continue
+        hooks = handle.hooks_dict_ref()
+        if hooks is None or id(hooks) not in hook_dicts or handle.id not in hooks:
+            continue
+        if not getattr(hooks[handle.id], "_torchdynamo_disable", False):
+            hooks[handle.id] = torch.compiler.disable(hooks[handle.id])
+
+
+def guard_module_hooks() -> None:
+    """Make dynamo guard on module hooks; clear the compile caches if it did not (module doc)."""
+    config = torch._dynamo.config  # loaded by torch on first access
+    if config.skip_nnmodule_hook_guards:
+        config.skip_nnmodule_hook_guards = False
+        torch.compiler.reset()
+
+
+def prepare_for_compile(model: nn.Module, handles: Iterable[object]) -> None:
+    """Both measures for a wrapper whose hooks on ``model`` are ``handles``."""
+    run_hooks_eagerly(model, handles)
+    guard_module_hooks()
+
+
+def is_compiled_module(module: object) -> bool:
+    """Whether ``module`` is what ``torch.compile(model)`` returns (an ``OptimizedModule``)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # none compiled if not loaded
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return optimized is not None and isinstance(module, optimized)
+
+
+def take_compiled(module: nn.Module) -> Tuple[nn.Module, Optional[nn.Module]]:
+    """``(model, compiled)``: for ``compiled = torch.compile(model)`` the original model and the
+    compiled one (see :func:`compile_like`); for any other module ``(module, None)``."""
+    if is_compiled_module(module):
+        return module._orig_mod, module
+    return module, None
+
+
+def compile_like(wrapper: nn.Module, compiled: nn.Module) -> nn.Module:
+    """Compile ``wrapper`` in place with ``compiled``'s backend and options (``nn.Module.compile``:
+    its ``__call__`` then runs the compiled ``_call_impl``); returns ``wrapper``."""
+    wrapper._compiled_call_impl = compiled.dynamo_ctx(wrapper._call_impl)
+    return wrapper

@@ -1,0 +1,102 @@
+"""Find a parameter used outside the module that owns it, where autograd's weight gradients are kept.
+
+A use such as ``F.linear(h, emb.weight)`` in a parent's forward (or in the loss) adds to the
+gradient ``G_l`` that autograd forms for the parameter in a backward pass, but no per-sample
+hook sees it: the private update would silently leave it out. Where the owner's weight
+gradients are switched off (``skip_weight_grads``), any accumulated gradient reveals such a use
+(:class:`~opacus_dp.grad_sample.bookkeeping.weight_grad_skipping.OutsideUseCheck`). Where they
+are kept (the ``hooks``/``functorch`` default, as in Opacus), each pass compares ``G_l`` (a hook
+on the leaf, before accumulation) with what the hooks formed, ``Σ_i g_il`` (over ``B`` for the
+``mean`` reduction, whose ``1/B`` the hooks undo). Rounding apart, they differ only if another
+use contributed: beyond :data:`TOLERANCE` times the pass's largest total entry (of any watched
+parameter: a gradient that cancels to rounding noise, such as an attention key's bias, is
+judged against the model's scale) the pass is refused, naming the parameter. Layers whose
+per-sample gradient is not a share of the batch gradient by definition (embeddings with
+``scale_grad_by_freq``) are not watched. A pass whose total arrived in another graph task (a reentrant
+checkpoint's recomputation) is not compared.
+"""
+
+import threading
+from typing import Callable, Dict, List, Set, Tuple
+
+import torch
+import torch.nn as nn
+
+from opacus_dp.module_parameters import own_parameters
+from opacus_dp.torch_internals import current_graph_task_id
+
+TOLERANCE = {torch.float16: 3e-2, torch.bfloat16: 3e-2}  # also for calls under autocast
+DEFAULT_TOLERANCE = 1e-3
+OUTSIDE_USE = (
+    "parameter {name} received a gradient from a use outside the module that owns it "
+    "(e.g. F.linear(h, emb.weight) in a parent's forward or in the loss): that use has no "
+    "per-sample gradient and would be left out of the private update. Use the parameter only "
+    "through modules, e.g. tie a second module to it (head = nn.Linear(d, vocab, bias=False); "
+    "head.weight = emb.weight); for a penalty on the weights in the loss, use the optimizer's "
+    "weight_decay instead. (Without such a use, the per-sample gradients of its layer disagree "
+    "with autograd's gradient: please report the layer.)"
+)
+
+
+class OutsideUseTotals:
+    """Per backward pass, the total gradient of each watched parameter; :meth:`check` compares
+    it with the pass's per-sample gradients (module doc)."""
+
+    def __init__(self, names: Dict[int, str], handles: List[object]):
+        self._names = names
+        self._handles = handles  # the wrapper's hook handles, removed when it is closed
+        self._watched: Set[int] = set()
+        self._low_precision: Set[int] = set()
+        self._totals: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def watch_layer(self, layer: nn.Module, low_precision: bool) -> None:
+        """Hook the trainable parameters of ``layer`` not hooked yet (called at each of its
+        calls: a tensor unfrozen after wrapping is watched from its next call); a call under
+        autocast (``low_precision``) judges them with the half-precision tolerance."""
+        if getattr(layer, "scale_grad_by_freq", False):
+            return
+        for _, param in own_parameters(layer):
+            if low_precision:
+                self._low_precision.add(id(param))
+            if param.requires_grad and id(param) not in self._watched:
+                self._watched.add(id(param))
+                self._handles.append(param.register_hook(self._recorder(param)))
+
+    def _recorder(self, param: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        key = id(param)
+
+        def record(grad: torch.Tensor) -> None:
+            task = current_graph_task_id()
+            with self._lock:
+                previous = self._totals.get((task, key))
+                self._totals[(task, key)] = grad if previous is None else previous + grad
+        return record
+
+    def check(self, task: int, grads: Dict[torch.Tensor, torch.Tensor], undo_mean: bool) -> None:
+        """RuntimeError naming the first parameter whose total of pass ``task`` is not
+        ``Σ_i g_i`` within :data:`TOLERANCE` of the pass's largest total entry (module doc)."""
+        with self._lock:
+            totals = {p: self._totals.pop((task, id(p)), None) for p in grads}
+        compared = {p: (t.to(torch.float32), _summed(grads[p], undo_mean))
+                    for p, t in totals.items() if t is not None and grads[p].shape[0] > 0}
+        if not compared:
+            return
+        scale = max(float(t.abs().max()) for t, _ in compared.values() if t.numel())
+        for param, (total, expected) in compared.items():
+            dtype = torch.bfloat16 if id(param) in self._low_precision else grads[param].dtype
+            tolerance = TOLERANCE.get(dtype, DEFAULT_TOLERANCE)
+            if total.numel() and float((expected - total).abs().max()) > tolerance * scale:
+                raise RuntimeError(OUTSIDE_USE.format(name=self._names.get(id(param), str(tuple(param.shape)))))
+
+    def forget(self, task: int) -> None:
+        """Drop the totals of a finished pass that were not compared."""
+        with self._lock:
+            for key in [k for k in self._totals if k[0] == task]:
+                del self._totals[key]
+
+
+def _summed(grad_sample: torch.Tensor, undo_mean: bool) -> torch.Tensor:
+    """``Σ_i g_i`` (over ``B`` where the hooks undid the mean's ``1/B``), in float32."""
+    total = grad_sample.sum(dim=0, dtype=torch.float32)
+    return total / grad_sample.shape[0] if undo_mean else total

@@ -1,0 +1,13 @@
+"""Correlated-noise (matrix-factorisation) mechanisms: strategies, noise, accounting.
+
+``PrivacyEngine.make_private(..., noise_mechanism="banded", bands=b, epochs=E)`` (or "blt",
+"tree") wires everything (:mod:`~opacus_dp.mechanisms.engine`; guide: ``docs/mechanisms.md``).
+A :class:`~opacus_dp.optim.DPOptimizer` built by hand takes the noise as
+``optimizer.noise = CorrelatedNoise(make_strategy(...), base=optimizer.noise)`` and its
+accountant the hook :func:`~opacus_dp.mechanisms.accounting.step_hook`.
+"""
+
+from opacus_dp.mechanisms.noise import CorrelatedNoise
+from opacus_dp.mechanisms.strategies import KINDS, Strategy, make_strategy
+
+__all__ = ["CorrelatedNoise", "KINDS", "Strategy", "make_strategy"]

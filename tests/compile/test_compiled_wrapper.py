@@ -1,0 +1,69 @@
+"""What ``make_private`` does with a compiled model, what dynamo compiles, and the private torch
+attributes :mod:`opacus_dp.grad_sample.compiled_modules` relies on."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from opacus_dp.grad_sample import GradSampleModule
+from opacus_dp.grad_sample.compiled_modules import compile_like, take_compiled
+from opacus_dp.model_wrappers import unwrap_model
+from tests.compile.helpers import batch, build, make_private, steps
+
+pytestmark = pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+
+
+class Recorder:
+    """A dynamo backend that runs the captured graphs as they are and keeps their code."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph_module, example_inputs):
+        self.graphs.append(graph_module.code)
+        return graph_module.forward
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_compiled_model_is_wrapped_uncompiled_and_the_wrapper_compiled_alike(mode):
+    model, recorder = build("block"), Recorder()
+    private, optimizer, criterion = make_private(model, mode, "block", module=torch.compile(model, backend=recorder))
+    assert isinstance(private, GradSampleModule) and unwrap_model(private) is model
+    plain, _, _ = make_private(build("block"), mode, "block")
+    assert list(private.state_dict()) == list(plain.state_dict())  # no "_orig_mod." in the keys
+    steps(private, optimizer, criterion, "block", sizes=(8,))
+    assert any("linear" in code for code in recorder.graphs)  # the user's backend compiled the layers
+
+
+def test_hooks_break_the_graph_so_fullgraph_is_refused():
+    private, _, _ = make_private(build("mlp"), "hooks", "mlp")
+    with pytest.raises(Exception, match="disable"):
+        torch.compile(private, backend="eager", fullgraph=True)(batch("mlp", 4)[0])
+
+
+def test_opacus_api_per_sample_gradients_under_compile():
+    x, y = batch("cnn", 6)
+    grad_samples = []
+    for compiled in (False, True):
+        model = build("cnn")
+        wrapper = GradSampleModule(model)
+        run = torch.compile(wrapper, backend="eager") if compiled else wrapper
+        nn.functional.cross_entropy(run(x), y).backward()
+        grad_samples.append([p.grad_sample.clone() for p in model.parameters()])
+        wrapper.close()
+    for eager, compiled in zip(*grad_samples):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_private_torch_attributes_relied_on():
+    """``OptimizedModule._orig_mod`` / ``.dynamo_ctx``, ``nn.Module._compiled_call_impl`` (what
+    ``nn.Module.compile`` sets) and the dynamo setting ``skip_nnmodule_hook_guards``."""
+    assert isinstance(torch._dynamo.config.skip_nnmodule_hook_guards, bool)
+    model, recorder = nn.Linear(3, 2), Recorder()
+    original, compiled = take_compiled(torch.compile(model, backend=recorder))
+    assert original is model and take_compiled(model) == (model, None)
+    other = nn.Linear(3, 2)
+    assert compile_like(other, compiled) is other
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(other(x), nn.functional.linear(x, other.weight, other.bias))
+    assert len(recorder.graphs) == 1
