@@ -4,7 +4,7 @@ Importing this package registers every dedicated sampler (one module per layer f
 optional libraries' layers (Hugging Face ``Conv1D``: :mod:`.hf_conv1d`) once the library is loaded.
 """
 
-from opacus_dp.grad_sample import conv, dp_layers, embedding, embedding_bag, hf_conv1d, linear, norms  # noqa: F401
+from opacus_dp.grad_sample import conv, dp_layers, embedding, embedding_bag, hf_conv1d, hf_rms_norm, linear, norms  # noqa: F401
 from opacus_dp.grad_sample.functorch import functorch_grad_sample
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.bookkeeping import norm_samplers  # noqa: F401,E402  (ghost / bk layer functions)
