@@ -107,7 +107,7 @@ class UniformWithReplacementSampler(Sampler[List[int]]):
         return self.num_samples * self.sample_rate
 
 
-def _distributed_world(num_replicas, rank):
+def distributed_world(num_replicas, rank):
     """(num_replicas, rank), filled in from ``torch.distributed`` when not given."""
     if num_replicas is None or rank is None:
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -156,7 +156,7 @@ class DistributedPoissonBatchSampler(Sampler[List[int]]):
     ):
         self.total_size = check_positive_int(total_size, "total_size")
         self.sample_rate = check_sample_rate(sample_rate)
-        self.num_replicas, self.rank = _distributed_world(num_replicas, rank)
+        self.num_replicas, self.rank = distributed_world(num_replicas, rank)
         self.shuffle = bool(shuffle)
         self.shuffle_seed = int(shuffle_seed)
         self.generator = generator

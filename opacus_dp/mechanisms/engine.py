@@ -19,7 +19,7 @@ from typing import Optional
 from opacus_dp.data.cyclic_sampler import CyclicPoissonSampler
 from opacus_dp.data.data_loader import DPDataLoader, worker_settings
 from opacus_dp.data.loader_facts import expected_batch_size_for, sample_rate_of
-from opacus_dp.data.samplers import _distributed_world
+from opacus_dp.data.samplers import distributed_world
 from opacus_dp.data.sampling_checks import check_batching, check_replaceable_sampler
 from opacus_dp.mechanisms.accounting import MechanismHooks, Reduction, hooks_for, noise_multiplier_for, reduction_for
 from opacus_dp.mechanisms.noise import CorrelatedNoise
@@ -35,7 +35,7 @@ class CyclicPoissonDataLoader(DPDataLoader):
         super().__init__(dataset, **kwargs)
 
     def _make_batch_sampler(self, num_samples: int, generator, steps):
-        world, rank = _distributed_world(None, None) if self.distributed else (1, 0)
+        world, rank = distributed_world(None, None) if self.distributed else (1, 0)
         return CyclicPoissonSampler(num_samples, groups=self.groups, group_rate=self.sample_rate,
                                     generator=generator, steps=steps, rank=rank, num_replicas=world)
 
