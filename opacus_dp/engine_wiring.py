@@ -17,6 +17,7 @@ from opacus_dp.distributed import (
     validate_parallel_module,
     world_size_of,
 )
+from opacus_dp.distributed.fsdp import FsdpOption, fsdp_options, rebuild_optimizer, shard_model
 
 SECURE_MODE_NOTICE = ("secure_mode is off: fine for experiments; train the final model with "
                       "secure_mode=True for noise robust to floating-point attacks")
@@ -26,6 +27,17 @@ def warn_if_not_secure(secure_mode: bool, stacklevel: int = 3) -> None:
     """The reminder that ``secure_mode`` is off (``stacklevel``: the user's call)."""
     if not secure_mode:
         warnings.warn(SECURE_MODE_NOTICE, UserWarning, stacklevel=stacklevel)
+
+
+def shard_if_asked(module: nn.Module, optimizer, fsdp: FsdpOption):
+    """``(module, optimizer)``; with ``fsdp`` (True or a dict of :func:`~opacus_dp.distributed.fsdp.shard_model`
+    options) the model is sharded with FSDP2 in place and the optimizer rebuilt over its shards."""
+    options = fsdp_options(fsdp)
+    if options is None:
+        return module, optimizer
+    names = {p: n for n, p in module.named_parameters()}
+    shard_model(module, **options)
+    return module, rebuild_optimizer(optimizer, names, module)
 
 
 def check_distributed(module: nn.Module) -> int:

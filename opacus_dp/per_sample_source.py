@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, runtime_c
 import torch
 
 from opacus_dp.maths.per_sample import per_sample_norms, sum_dtype, weighted_sum
+from opacus_dp.module_parameters import local_part
 from opacus_dp.state_views import is_consumed, mark_consumed
 
 FactorFunction = Callable[[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
@@ -94,7 +95,7 @@ def check_grad_samples(params, grad_samples: Dict[torch.Tensor, torch.Tensor], n
     for p in params:
         g = grad_samples.get(p)
         if g is None:
-            if p.grad is not None and bool(torch.any(p.grad != 0)):
+            if p.grad is not None and bool(torch.any(local_part(p.grad) != 0)):
                 raise ValueError(
                     f"parameter {name_of(p)} has a gradient but no per-sample gradient: "
                     "its module is not handled by GradSampleModule (or it was not wrapped)"

@@ -17,10 +17,13 @@ import warnings
 from typing import List, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from opacus_dp import checkpoint
+from opacus_dp.distributed import fsdp_checkpoint
+from opacus_dp.distributed.fsdp import is_fully_sharded
 from opacus_dp.accountants import create_accountant, get_noise_multiplier
 from opacus_dp.accountants.validation import warn_if_delta_not_small
 from opacus_dp.data import DPDataLoader, UniformWithReplacementSampler, check_sampling, switch_generator
@@ -42,6 +45,7 @@ from opacus_dp.engine_wiring import (
     check_distributed,
     check_distributed_loader,
     connect_private_step,
+    shard_if_asked,
     warn_if_not_secure,
 )
 from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion, StepClipping
@@ -112,7 +116,7 @@ class PrivacyEngine(metaclass=_EngineType):
                      max_clipbound: Optional[float] = None, min_clipbound: Optional[float] = None,
                      unclipped_num_std: Optional[float] = None, step_timeout=None,
                      skip_weight_grads: Optional[bool] = None, noise_mechanism: str = "independent",
-                     bands: Optional[int] = None, epochs: Optional[float] = None):
+                     bands: Optional[int] = None, epochs: Optional[float] = None, fsdp=False):
         """Return ``(GradSampleModule, DPOptimizer, DataLoader)`` ready for private training.
 
         With ``poisson_sampling`` the loader is replaced by a ``DPDataLoader`` with
@@ -152,6 +156,9 @@ class PrivacyEngine(metaclass=_EngineType):
         says so). ``step_timeout`` (DDP/DPDDP, seconds or timedelta): :mod:`opacus_dp.distributed.step_wait`.
         ``noise_mechanism`` "banded" (with ``bands``), "blt" or "tree", for ``epochs`` passes:
         correlated noise (:mod:`opacus_dp.mechanisms`, ``docs/mechanisms.md``).
+        A model sharded with FSDP2 (``fully_shard``) is trained with clipped sums reduce-scattered
+        into the shards; ``fsdp=True`` (or a dict of ``fully_shard`` options and ``blocks``) shards an
+        unsharded model for the user and rebuilds ``optimizer`` over the shards (``docs/distributed.md``).
         """
         _check_opacus_flags(wrap_model, rand_on_empty)
         self._mechanism = plan_mechanism(noise_mechanism, data_loader=data_loader, bands=bands, epochs=epochs,
@@ -168,6 +175,7 @@ class PrivacyEngine(metaclass=_EngineType):
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
         check_optimizer_params(module, optimizer)
+        module, optimizer = shard_if_asked(module, optimizer, fsdp)
         world_size = check_distributed(module)
         check_distributed_loader(data_loader, world_size, poisson_sampling)
         validate_module(module)
@@ -203,7 +211,7 @@ class PrivacyEngine(metaclass=_EngineType):
                                   min_clipbound: Optional[float] = None,
                                   unclipped_num_std: Optional[float] = None, step_timeout=None,
                                   skip_weight_grads: Optional[bool] = None, noise_mechanism: str = "independent",
-                                  bands: Optional[int] = None, **epsilon_kwargs):
+                                  bands: Optional[int] = None, fsdp=False, **epsilon_kwargs):
         """:meth:`make_private` with σ calibrated so that ``epochs`` passes spend ≤ target ε;
         ``epsilon_kwargs`` go to the accountant's ``get_epsilon`` during the calibration (as in
         Opacus: ``alphas`` for RDP, ``eps_error`` for PRV). With ``clipping="adaptive"`` the
@@ -230,7 +238,7 @@ class PrivacyEngine(metaclass=_EngineType):
             clipbound_learning_rate=clipbound_learning_rate, max_clipbound=max_clipbound,
             min_clipbound=min_clipbound, unclipped_num_std=unclipped_num_std, step_timeout=step_timeout,
             skip_weight_grads=skip_weight_grads, noise_mechanism=noise_mechanism, bands=bands, epochs=epochs,
-        )
+            fsdp=fsdp)
 
     def _private_loader_and_optimizer(self, gsm, module, optimizer, data_loader, *,
                                       noise_multiplier, max_grad_norm, loss_reduction, clipping,
@@ -317,7 +325,13 @@ class PrivacyEngine(metaclass=_EngineType):
                         module_state_dict_kwargs=None, torch_save_kwargs=None, signing_key=None) -> None:
         """Save model (unwrapped keys), optimizer, accountant and generator states to ``path``;
         ``signing_key`` (bytes, kept by the user) adds an HMAC that :meth:`load_checkpoint` verifies.
-        Every entry must be loadable by torch's safe loader (checked before writing)."""
+        Every entry must be loadable by torch's safe loader (checked before writing). For a model
+        sharded with FSDP2, ``path`` is a directory written by every rank
+        (:mod:`~opacus_dp.distributed.fsdp_checkpoint`)."""
+        if is_fully_sharded(module):
+            return self._sharded_checkpoint(fsdp_checkpoint.save, path, module, optimizer, data_loader,
+                                            noise_scheduler, grad_clip_scheduler, signing_key,
+                                            checkpoint_dict=checkpoint_dict)
         checkpoint.save(
             path, module=module, optimizer=optimizer, accountant=self.accountant,
             data_loader=data_loader if data_loader is not None else self._data_loader,
@@ -332,6 +346,9 @@ class PrivacyEngine(metaclass=_EngineType):
         """Restore what :meth:`save_checkpoint` saved; returns the remaining checkpoint entries.
         Loads with ``weights_only=True`` (``torch_load_kwargs={"weights_only": False}`` opts out for
         trusted old files); with ``signing_key`` an unsigned or altered file is refused."""
+        if is_fully_sharded(module):
+            return self._sharded_checkpoint(fsdp_checkpoint.load, path, module, optimizer, data_loader,
+                                            noise_scheduler, grad_clip_scheduler, signing_key)
         return checkpoint.load(
             path, module=module, optimizer=optimizer, accountant=self.accountant,
             data_loader=data_loader if data_loader is not None else self._data_loader,
@@ -339,6 +356,14 @@ class PrivacyEngine(metaclass=_EngineType):
             map_location=map_location, module_load_dict_kwargs=module_load_dict_kwargs,
             torch_load_kwargs=torch_load_kwargs, secure_mode=self.secure_mode, signing_key=signing_key,
         )
+
+    def _sharded_checkpoint(self, action, path, module, optimizer, data_loader, noise_scheduler,
+                            grad_clip_scheduler, signing_key, **extra):
+        return action(path, module=module, optimizer=optimizer, accountant=self.accountant,
+                      rank=dist.get_rank(), world_size=dist.get_world_size(),
+                      data_loader=data_loader if data_loader is not None else self._data_loader,
+                      schedulers={"noise_scheduler": noise_scheduler, "grad_clip_scheduler": grad_clip_scheduler},
+                      secure_mode=self.secure_mode, signing_key=signing_key, **extra)
 
 
 def _ghost_criterion(criterion, loss_reduction: str, module, optimizer):

@@ -23,7 +23,7 @@ the loop itself, which cannot show that the pieces come from one sampled batch.
 import math
 import warnings
 from collections import deque
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
@@ -32,13 +32,14 @@ from opacus_dp.data.samplers import check_positive_int
 from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
 
-def split_indices(indices: List[int], max_size: int) -> List[List[int]]:
-    """Cut ``indices`` into ``k = max(1, ceil(n/max_size))`` consecutive chunks whose sizes differ by ≤ 1.
+def split_indices(indices: List[int], max_size: int, chunks: Optional[int] = None) -> List[List[int]]:
+    """Cut ``indices`` into ``k = max(1, ceil(n/max_size))`` (or ``chunks``) consecutive chunks whose
+    sizes differ by ≤ 1 (some empty if ``chunks > n``).
 
     The first ``n mod k`` chunks hold one extra index (the layout of ``numpy.array_split``).
     """
     n = len(indices)
-    k = max(1, math.ceil(n / max_size))
+    k = max(1, math.ceil(n / max_size)) if chunks is None else chunks
     bounds = [i * (n // k) + min(i, n % k) for i in range(k + 1)]
     return [list(indices[bounds[i] : bounds[i + 1]]) for i in range(k)]
 
@@ -50,14 +51,21 @@ class BatchSplittingSampler(Sampler[List[int]]):
     pops them in the same order when it hands the collated chunks out.
     """
 
-    def __init__(self, *, batch_sampler, max_batch_size: int):
+    def __init__(self, *, batch_sampler, max_batch_size: int, equal_passes: bool = False):
         self.batch_sampler = batch_sampler
         self.max_batch_size = check_positive_int(max_batch_size, "max_physical_batch_size")
+        self.equal_passes = equal_passes
         self.skip_flags: deque = deque()
+
+    def _num_chunks(self, size: int) -> int:
+        """``max(1, ceil(size / max))``; with ``equal_passes`` the largest such count over the ranks
+        (every rank then runs the same number of forward/backward passes, as FSDP2 needs)."""
+        sizes = self.batch_sampler.batch_sizes_of_ranks() if self.equal_passes else [size]
+        return max(1, *(math.ceil(s / self.max_batch_size) for s in sizes))
 
     def __iter__(self) -> Iterator[List[int]]:
         for logical in self.batch_sampler:
-            chunks = split_indices(list(logical), self.max_batch_size)
+            chunks = split_indices(list(logical), self.max_batch_size, self._num_chunks(len(logical)))
             for position, chunk in enumerate(chunks):
                 self.skip_flags.append(position < len(chunks) - 1)
                 yield chunk
@@ -86,8 +94,8 @@ class PhysicalBatchLoader(SamplingGeneratorKept, DataLoader):
         super().__init__(
             data_loader.dataset,
             batch_sampler=BatchSplittingSampler(
-                batch_sampler=data_loader.batch_sampler, max_batch_size=max_physical_batch_size
-            ),
+                batch_sampler=data_loader.batch_sampler, max_batch_size=max_physical_batch_size,
+                equal_passes=_needs_equal_passes(data_loader, optimizer)),
             collate_fn=data_loader.collate_fn,
             generator=data_loader.generator,
             in_order=True,
@@ -112,6 +120,21 @@ class PhysicalBatchLoader(SamplingGeneratorKept, DataLoader):
         finally:
             if not finished:
                 _discard_unfinished(dp_optimizer)
+
+
+def _needs_equal_passes(data_loader: DataLoader, optimizer) -> bool:
+    """Whether every rank must run as many passes as the others (FSDP2: each forward and backward
+    pass is a collective), which needs a batch sampler that knows every rank's batch size."""
+    dp_optimizer = dp_optimizer_behind(optimizer)
+    if dp_optimizer is None or not dp_optimizer.reducer.needs_equal_passes:
+        return False
+    if not callable(getattr(data_loader.batch_sampler, "batch_sizes_of_ranks", None)):
+        raise ValueError(
+            "BatchMemoryManager under FSDP2 needs the distributed Poisson loader make_private returns "
+            "(poisson_sampling=True): every rank must cut its batch into the same number of pieces, "
+            "since each forward and backward pass is a collective, and only that loader tells every "
+            "rank the others' batch sizes")
+    return True
 
 
 def _signal_chunk(optimizer, dp_optimizer, do_skip: bool) -> None:

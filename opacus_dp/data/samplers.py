@@ -191,7 +191,14 @@ class DistributedPoissonBatchSampler(Sampler[List[int]]):
         owned = self.shard_indices()
         for _ in range(self.steps):
             mask = poisson_mask(self.total_size, self.sample_rate, self.generator)
+            self._sizes_of_ranks = [int(mask[r :: self.num_replicas].sum()) for r in range(self.num_replicas)]
             yield owned[mask[self.rank :: self.num_replicas]].tolist()
+
+    def batch_sizes_of_ranks(self) -> List[int]:
+        """The local batch size of every rank in the batch drawn last: all ranks draw the same
+        global mask (shared generator), so each knows the others' sizes without communicating
+        (FSDP2's ``BatchMemoryManager`` cuts every rank's batch into the same number of pieces)."""
+        return list(getattr(self, "_sizes_of_ranks", []))
 
     def expected_batch_size(self) -> float:
         """Expected local batch size ``q · |shard|``."""

@@ -97,3 +97,12 @@ def share_generator_state(generator: torch.Generator, src: int = 0, group=None) 
     dist.broadcast(state, src=src, group=group)
     generator.set_state(state.cpu())
 
+
+def check_mean_divisor(optimizer) -> None:
+    """A mean over the *actual* local batch would differ per rank: refuse it."""
+    if optimizer.loss_reduction == "mean" and optimizer.expected_batch_size is None:
+        raise ValueError(
+            "distributed DP-SGD with loss_reduction='mean' needs the expected batch size (the "
+            "mean divides by expected_batch_size · world_size on every rank): pass batch_size "
+            "and sample_size (classic API) or use the modern API's data loader"
+        )

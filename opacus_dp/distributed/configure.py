@@ -18,9 +18,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from opacus_dp.distributed.checks import check_same_on_all_ranks, process_group_active
+from opacus_dp.distributed.checks import check_mean_divisor, check_same_on_all_ranks, process_group_active
 from opacus_dp.distributed.ddp_hooks import detach_ddp_synchronisation, install_local_gradients_hook
 from opacus_dp.distributed.dpddp import DifferentiallyPrivateDistributedDataParallel
+from opacus_dp.distributed.fsdp import is_fully_sharded
+from opacus_dp.distributed.fsdp_setup import configure_fsdp_optimizer, fsdp_world_size
 from opacus_dp.distributed.reducers import AllReduceReducer
 from opacus_dp.distributed.step_wait import StepTimeout, timeout_seconds
 
@@ -60,12 +62,13 @@ def validate_parallel_module(module: nn.Module) -> None:
     otherwise every rank would step on its own data and the privacy accounting (global
     sample rate) would be wrong.
     """
-    if process_group_active() and find_distributed_wrapper(module) is None:
+    if process_group_active() and find_distributed_wrapper(module) is None and not is_fully_sharded(module):
         raise ValueError(
             f"torch.distributed is initialised with world_size={dist.get_world_size()} but the "
             f"model ({type(module).__name__}) is not wrapped for distributed training: wrap it "
             "in torch.nn.parallel.DistributedDataParallel or "
-            "opacus_dp.distributed.DifferentiallyPrivateDistributedDataParallel before "
+            "opacus_dp.distributed.DifferentiallyPrivateDistributedDataParallel, or shard it with "
+            "torch.distributed.fsdp.fully_shard (or make_private(..., fsdp=True)) before "
             "make_private/attach"
         )
 
@@ -74,7 +77,7 @@ def world_size_of(module: nn.Module) -> int:
     """Number of processes whose batches form one global step of ``module`` (1 if local)."""
     wrapper = find_distributed_wrapper(module)
     if wrapper is None:
-        return 1
+        return fsdp_world_size(module) if is_fully_sharded(module) else 1
     return dist.get_world_size(_process_group(wrapper))
 
 
@@ -134,24 +137,16 @@ def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[f
     step_timeout = timeout_seconds(step_timeout)
     wrapper = find_distributed_wrapper(module)
     if wrapper is None:
+        if is_fully_sharded(module):
+            configure_fsdp_optimizer(module, optimizer, sample_rate=sample_rate, step_timeout=step_timeout)
         return
     if step_timeout is None:
         step_timeout = getattr(wrapper, "step_timeout", None)
     group = _process_group(wrapper)
     check_same_on_all_ranks({"world_size": dist.get_world_size(group), "sample_rate": sample_rate,
                              **optimizer.settings_ranks_share()}, group)
-    _check_mean_divisor(optimizer)
+    check_mean_divisor(optimizer)
     if isinstance(wrapper, DistributedDataParallel):
         install_local_gradients_hook(wrapper)
         detach_ddp_synchronisation(wrapper)
     optimizer.reducer = AllReduceReducer(process_group=group, step_timeout=step_timeout)
-
-
-def _check_mean_divisor(optimizer) -> None:
-    """A mean over the *actual* local batch would differ per rank: refuse it."""
-    if optimizer.loss_reduction == "mean" and optimizer.expected_batch_size is None:
-        raise ValueError(
-            "distributed DP-SGD with loss_reduction='mean' needs the expected batch size (the "
-            "mean divides by expected_batch_size · world_size on every rank): pass batch_size "
-            "and sample_size (classic API) or use the modern API's data loader"
-        )

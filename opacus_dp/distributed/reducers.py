@@ -28,15 +28,14 @@ The same rows carry a step refused by one rank's own checks (``refusal``, a code
 The all-reduce is waited for at most ``step_timeout`` (:mod:`~opacus_dp.distributed.step_wait`).
 """
 
-import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from opacus_dp.distributed.agreement import agreement_rows, check_table
 from opacus_dp.distributed.checks import require_process_group
 from opacus_dp.distributed.step_wait import StepTimeout, step_bounds, timeout_seconds, wait_for_step
-from opacus_dp.optim.step_refusal import OTHER, refused_elsewhere
 
 NOISE_RANK = 0
 
@@ -55,6 +54,9 @@ class AllReduceReducer:
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.adds_noise = self.rank == NOISE_RANK
+        self.noises_shards = False
+        self.reduces_in_place = True
+        self.needs_equal_passes = False  # DDP's comm hook is a no-op: ranks may run more passes
         self.bytes_reduced = 0
         self.num_all_reduces = 0
         self.step_timeout = step_timeout
@@ -84,7 +86,8 @@ class AllReduceReducer:
         groups = list(_grouped(tensors).values())
         rows = None
         if names and groups:
-            rows = self._agreement_rows([agreed[n] for n in names], groups[0][0], refusal)
+            rows = agreement_rows([agreed[n] for n in names], groups[0][0], refusal,
+                                  self.world_size, self.rank)
         extra = [] if rows is None else [rows.reshape(-1)]  # the table rides in the first bucket
         flats = [torch.cat([t.reshape(-1) for t in same_kind] + (extra if index == 0 else []))
                  for index, same_kind in enumerate(groups)]
@@ -97,17 +100,13 @@ class AllReduceReducer:
             _unflatten(flat, same_kind)
         if rows is not None:
             table = flats[0][flats[0].numel() - rows.numel():].view_as(rows)
-            _check_refusals(table)
-            _check_agreement(names, table)
+            check_table(names, table)
         return tensors
 
-    def _agreement_rows(self, values: List[float], like: torch.Tensor,
-                        refusal: Optional[int] = None) -> torch.Tensor:
-        rows = like.new_zeros(self.world_size, len(values))
-        if refusal is not None:  # [NaN, code, code, ...]: no setting is NaN
-            values = [math.nan] + [float(refusal)] * (len(values) - 1)
-        rows[self.rank] = torch.tensor(values, dtype=torch.float64).to(like.dtype)
-        return rows
+    @staticmethod
+    def as_grad(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``value`` in ``param``'s shape and dtype (every rank holds the whole tensor)."""
+        return value.view_as(param).to(param.dtype)
 
     def __repr__(self) -> str:
         return (
@@ -130,24 +129,3 @@ def _unflatten(flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
-
-
-def _check_refusals(table: torch.Tensor) -> None:
-    """Raise :class:`StepRefusedError` if a row of ``table`` is a refusal (``[NaN, code, …]``)."""
-    refused = torch.isnan(table[:, 0])
-    if bool(refused.any()):
-        codes = table[:, 1] if table.shape[1] > 1 else torch.full_like(table[:, 0], OTHER)
-        raise refused_elsewhere({int(r): int(codes[r]) for r in refused.nonzero().flatten().tolist()})
-
-
-def _check_agreement(names: List[str], table: torch.Tensor) -> None:
-    """Raise if a column of ``table`` (one row per rank) is not constant."""
-    for column, name in enumerate(names):
-        values = table[:, column]
-        if not bool((values == values[0]).all()):
-            per_rank = {rank: float(v) for rank, v in enumerate(values.tolist())}
-            raise ValueError(
-                f"{name} differs between ranks at this step ({per_rank}): every process must use "
-                "the same settings (step schedulers on every rank, not only on rank 0; run the same "
-                "number of backward passes per step everywhere). Nothing was updated")
-

@@ -10,6 +10,7 @@ import torch.nn as nn
 from opacus_dp.distributed import data_parallel
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import Switches
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
+from opacus_dp.module_parameters import forget_canonical
 
 _HOOKED_BY: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
@@ -51,4 +52,5 @@ class _Attachments:
             if ref is self.token:
                 del _HOOKED_BY[sub]
         data_parallel.give_back_within(self.module)
+        forget_canonical(self.module)
         self.store.remove_views()

@@ -48,7 +48,8 @@ from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck, Switches
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import skip_weight_grads as install_skipping
 from opacus_dp.grad_sample.support import autocast_of, describe, same_autocast, unsupported_modules
-from opacus_dp.module_parameters import has_trainable_parameters, own_parameters
+from opacus_dp.module_parameters import (has_trainable_parameters, own_parameters, register_canonical_if_sharded,
+                                         to_canonical)
 
 _RECOMPUTING = threading.local()
 
@@ -58,13 +59,14 @@ def _master_grad_samples(
 ) -> Dict[torch.Tensor, torch.Tensor]:
     """Re-key a sampler's result from ``layer``'s tensors to ``master``'s parameters.
 
-    ``layer`` is the module the hook was called with: ``master`` itself, or a replica
+    ``layer`` is the module the hook was called with: ``master`` itself (re-keyed to the
+    canonical tensors, :mod:`~opacus_dp.module_parameters`), or a replica
     made by ``nn.DataParallel`` whose parameters are plain tensor attributes derived from
     the master's (same names); the mapping goes through those names.
     """
     if layer is master:
-        return grad_samples
-    by_id = {id(getattr(layer, n)): p for n, p in master._parameters.items() if p is not None}
+        return to_canonical(master, grad_samples)  # FSDP2: the sharded parameter's key
+    by_id = {id(getattr(layer, n)): p for n, p in own_parameters(master)}
     return {by_id[id(t)]: gs for t, gs in grad_samples.items()}
 
 
@@ -135,6 +137,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         self._check_arguments(module, batch_first, loss_reduction)
         errors = self.validate(module, strict=strict)
         self._module = module
+        sharded = register_canonical_if_sharded(module)  # FSDP2: key by the sharded parameters
         self.batch_first = batch_first
         self.loss_reduction = loss_reduction
         self.force_functorch = force_functorch
@@ -155,7 +158,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         self.skips_weight_grads = bool(skip_weight_grads) and not _has_replicas(module)
         if self.skips_weight_grads:
             self._skip_weight_grads()
-        elif not _has_replicas(module):
+        elif not _has_replicas(module) and not sharded:  # FSDP2 reduces p.grad across ranks
             self._compare_pass_totals()
         prepare_for_compile(module, self._handles)  # torch.compile: see compiled_modules
 
@@ -353,7 +356,11 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
             self._store.add(param, grad_sample, layer_name, chunk, task=call.outer_task)
 
     def _per_sample_grads(self, layer, call: LayerCall, backprops) -> Dict:
-        """The single dispatch point: registered sampler, else the torch.func fallback."""
+        """The single dispatch point: registered sampler, else the torch.func fallback; keyed by
+        the layer's canonical tensors (FSDP2: the sharded ones, :mod:`~opacus_dp.module_parameters`)."""
+        return to_canonical(layer, self._sampled_grads(layer, call, backprops))
+
+    def _sampled_grads(self, layer, call: LayerCall, backprops) -> Dict:
         sampler = self._sampler_for(layer)
         if sampler is not None:
             if backprops[0] is None:

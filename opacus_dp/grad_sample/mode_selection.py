@@ -35,6 +35,7 @@ from torch.nn.parallel import DataParallel
 from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from opacus_dp.module_parameters import is_sharded_model
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ def wrap_for_engine(module: nn.Module, name: str, *, batch_first: bool, loss_red
     """The wrapper ``make_private`` / ``attach`` build for mode ``name`` (strict validation);
     ``skip_weight_grads=None``: the mode's default (module doc)."""
     mode = mode_of(name, module)
-    if skip_weight_grads is None:
-        skip_weight_grads = mode.skips_weight_grads
+    if skip_weight_grads is None:  # FSDP2: no ordinary gradient to reduce-scatter by default
+        skip_weight_grads = mode.skips_weight_grads or is_sharded_model(module)
     elif not isinstance(skip_weight_grads, bool):
         raise TypeError(f"skip_weight_grads must be a bool or None, got {skip_weight_grads!r}")
     return mode.wrapper(module, batch_first=batch_first, loss_reduction=loss_reduction, strict=True,

@@ -336,15 +336,16 @@ class DPOptimizer(DPOptimizerSettingsMixin, LogicalBatchMixin, CollectiveRefusal
 
     # ---------------------------------------------------------------------- helpers
     def _take_summed_grads(self) -> List[torch.Tensor]:
-        sums = [self._summed[p] if p in self._summed else torch.zeros_like(p, dtype=sum_dtype(p.dtype))
-                for p in self.params]  # zeros only for parameters no sample reached
+        sums = [self._summed[p] if p in self._summed else
+                torch.zeros(p.shape, dtype=sum_dtype(p.dtype), device=p.device)
+                for p in self.params]  # zeros only for parameters no sample reached (full shape)
         self._summed = {}
         self._last_num_accumulated, self._num_accumulated = self._num_accumulated, 0
         return sums
 
     def _set_grads(self, grads: List[torch.Tensor]) -> None:
         for p, g in zip(self.params, grads):
-            p.grad = g.view_as(p).to(p.dtype)
+            p.grad = self.reducer.as_grad(p, g)
         for group in self.original_optimizer.param_groups:
             for p in group["params"]:
                 if not p.requires_grad:

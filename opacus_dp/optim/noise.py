@@ -82,6 +82,22 @@ class GaussianNoise:
             self.generator = torch.Generator(device=device).manual_seed(self._seed)
         return self.generator
 
+    def stream_base(self) -> bytes:
+        """What identifies this stream: the generator's state, else the seed it will be made with."""
+        if self.generator is not None:
+            return bytes(self.generator.get_state().tolist())
+        return int(self._seed).to_bytes(8, "little")
+
+    def reseed(self, seed: int) -> None:
+        """Continue from a generator seeded with ``seed`` (a new one on the same device; the
+        generator given by the user is not changed). Not in secure mode."""
+        if self.secure_mode:
+            raise ValueError("a secure noise stream cannot be seeded")
+        if self.generator is None:
+            self._seed = int(seed)
+        else:
+            self.generator = torch.Generator(device=self.generator.device).manual_seed(int(seed))
+
     def begin_step(self, device: torch.device) -> None:
         """In secure mode, reseed a fresh generator from the OS for the coming step."""
         if self.secure_mode:

@@ -8,7 +8,13 @@ per-sample gradients. It exposes
 * ``adds_noise``: whether *this* replica adds the Gaussian noise before reducing (for an
   all-reduce, exactly one replica — or each with std/√world_size — must do so; the
   distributed reducers decide);
-* ``reduce(tensors) -> tensors``: the combined sums, in the same order.
+* ``noises_shards``: whether each replica instead noises its own shard *after* the reduction
+  (FSDP2: ``reduce(tensors, agreed, refusal, params)`` returns this rank's shards);
+* ``reduces_in_place``: whether ``reduce`` overwrites the tensors it is given;
+* ``needs_equal_passes``: whether every replica must run the same number of forward/backward
+  passes per step (FSDP2; ``BatchMemoryManager`` then cuts every rank's batch alike);
+* ``reduce(tensors) -> tensors``: the combined sums, in the same order;
+* ``as_grad(param, tensor)``: the reduced tensor laid out as ``param``'s gradient.
 """
 
 from typing import List
@@ -21,10 +27,18 @@ class LocalReducer:
 
     world_size = 1
     adds_noise = True
+    noises_shards = False
+    reduces_in_place = False
+    needs_equal_passes = False
 
     def reduce(self, tensors: List[torch.Tensor], agreed=None) -> List[torch.Tensor]:
         """Identity (``agreed``: the step's settings other processes would have to share)."""
         return tensors
+
+    @staticmethod
+    def as_grad(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``value`` in ``param``'s shape and dtype."""
+        return value.view_as(param).to(param.dtype)
 
     def __repr__(self):
         return "LocalReducer()"

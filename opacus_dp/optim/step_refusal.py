@@ -144,6 +144,8 @@ class CollectiveRefusalMixin:
     def _release(self, sums: List[torch.Tensor], count, refusal: Optional[Refusal]) -> List[torch.Tensor]:
         """Noise (where the reducer adds it) and reduce; with several processes also decide
         the refusals: raise on every rank if one refused."""
+        if self.reducer.noises_shards:
+            return self._release_shards(sums, count, refusal)
         if not self._distributed:
             return self.reducer.reduce(self._noised_bucket(sums, count), agreed=None)
         saved = noise_state(self.noise) if refusal is None and self.reducer.adds_noise else None
@@ -162,6 +164,24 @@ class CollectiveRefusalMixin:
         if refusal is not None:  # nothing was reduced (no tensors): refuse here alone
             raise refusal[0]
         return reduced
+
+    def _release_shards(self, sums: List[torch.Tensor], count, refusal: Optional[Refusal]) -> List[torch.Tensor]:
+        """Reduce-scatter (the refusals decided first, on every rank), then noise this rank's
+        shards (:mod:`~opacus_dp.distributed.reduce_scatter`)."""
+        if count is not None:
+            raise RuntimeError("adaptive clipping is not available with a sharding reducer (FSDP2)")
+        agreed = self._step_settings() if self._distributed else None
+        try:
+            shards = self.reducer.reduce(sums, agreed=agreed, refusal=None if refusal is None else refusal[1],
+                                         params=self.params)
+        except StepRefusedError as refused:
+            self.discard_unfinished_batch()
+            if refusal is None:
+                raise
+            raise with_note(refusal[0], refused.refusals) from None
+        if refusal is not None:
+            raise refusal[0]
+        return self.add_noise(shards)
 
     def _noised_bucket(self, sums: List[torch.Tensor], count) -> List[torch.Tensor]:
         """What this rank sends: the sums (and count), noised where the reducer adds noise."""

@@ -28,7 +28,7 @@ class SummedGradViewsMixin:
         all-reduce will overwrite it: a rank that adds no noise reduces its sums in place)."""
         if not self.state_views.keeps_after_step:
             return self._show_summed({})
-        shown = sums if self.reducer.adds_noise else [s.clone() for s in sums]
+        shown = [s.clone() for s in sums] if self.reducer.reduces_in_place and not self.reducer.adds_noise else sums
         self._show_summed(dict(zip(self.params, shown)))
 
     def _show_summed(self, sums: Dict[torch.Tensor, torch.Tensor]) -> None:

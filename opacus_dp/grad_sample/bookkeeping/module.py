@@ -39,7 +39,7 @@ from opacus_dp.grad_sample.attachments import weakly
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule, batch_first_backprops
 from opacus_dp.grad_sample.support import describe
 from opacus_dp.maths.per_sample import is_loss_scaled
-from opacus_dp.module_parameters import has_trainable_parameters
+from opacus_dp.module_parameters import has_trainable_parameters, local_part
 from opacus_dp.per_sample_source import NO_GRADS, FactorFunction, NameOf
 
 
@@ -156,7 +156,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
     def _check_unrecorded_grads(self, params) -> None:
         recorded = self._bookkeeper.recorded_params()
         for p in params:
-            if p not in recorded and p.grad is not None and bool(torch.any(p.grad != 0)):
+            if p not in recorded and p.grad is not None and bool(torch.any(local_part(p.grad) != 0)):
                 raise ValueError(
                     f"parameter {self._param_name(p)} has a gradient but no per-sample "
                     "gradient: it is used outside the modules that own it, or its module is not "

@@ -20,7 +20,7 @@ from opacus_dp.grad_sample.modification_guard import KeptVersions
 from opacus_dp.grad_sample.bookkeeping.norm_rules import norm_rule_of
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import RecomputedInput, recomputed_in
 from opacus_dp.grad_sample.registry import PerSampleGrads
-from opacus_dp.module_parameters import own_tensors
+from opacus_dp.module_parameters import holds_canonical, own_tensors, to_canonical, to_live
 from opacus_dp.maths.per_sample import (drops_rows, finite_factors, finite_values, per_sample_norms,
                                         sum_dtype, weighted_sum, without_dropped_rows)
 from opacus_dp.maths.float32_products import ieee_float32_products
@@ -139,7 +139,7 @@ def ghost_norms(layer: nn.Module, activations: list, backprops: torch.Tensor) ->
     products (:mod:`~opacus_dp.maths.float32_products`)."""
     activations, backprops = _in_sum_dtype(activations, backprops)
     with ieee_float32_products():
-        return norm_rule_of(layer).norm_sampler(layer, activations, backprops)
+        return to_canonical(layer, norm_rule_of(layer).norm_sampler(layer, activations, backprops))
 
 
 def ghost_weighted_grad(layer: nn.Module, activations: list, backprops: torch.Tensor,
@@ -150,10 +150,11 @@ def ghost_weighted_grad(layer: nn.Module, activations: list, backprops: torch.Te
     activations, backprops = _in_sum_dtype(activations, backprops)
     if drops is None:
         drops = any(drops_rows(f) for f in factors.values())
+    factors = to_live(layer, factors)  # keyed by canonical tensors; the rules use the layer's own
     with ieee_float32_products():
         if drops:
-            return _without_dropped_samples(layer, activations, backprops, factors)
-        return norm_rule_of(layer).weighted_grad(layer, activations, backprops, factors)
+            return to_canonical(layer, _without_dropped_samples(layer, activations, backprops, factors))
+        return to_canonical(layer, norm_rule_of(layer).weighted_grad(layer, activations, backprops, factors))
 
 
 def _without_dropped_samples(layer: nn.Module, activations: list, backprops: torch.Tensor,
@@ -227,7 +228,8 @@ def _sum_in_chunks(current: Pass, layer: nn.Module, calls: List[Call], factor_fu
     type prefers that for these calls on CPU and each of its parameters has factors of its
     own; False (nothing done) otherwise."""
     spec = norm_rule_of(layer)
-    if spec is None or spec.chunk_grads is None or spec.prefers_chunks is None:
+    if spec is None or spec.chunk_grads is None or spec.prefers_chunks is None \
+            or not holds_canonical(layer):  # FSDP2's unsharded tensors: the other paths re-key
         return False
     merged = _merged_call(layer, calls, spec)
     if merged is None:

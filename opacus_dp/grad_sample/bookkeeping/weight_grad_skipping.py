@@ -32,7 +32,6 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from opacus_dp.module_parameters import own_parameters
 from opacus_dp.layers.batch_first import BatchFirstLinear
 
 ANCHORED_TYPES = (nn.Linear, BatchFirstLinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding,
@@ -138,13 +137,14 @@ def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool],
     parameters are watched, from their first call on, for gradients from outside uses
     (``check.remove()`` undoes that); ``switches`` keeps the layer's stack of running calls.
     """
-    params = [p for _, p in own_parameters(layer)]
     anchored = type(layer) in ANCHORED_TYPES
     saved: List[tuple] = []
     if switches is not None:
         switches.stacks.append(saved)
 
     def before(module, args, kwargs):
+        # the tensors the layer holds now: FSDP2 swaps in unsharded ones while it runs
+        params = [p for p in layer._parameters.values() if p is not None]
         if check is not None:
             for p in params:  # also a tensor unfrozen since the wrapper was built
                 check.watch(p)
