@@ -126,7 +126,8 @@ def _needs_equal_passes(data_loader: DataLoader, optimizer) -> bool:
     """Whether every rank must run as many passes as the others (FSDP2: each forward and backward
     pass is a collective), which needs a batch sampler that knows every rank's batch size."""
     dp_optimizer = dp_optimizer_behind(optimizer)
-    if dp_optimizer is None or not dp_optimizer.reducer.needs_equal_passes:
+    reducer = None if dp_optimizer is None else dp_optimizer.reducer
+    if reducer is None or not reducer.needs_equal_passes or reducer.world_size == 1:
         return False
     if not callable(getattr(data_loader.batch_sampler, "batch_sizes_of_ranks", None)):
         raise ValueError(

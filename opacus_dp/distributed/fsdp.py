@@ -14,6 +14,7 @@ unsharded model (``make_private(..., fsdp=True)``), and :func:`rebuild_optimizer
 optimizer the sharded parameters (FSDP2 replaces every parameter by a new ``DTensor`` one).
 """
 
+import inspect
 import math
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
@@ -89,19 +90,24 @@ def check_sharded_parameters(params: Sequence[torch.Tensor], names: Dict[torch.T
                              f"FSDP2's even Shard(0) layout ({local} of {chunk} rows)")
 
 
-def _block_types(model: nn.Module, blocks) -> Tuple[Type[nn.Module], ...]:
+def _blocks_of(model: nn.Module, blocks) -> List[nn.Module]:
+    """The modules to shard on their own: those of the ``blocks`` classes, or by default the
+    modules held in an ``nn.ModuleList`` (a transformer's layers) that train something; the
+    outermost ones only (a block inside a block stays in its parent's unit)."""
     if blocks is not None:
-        return tuple(blocks)
-    repeated = {type(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
-    return tuple(t for t in repeated if any(p.requires_grad for m in model.modules()
-                                            if type(m) is t for p in m.parameters()))
+        chosen = [m for m in model.modules() if m is not model and isinstance(m, tuple(blocks))]
+    else:
+        chosen = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst
+                  if any(p.requires_grad for p in m.parameters())]
+    inner = {id(sub) for m in chosen for sub in m.modules() if sub is not m}
+    return [m for m in chosen if id(m) not in inner]
 
 
 def shard_model(model: nn.Module, *, blocks: Optional[Iterable[Type[nn.Module]]] = None,
                 **fully_shard_kwargs) -> nn.Module:
     """Shard ``model`` in place as torch's FSDP2 documentation recommends: ``fully_shard`` on
     every block, then on the root; returns ``model``. ``blocks``: the block classes (default:
-    the types of the modules held in an ``nn.ModuleList``, e.g. a transformer's layers);
+    the modules held in an ``nn.ModuleList``, e.g. a transformer's layers);
     ``fully_shard_kwargs``: ``mesh``, ``reshard_after_forward``, ``mp_policy``, ``offload_policy``."""
     if not fsdp_available():
         raise RuntimeError("fsdp=True needs torch.distributed.fsdp.fully_shard (torch >= 2.6)")
@@ -112,10 +118,8 @@ def shard_model(model: nn.Module, *, blocks: Optional[Iterable[Type[nn.Module]]]
     if is_fully_sharded(model):
         raise ValueError("fsdp=True was given a model already sharded with fully_shard: pass it "
                          "without fsdp=True (it is used as it is)")
-    types = _block_types(model, blocks)
-    for sub in list(model.modules()):
-        if sub is not model and isinstance(sub, types):
-            fully_shard(sub, **fully_shard_kwargs)
+    for block in _blocks_of(model, blocks):
+        fully_shard(block, **fully_shard_kwargs)
     fully_shard(model, **fully_shard_kwargs)
     return model
 
@@ -146,4 +150,6 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, old_names: Dict[torch.Te
             raise ValueError(f"optimizer parameters {missing} do not belong to the model given to "
                              "make_private: build the optimizer from model.parameters()")
         groups.append({**group, "params": [new_by_name[old_names[p]] for p in group["params"]]})
-    return type(optimizer)(groups, **optimizer.defaults)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # e.g. not AdamW's derived flags
+    return type(optimizer)(groups, **settings)

@@ -16,8 +16,6 @@ every rank, independent already. The streams' states are checkpointed per rank.
 
 import hashlib
 
-import torch
-
 _DOMAIN = b"opacus_dp noise stream"
 
 
