@@ -5,8 +5,9 @@ optimizer's step private — distributed reduction, budget guard (before the ste
 """
 
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
+import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
@@ -17,7 +18,7 @@ from opacus_dp.distributed import (
     validate_parallel_module,
     world_size_of,
 )
-from opacus_dp.distributed.fsdp import FsdpOption, fsdp_options, rebuild_optimizer, shard_model
+from opacus_dp.distributed.fsdp import FsdpOption, fsdp_options, rebind_optimizer, shard_model
 
 SECURE_MODE_NOTICE = ("secure_mode is off: fine for experiments; train the final model with "
                       "secure_mode=True for noise robust to floating-point attacks")
@@ -29,15 +30,22 @@ def warn_if_not_secure(secure_mode: bool, stacklevel: int = 3) -> None:
         warnings.warn(SECURE_MODE_NOTICE, UserWarning, stacklevel=stacklevel)
 
 
-def shard_if_asked(module: nn.Module, optimizer, fsdp: FsdpOption):
-    """``(module, optimizer)``; with ``fsdp`` (True or a dict of :func:`~opacus_dp.distributed.fsdp.shard_model`
-    options) the model is sharded with FSDP2 in place and the optimizer rebuilt over its shards."""
+def shard_if_asked(module: nn.Module, fsdp: FsdpOption) -> Optional[Dict[torch.Tensor, str]]:
+    """With ``fsdp`` (True or a dict of :func:`~opacus_dp.distributed.fsdp.shard_model` options),
+    shard ``module`` with FSDP2 in place and return the names of its former parameters, with
+    which :func:`~opacus_dp.distributed.fsdp.rebind_optimizer` points an optimizer at the shards;
+    else None."""
     options = fsdp_options(fsdp)
     if options is None:
-        return module, optimizer
+        return None
     names = {p: n for n, p in module.named_parameters()}
     shard_model(module, **options)
-    return module, rebuild_optimizer(optimizer, names, module)
+    return names
+
+
+def rebind_if_sharded(optimizer, names: Optional[Dict[torch.Tensor, str]], module: nn.Module):
+    """``optimizer`` pointed at the shards of a model :func:`shard_if_asked` sharded (in place)."""
+    return optimizer if names is None else rebind_optimizer(optimizer, names, module)
 
 
 def check_distributed(module: nn.Module) -> int:

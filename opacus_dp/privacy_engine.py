@@ -45,6 +45,7 @@ from opacus_dp.engine_wiring import (
     check_distributed,
     check_distributed_loader,
     connect_private_step,
+    rebind_if_sharded,
     shard_if_asked,
     warn_if_not_secure,
 )
@@ -158,7 +159,7 @@ class PrivacyEngine(metaclass=_EngineType):
         correlated noise (:mod:`opacus_dp.mechanisms`, ``docs/mechanisms.md``).
         A model sharded with FSDP2 (``fully_shard``) is trained with clipped sums reduce-scattered
         into the shards; ``fsdp=True`` (or a dict of ``fully_shard`` options and ``blocks``) shards an
-        unsharded model for the user and rebuilds ``optimizer`` over the shards (``docs/distributed.md``).
+        unsharded model for the user and points ``optimizer`` at the shards (``docs/distributed.md``).
         """
         _check_opacus_flags(wrap_model, rand_on_empty)
         self._mechanism = plan_mechanism(noise_mechanism, data_loader=data_loader, bands=bands, epochs=epochs,
@@ -175,7 +176,7 @@ class PrivacyEngine(metaclass=_EngineType):
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
         check_optimizer_params(module, optimizer)
-        module, optimizer = shard_if_asked(module, optimizer, fsdp)
+        optimizer = rebind_if_sharded(optimizer, shard_if_asked(module, fsdp), module)
         world_size = check_distributed(module)
         check_distributed_loader(data_loader, world_size, poisson_sampling)
         validate_module(module)

@@ -28,7 +28,8 @@ from opacus_dp.engine_setup import (
     validate_module,
     wrap_module,
 )
-from opacus_dp.engine_wiring import check_distributed, connect_private_step, warn_if_not_secure
+from opacus_dp.engine_wiring import (check_distributed, connect_private_step, rebind_if_sharded, shard_if_asked,
+                                     warn_if_not_secure)
 from opacus_dp.grad_sample.mode_selection import MODE_NAMES
 from opacus_dp.optim.logical_batches import BatchingPolicy
 from opacus_dp.privacy_engine_classic_setup import (
@@ -59,7 +60,9 @@ class ClassicPrivacyEngine:
     ``enable_stat``, ``experimental`` and its clipping settings (see :func:`check_misc_settings`
     in :mod:`~opacus_dp.privacy_engine_classic_setup`). Beyond Opacus 0.x:
     ``grad_sample_mode`` ("hooks", "functorch", "ghost", "bk", "auto"; see
-    :mod:`opacus_dp.grad_sample.mode_selection`) and its ``skip_weight_grads``. ``p.grad_sample``
+    :mod:`opacus_dp.grad_sample.mode_selection`) and its ``skip_weight_grads``; ``fsdp=True`` (or a
+    dict of ``fully_shard`` options) shards the model with FSDP2 here and ``attach`` points the
+    optimizer at the shards (``docs/distributed.md``). ``p.grad_sample``
     and ``p.summed_grad`` follow 0.x's lifecycle (:mod:`opacus_dp.state_views`).
     """
 
@@ -74,7 +77,8 @@ class ClassicPrivacyEngine:
                  grad_norm_type: int = 2, max_epsilon: Optional[float] = None,
                  noise_generator: Optional[torch.Generator] = None, grad_sample_mode: str = "hooks",
                  enable_stat: bool = False, experimental: bool = False, clipping_method=None,
-                 clipping_ratio=None, clipping_momentum=None, skip_weight_grads: Optional[bool] = None):
+                 clipping_ratio=None, clipping_momentum=None, skip_weight_grads: Optional[bool] = None,
+                 fsdp=False):
         check_misc_settings(enable_stat=enable_stat, experimental=experimental, clipping_method=clipping_method,
                             clipping_ratio=clipping_ratio, clipping_momentum=clipping_momentum)
         self.secure_mode = self.secure_rng = bool(secure_rng)
@@ -84,6 +88,7 @@ class ClassicPrivacyEngine:
         if grad_norm_type != 2:
             raise ValueError(f"grad_norm_type must be 2 (L2 clipping), got {grad_norm_type!r}")
         self.module = module
+        self._unsharded_names = shard_if_asked(module, fsdp)  # FSDP2 for the user: attach rebinds
         self.world_size = check_distributed(module)
         self.alphas = list(alphas)
         self.accountant = RDPAccountant(alphas=self.alphas)
@@ -129,6 +134,7 @@ class ClassicPrivacyEngine:
             raise ValueError("optimizer is already attached to another PrivacyEngine: detach it first")
         if self.optimizer is not None:
             raise ValueError("this PrivacyEngine is already attached to an optimizer: detach it first")
+        rebind_if_sharded(optimizer, self._unsharded_names, self.module)
         check_optimizer_params(self.module, optimizer)
         validate_module(self.module, error_class=IncompatibleModuleException)  # 0.x's error type
         gsm = wrap_module(self.module, grad_sample_mode=self.grad_sample_mode, batch_first=self.batch_first,

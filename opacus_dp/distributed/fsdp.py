@@ -10,11 +10,10 @@ A model is *fully sharded* when its trainable parameters are ``DTensor`` shards 
 * noises each rank's own shard only (:mod:`~opacus_dp.distributed.noise_streams`).
 
 :func:`shard_model` applies the recipe of torch's FSDP2 documentation for a user who passes an
-unsharded model (``make_private(..., fsdp=True)``), and :func:`rebuild_optimizer` gives the
-optimizer the sharded parameters (FSDP2 replaces every parameter by a new ``DTensor`` one).
+unsharded model (``make_private(..., fsdp=True)``), and :func:`rebind_optimizer` points the
+optimizer at the sharded parameters (FSDP2 replaces every parameter by a new ``DTensor`` one).
 """
 
-import inspect
 import math
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
@@ -135,21 +134,21 @@ def fsdp_options(option: FsdpOption) -> Optional[Dict[str, object]]:
     raise TypeError(f"fsdp must be a bool or a dict of fully_shard options, got {type(option).__name__}")
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, old_names: Dict[torch.Tensor, str],
-                      model: nn.Module) -> torch.optim.Optimizer:
-    """A new optimizer of ``optimizer``'s class and settings over ``model``'s (sharded) parameters,
-    found by the names ``old_names`` gave the old ones; refused if it already holds state."""
+def rebind_optimizer(optimizer: torch.optim.Optimizer, old_names: Dict[torch.Tensor, str],
+                     model: nn.Module) -> torch.optim.Optimizer:
+    """Point ``optimizer``'s parameter groups, in place, at ``model``'s sharded parameters, found by
+    the names ``old_names`` gave the unsharded ones (a tensor already of ``model`` is kept); refused
+    once the optimizer holds state. Returns ``optimizer``."""
     if any(len(s) for s in optimizer.state.values()):
         raise ValueError("fsdp=True needs an optimizer that has not stepped yet (its state would "
                          "refer to the unsharded parameters): create it before training")
     new_by_name = dict(model.named_parameters())
-    groups = []
+    current = {id(p) for p in new_by_name.values()}
     for group in optimizer.param_groups:
-        missing = [old_names.get(p, "?") for p in group["params"] if old_names.get(p) not in new_by_name]
+        missing = [old_names.get(p, "?") for p in group["params"]
+                   if id(p) not in current and old_names.get(p) not in new_by_name]
         if missing:
-            raise ValueError(f"optimizer parameters {missing} do not belong to the model given to "
-                             "make_private: build the optimizer from model.parameters()")
-        groups.append({**group, "params": [new_by_name[old_names[p]] for p in group["params"]]})
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # e.g. not AdamW's derived flags
-    return type(optimizer)(groups, **settings)
+            raise ValueError(f"optimizer parameters {missing} do not belong to the model that was sharded: "
+                             "build the optimizer from model.parameters()")
+        group["params"] = [p if id(p) in current else new_by_name[old_names[p]] for p in group["params"]]
+    return optimizer

@@ -159,8 +159,9 @@ def test_an_empty_local_batch_takes_part_in_the_step(ranks):
     assert_params_equal(reports, replay(reports, FLAT_C))
 
 
-def test_classic_attach_on_a_sharded_model(ranks):
-    reports = [r["classic"] for r in ranks]
+@pytest.mark.parametrize("case", ["classic", "classic_flag"])
+def test_classic_attach_on_a_sharded_model(ranks, case):
+    reports = [r[case] for r in ranks]
     assert reports[0]["sample_rate"] == pytest.approx(4 * WORLD / 64)
     assert_params_equal(reports, replay(reports, FLAT_C))
 

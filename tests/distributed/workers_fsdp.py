@@ -222,15 +222,16 @@ def empty_local_batch(rank, world_size, steps=3):
             "global_batch": optimizer.expected_batch_size * world_size, "steps": len(engine.accountant)}
 
 
-def classic_attach(rank, world_size, steps=2, per_process_batch=4):
-    """Opacus 0.x API on a model the user sharded: attach, virtual_step + step (σ = 0)."""
-    model = shard_by_hand(make_model(seed=0))
+def classic_attach(rank, world_size, steps=2, per_process_batch=4, flag=False):
+    """Opacus 0.x API: attach, virtual_step + step (σ = 0), on a model the user sharded, or
+    (``flag``) on an unsharded one with ``fsdp=True`` and the optimizer built before the engine."""
+    model = make_model(seed=0) if flag else shard_by_hand(make_model(seed=0))
     start = full_params(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = PrivacyEngine(model, batch_size=per_process_batch, sample_size=N_SAMPLES,
-                               noise_multiplier=0.0, max_grad_norm=FLAT_C)
+                               noise_multiplier=0.0, max_grad_norm=FLAT_C, fsdp=flag)
         engine.attach(optimizer)
     x, y = dataset().tensors
     batches = []
@@ -305,5 +306,6 @@ def fsdp_job(rank, world_size, directory):
     results["bf16"] = bf16_sigma_zero(rank, world_size)
     results["empty"] = empty_local_batch(rank, world_size)
     results["classic"] = classic_attach(rank, world_size)
+    results["classic_flag"] = classic_attach(rank, world_size, flag=True)
     results["refusals"] = refusals(rank, world_size)
     return results
