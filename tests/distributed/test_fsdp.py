@@ -172,3 +172,12 @@ def test_classic_attach_on_a_sharded_model(ranks, case):
 def test_what_cannot_be_sharded_privately_is_refused_on_every_rank(ranks, case, words):
     messages = [r["refusals"][case] for r in ranks]
     assert all(words in m for m in messages), messages
+
+
+def test_a_setting_that_differs_between_ranks_refuses_the_step_everywhere(ranks):
+    reports = [r["disagreement"] for r in ranks]
+    for report in reports:
+        assert len(report["errors"]) == 1 and "noise_multiplier differs between ranks" in report["errors"][0]
+        assert report["steps"] == 2  # steps 0 and 2 taken, step 1 refused on both ranks
+    for a, b in zip(*(r["after_refusal"][0] for r in reports)):
+        assert torch.equal(a, b)

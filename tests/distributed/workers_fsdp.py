@@ -291,6 +291,27 @@ def refusals(rank, world_size):
                                                  ("unknown_option", unknown_option))}
 
 
+def disagreement(rank, world_size):
+    """Rank 1 changes σ after the first step: the next step raises on every rank before any
+    gradient moves, and the ranks go on in step once they agree again."""
+    engine, module, optimizer, criterion, loader = private(make_model(), sigma=1.0)
+    errors, params = [], []
+    for step, (x, y) in enumerate(loader):
+        if step == 1 and rank == 1:
+            optimizer.noise_multiplier = 2.0
+        criterion(module(x), y).backward()
+        try:
+            optimizer.step()
+        except ValueError as error:
+            errors.append(str(error))
+            optimizer.noise_multiplier = 1.0
+            params.append(full_params(module))
+        optimizer.zero_grad()
+        if step == 2:
+            break
+    return {"errors": errors, "steps": len(engine.accountant), "after_refusal": params}
+
+
 def fsdp_job(rank, world_size, directory):
     """Every FSDP2 check in one spawned job (a spawn costs seconds)."""
     results = {}
@@ -308,4 +329,5 @@ def fsdp_job(rank, world_size, directory):
     results["classic"] = classic_attach(rank, world_size)
     results["classic_flag"] = classic_attach(rank, world_size, flag=True)
     results["refusals"] = refusals(rank, world_size)
+    results["disagreement"] = disagreement(rank, world_size)
     return results
