@@ -15,6 +15,10 @@ step) and the bytes it put into all-reduce collectives per step:
                  the book-keeping mode's clipped sums, one all-reduce per step as well.
 
 Usage: ``python scripts/benchmark_distributed.py [--steps 20] [--batch-size 64]``.
+
+``--fsdp`` runs instead the FSDP2 benchmark of :mod:`benchmark_fsdp` (memory per rank and step
+time of DP-SGD under ``fully_shard`` against non-private FSDP2 and DDP; world sizes 1 and 2 by
+default): ``python scripts/benchmark_distributed.py --fsdp [--layers 8] [--width 256]``.
 """
 
 import argparse
@@ -32,6 +36,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from benchmark_fsdp import add_fsdp_arguments, run_fsdp_benchmark
 
 MODES = ("ddp", "dp-ddp", "dp-dpddp", "dp-2x", "bk-ddp", "bk-dpddp")
 
@@ -173,8 +179,14 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64, help="per-process batch size")
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=None,
+                        help="default: 1 2 4 (with --fsdp: 1 2)")
+    add_fsdp_arguments(parser)
     args = parser.parse_args()
+    if args.fsdp:
+        run_fsdp_benchmark(args, args.world_sizes or [1, 2])
+        return
+    args.world_sizes = args.world_sizes or [1, 2, 4]
     params = sum(p.numel() for p in make_model(args.width).parameters())
     print(f"MLP with {params} parameters ({4 * params} bytes of float32 gradients), "
           f"per-process batch {args.batch_size}, {args.steps} timed steps")

@@ -73,7 +73,9 @@ class ReduceScatterReducer:
     def reduce(self, tensors: List[torch.Tensor], agreed: Optional[Dict[str, float]] = None,
                refusal: Optional[int] = None, params: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:
         """This rank's shard of ``Σ_ranks tensors[i]`` for each ``params[i]`` (new tensors, local
-        shard shape); raises on every rank first if a rank refused or the settings differ."""
+        shard shape); raises on every rank first if a rank refused or the settings differ. The
+        entries of ``tensors`` are set to None as they are sent (at most one module's full-size
+        sums and send buffer are alive beside the shards)."""
         names = sorted(agreed or {})
         if names or refusal is not None:
             agree_alone(names or ["refusal"], [agreed[n] for n in names] or [0.0], refusal,
@@ -81,20 +83,25 @@ class ReduceScatterReducer:
                         group=self.process_group, wait=self._wait)
         if len(params) != len(tensors):
             raise ValueError("ReduceScatterReducer.reduce needs the parameter of every tensor")
-        order, buckets = self._buckets(tensors, params)
-        flats = [self._scatter_input(bucket) for bucket in buckets]
-        outputs = [flat.new_empty(flat.numel() // self.world_size) for flat in flats]
-        works = [_REDUCE_SCATTER(out, flat, group=self.process_group, async_op=True)
-                 for out, flat in zip(outputs, flats)]
-        self.bytes_reduced += sum(flat.numel() * flat.element_size() for flat in flats)
-        self.num_reduce_scatters += len(flats)
-        self._wait(works)
+        buckets = self._buckets(tensors, params)
         shards: Dict[int, torch.Tensor] = {}
-        for bucket, out in zip(buckets, outputs):
-            shards.update(_split(out, bucket))
-        return [shards[i] for i in order]
+        for bucket in buckets:  # one module at a time: its full-size sums are freed once sent
+            shards.update(self._send(bucket))
+            for i, _, _ in bucket:
+                tensors[i] = None
+            bucket.clear()
+        return [shards[i] for i in range(len(params))]
 
-    def _buckets(self, tensors, params) -> Tuple[List[int], List[List[Tuple[int, torch.Tensor, torch.Tensor]]]]:
+    def _send(self, bucket) -> Dict[int, torch.Tensor]:
+        """Reduce-scatter one bucket; this rank's shard of each of its tensors."""
+        flat = self._scatter_input(bucket)
+        out = flat.new_empty(flat.numel() // self.world_size)
+        self._wait([_REDUCE_SCATTER(out, flat, group=self.process_group, async_op=True)])
+        self.bytes_reduced += flat.numel() * flat.element_size()
+        self.num_reduce_scatters += 1
+        return _split(out, bucket)
+
+    def _buckets(self, tensors, params) -> List[List[Tuple[int, torch.Tensor, torch.Tensor]]]:
         """Positions grouped by (``fully_shard`` module, dtype): one collective per group."""
         groups: Dict[Tuple, List] = {}
         for i, (t, p) in enumerate(zip(tensors, params)):
@@ -102,8 +109,7 @@ class ReduceScatterReducer:
                 raise ValueError(f"a tensor of shape {tuple(p.shape)} is not a parameter of the "
                                  "fully_shard model this optimizer was configured for")
             groups.setdefault((self._group_of[p], t.dtype, t.device), []).append((i, t, p))
-        buckets = [groups[k] for k in sorted(groups, key=lambda k: (k[0], str(k[1]), str(k[2])))]
-        return list(range(len(tensors))), buckets
+        return [groups[k] for k in sorted(groups, key=lambda k: (k[0], str(k[1]), str(k[2])))]
 
     def _scatter_input(self, bucket) -> torch.Tensor:
         """``[rank 0's rows of every tensor | rank 1's rows | …]``, each padded to ``c`` rows."""

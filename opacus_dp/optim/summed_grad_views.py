@@ -25,8 +25,9 @@ class SummedGradViewsMixin:
 
     def _show_step_sums(self, sums: List[torch.Tensor]) -> None:
         """1.x: ``p.summed_grad`` is this rank's clipped sum of the step (copied where the
-        all-reduce will overwrite it: a rank that adds no noise reduces its sums in place)."""
-        if not self.state_views.keeps_after_step:
+        all-reduce will overwrite it: a rank that adds no noise reduces its sums in place); not
+        under FSDP2, whose full-size sums are freed as soon as they are reduce-scattered."""
+        if not self.state_views.keeps_after_step or self.reducer.noises_shards:  # FSDP2: freed as sent
             return self._show_summed({})
         shown = [s.clone() for s in sums] if self.reducer.reduces_in_place and not self.reducer.adds_noise else sums
         self._show_summed(dict(zip(self.params, shown)))
