@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from benchmark_fsdp import add_fsdp_arguments, run_fsdp_benchmark
+from benchmark_fsdp import add_fsdp_arguments, run_fsdp_benchmark, write_gathered
 
 MODES = ("ddp", "dp-ddp", "dp-dpddp", "dp-2x", "bk-ddp", "bk-dpddp")
 
@@ -147,12 +147,7 @@ def worker(rank: int, world_size: int, port: int, args, out_path: str):
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        results = time_modes(rank, args.width, args.batch_size, args.steps)
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(gathered, f)
+        write_gathered(time_modes(rank, args.width, args.batch_size, args.steps), rank, world_size, out_path)
     finally:
         dist.destroy_process_group()
 

@@ -237,6 +237,15 @@ def train_mode(mode: str, rank: int, args, device: torch.device) -> dict:
             "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules())}
 
 
+def write_gathered(result, rank: int, world_size: int, out_path: str) -> None:
+    """Every rank's ``result`` (JSON-able), written by rank 0 to ``out_path`` as a list by rank."""
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+
+
 def fsdp_worker(rank: int, world_size: int, port: int, modes: List[str], args, out_path: str):
     """Train each of ``modes`` in turn on this rank; rank 0 writes every rank's measures. The
     process then leaves without the interpreter's teardown, where torch's gloo and FSDP2 objects
@@ -251,12 +260,7 @@ def fsdp_worker(rank: int, world_size: int, port: int, modes: List[str], args, o
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=120))
     try:
-        result = {mode: train_mode(mode, rank, args, device) for mode in modes}
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(gathered, f)
+        write_gathered({mode: train_mode(mode, rank, args, device) for mode in modes}, rank, world_size, out_path)
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()

@@ -25,13 +25,13 @@ import torch.nn.functional as F
 
 from opacus_dp.distributed.agreement import agree_alone
 from opacus_dp.distributed.fsdp import DTensor, parameter_groups, shard_rows
-from opacus_dp.distributed.step_wait import StepTimeout, step_bounds, timeout_seconds, wait_for_step
+from opacus_dp.distributed.step_wait import BoundedStepWait, StepTimeout
 
 # torch >= 2.14 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class ReduceScatterReducer:
+class ReduceScatterReducer(BoundedStepWait):
     """Reduce-scatters full clipped sums into the FSDP2 shards of ``model`` (module doc).
 
     ``bytes_reduced`` and ``num_reduce_scatters`` count what this rank sent into the gradient
@@ -55,19 +55,6 @@ class ReduceScatterReducer:
         self.bytes_reduced = 0
         self.num_reduce_scatters = 0
         self.step_timeout = step_timeout
-
-    @property
-    def step_timeout(self) -> Optional[float]:
-        """Seconds a step waits for the other ranks (None: the process group's timeout)."""
-        return self._step_timeout
-
-    @step_timeout.setter
-    def step_timeout(self, value: StepTimeout) -> None:
-        self._step_timeout = timeout_seconds(value)
-        self._bounds = step_bounds(self._step_timeout, self.process_group)
-
-    def _wait(self, works) -> None:
-        wait_for_step(works, self._bounds, self.process_group)
 
     @torch.no_grad()
     def reduce(self, tensors: List[torch.Tensor], agreed: Optional[Dict[str, float]] = None,

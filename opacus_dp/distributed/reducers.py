@@ -35,12 +35,12 @@ import torch.distributed as dist
 
 from opacus_dp.distributed.agreement import agreement_rows, check_table
 from opacus_dp.distributed.checks import require_process_group
-from opacus_dp.distributed.step_wait import StepTimeout, step_bounds, timeout_seconds, wait_for_step
+from opacus_dp.distributed.step_wait import BoundedStepWait, StepTimeout
 
 NOISE_RANK = 0
 
 
-class AllReduceReducer:
+class AllReduceReducer(BoundedStepWait):
     """Sums tensors over the processes of ``process_group`` with one all-reduce per step.
 
     All tensors of one (dtype, device) are flattened into a single bucket, so a model with
@@ -60,16 +60,6 @@ class AllReduceReducer:
         self.bytes_reduced = 0
         self.num_all_reduces = 0
         self.step_timeout = step_timeout
-
-    @property
-    def step_timeout(self) -> Optional[float]:
-        """Seconds a step waits for the other ranks (None: the process group's timeout)."""
-        return self._step_timeout
-
-    @step_timeout.setter
-    def step_timeout(self, value: StepTimeout) -> None:
-        self._step_timeout = timeout_seconds(value)
-        self._bounds = step_bounds(self._step_timeout, self.process_group)
 
     @torch.no_grad()
     def reduce(self, tensors: List[torch.Tensor], agreed: Optional[Dict[str, float]] = None,
@@ -95,7 +85,7 @@ class AllReduceReducer:
                  for flat in flats]
         self.bytes_reduced += sum(flat.numel() * flat.element_size() for flat in flats)
         self.num_all_reduces += len(flats)
-        wait_for_step(works, self._bounds, self.process_group)
+        self._wait(works)
         for same_kind, flat in zip(groups, flats):
             _unflatten(flat, same_kind)
         if rows is not None:

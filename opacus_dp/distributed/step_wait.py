@@ -135,3 +135,21 @@ def _message(error: Exception, missing: Optional[List[int]], wait: Optional[floa
                 f"backend cannot tell which ranks did not join it (their logs can).{advice}")
     return (f"the all-reduce of this private step failed ({error}) although every rank answered "
             "afterwards: check that every rank steps the same model.")
+
+
+class BoundedStepWait:
+    """For a reducer with a ``process_group``: the settable ``step_timeout`` (seconds or timedelta;
+    None: the process group's timeout) and ``_wait(works)``, which waits at most that long."""
+
+    @property
+    def step_timeout(self) -> Optional[float]:
+        """Seconds a step waits for the other ranks (None: the process group's timeout)."""
+        return self._step_timeout
+
+    @step_timeout.setter
+    def step_timeout(self, value: StepTimeout) -> None:
+        self._step_timeout = timeout_seconds(value)
+        self._bounds = step_bounds(self._step_timeout, self.process_group)
+
+    def _wait(self, works) -> None:
+        wait_for_step(works, self._bounds, self.process_group)
