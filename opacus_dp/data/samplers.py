@@ -164,6 +164,7 @@ class DistributedPoissonBatchSampler(Sampler[List[int]]):
         self.epoch = 0
         # Local shard size: the first N mod R ranks own one more example.
         self.num_samples = len(range(self.rank, self.total_size, self.num_replicas))
+        self._sizes_of_ranks: List[int] = []  # of the batch drawn last (batch_sizes_of_ranks)
 
     @property
     def num_batches(self) -> int:
@@ -198,7 +199,7 @@ class DistributedPoissonBatchSampler(Sampler[List[int]]):
         """The local batch size of every rank in the batch drawn last: all ranks draw the same
         global mask (shared generator), so each knows the others' sizes without communicating
         (FSDP2's ``BatchMemoryManager`` cuts every rank's batch into the same number of pieces)."""
-        return list(getattr(self, "_sizes_of_ranks", []))
+        return list(self._sizes_of_ranks)
 
     def expected_batch_size(self) -> float:
         """Expected local batch size ``q · |shard|``."""
