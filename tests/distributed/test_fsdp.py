@@ -20,7 +20,7 @@ from tests.distributed.workers_fsdp import DELTA, FLAT_C, LAYER_C, LR, fsdp_job,
 
 pytestmark = pytest.mark.distributed
 WORLD = 2
-MODES = ("bk", "ghost", "hooks")
+MODES = ("bk", "ghost", "hooks", "functorch")
 
 
 @pytest.fixture(scope="module")

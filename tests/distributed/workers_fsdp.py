@@ -315,7 +315,7 @@ def disagreement(rank, world_size):
 def fsdp_job(rank, world_size, directory):
     """Every FSDP2 check in one spawned job (a spawn costs seconds)."""
     results = {}
-    for mode in ("bk", "ghost", "hooks"):
+    for mode in ("bk", "ghost", "hooks", "functorch"):
         for clipping in ("flat", "per_layer"):
             results[("sigma0", mode, clipping)] = train_sigma_zero(rank, world_size, mode, clipping)
     results[("sigma0", "bk", "flat", "hand")] = train_sigma_zero(rank, world_size, "bk", "flat", sharding="hand")
