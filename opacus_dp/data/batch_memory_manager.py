@@ -28,7 +28,7 @@ from typing import Iterator, List, Optional
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from opacus_dp.data.data_loader import SamplingGeneratorKept, worker_seed_generator, worker_settings
-from opacus_dp.data.samplers import check_positive_int
+from opacus_dp.data.samplers import DistributedPoissonBatchSampler, check_positive_int
 from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
 
@@ -129,7 +129,7 @@ def _needs_equal_passes(data_loader: DataLoader, optimizer) -> bool:
     reducer = None if dp_optimizer is None else dp_optimizer.reducer
     if reducer is None or not reducer.needs_equal_passes or reducer.world_size == 1:
         return False
-    if not callable(getattr(data_loader.batch_sampler, "batch_sizes_of_ranks", None)):
+    if not isinstance(data_loader.batch_sampler, DistributedPoissonBatchSampler):
         raise ValueError(
             "BatchMemoryManager under FSDP2 needs the distributed Poisson loader make_private returns "
             "(poisson_sampling=True): every rank must cut its batch into the same number of pieces, "

@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 import torch
 import torch.nn as nn
 
-from opacus_dp.module_parameters import is_sharded_model
+from opacus_dp.module_parameters import is_sharded_model as is_fully_sharded  # re-exported
 
 try:  # FSDP2 is public from torch 2.6
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -35,11 +35,6 @@ FsdpOption = Union[bool, Dict[str, object]]
 def fsdp_available() -> bool:
     """True if this torch has FSDP2's ``fully_shard``."""
     return fully_shard is not None
-
-
-def is_fully_sharded(module: nn.Module) -> bool:
-    """True if ``module`` or one of its submodules was passed to ``fully_shard``."""
-    return is_sharded_model(module)
 
 
 def fsdp_modules(module: nn.Module) -> List[Tuple[str, nn.Module]]:

@@ -59,13 +59,12 @@ def _master_grad_samples(
 ) -> Dict[torch.Tensor, torch.Tensor]:
     """Re-key a sampler's result from ``layer``'s tensors to ``master``'s parameters.
 
-    ``layer`` is the module the hook was called with: ``master`` itself (re-keyed to the
-    canonical tensors, :mod:`~opacus_dp.module_parameters`), or a replica
+    ``layer`` is the module the hook was called with: ``master`` itself, or a replica
     made by ``nn.DataParallel`` whose parameters are plain tensor attributes derived from
     the master's (same names); the mapping goes through those names.
     """
     if layer is master:
-        return to_canonical(master, grad_samples)  # FSDP2: the sharded parameter's key
+        return grad_samples  # keyed by the canonical tensors already (_per_sample_grads)
     by_id = {id(getattr(layer, n)): p for n, p in own_parameters(master)}
     return {by_id[id(t)]: gs for t, gs in grad_samples.items()}
 
