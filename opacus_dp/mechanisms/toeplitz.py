@@ -96,3 +96,35 @@ def dense(c: torch.Tensor, n: int) -> torch.Tensor:
     i = torch.arange(n)
     diff = i[:, None] - i[None, :]
     return torch.where(diff >= 0, c[diff.clamp(min=0)], c.new_zeros(()))
+
+
+def from_reflection(k: torch.Tensor) -> torch.Tensor:
+    """Coefficients ``c`` (``c₀ = 1``, ``len(k) + 1`` entries) of the polynomial with reflection
+    coefficients ``k`` (Levinson step-up: ``c ← [c, 0] + k_j·reverse([c, 0])``).
+
+    ``|k_j| < 1`` for all ``j`` if and only if every root of ``c(x)`` lies outside the unit
+    disk (the Schur–Cohn test; e.g. Hayes 1996, "Statistical Digital Signal Processing and
+    Modeling", §5.2), so ``1/c(x)`` has bounded, decaying coefficients: ``C⁻¹`` is stable
+    for every ``n`` and a banded strategy parametrised by ``k = tanh(u)`` cannot make the
+    error overflow.
+    """
+    c = k.new_ones(1)
+    for value in k:
+        padded = torch.cat([c, k.new_zeros(1)])
+        c = padded + value * padded.flip(0)
+    return c
+
+
+def to_reflection(c) -> torch.Tensor:
+    """The reflection coefficients of ``c`` (``c₀ = 1``; Levinson step-down, the inverse of
+    :func:`from_reflection`); ``|k_j| ≥ 1`` (a root of ``c(x)`` in the closed unit disk)
+    raises ``ValueError``."""
+    c = as_sequence(c).tolist()
+    found = []
+    while len(c) > 1:
+        k = c[-1]
+        if not abs(k) < 1:
+            raise ValueError(f"c(x) has a root in the closed unit disk (reflection coefficient {k})")
+        found.append(k)
+        c = [(c[i] - k * c[-1 - i]) / (1 - k * k) for i in range(len(c) - 1)]
+    return as_sequence(found[::-1])
