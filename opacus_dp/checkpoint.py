@@ -18,15 +18,19 @@ Saved entries (a dict written with ``torch.save``):
 * ``dp_optimizer_steps`` — the private steps the optimizer released, compared with the history on
   loading (:mod:`~opacus_dp.checkpoint_consistency`).
 
-The file is written and read by :mod:`~opacus_dp.checkpoint_file`: only entries torch's safe
-loader reads (checked before writing), loaded with ``weights_only=True`` by default (a pickled
-object that would run code is refused, not called), optionally signed with an HMAC
-(``signing_key``), and a damaged file is reported as such. See ``docs/security.md``.
+The file is written and read by :mod:`~opacus_dp.checkpoint_file`: written atomically (a save
+that dies part-way leaves the previous file), only entries torch's safe loader reads (checked
+before writing), loaded with ``weights_only=True`` by default (a pickled object that would run
+code is refused, not called), optionally signed with an HMAC (``signing_key``, verified on the raw
+bytes before anything is unpickled), and a damaged file is reported as such. See
+``docs/security.md``.
 
-Loading checks the accountant entry (present, and loadable into the given accountant) before
-anything is changed, and undoes everything if a later part fails (model, accountant, optimizer,
-sampling generator, schedulers): a refused checkpoint changes nothing (never trained weights
-with a fresh privacy history).
+Loading is refused inside a logical batch (clipped pieces not yet stepped), and checks the
+integrity fields (typed and ranged) and the accountant entry (present, and loadable into the
+given accountant; a history of another built-in accountant type is converted with a warning) before
+anything is changed (:mod:`~opacus_dp.checkpoint_consistency`); it undoes everything if a later
+part fails (model, accountant, optimizer, sampling generator, schedulers): a refused checkpoint
+changes nothing (never trained weights with a fresh privacy history).
 """
 
 import copy
@@ -37,7 +41,9 @@ import torch
 import torch.nn as nn
 
 from opacus_dp import checkpoint_file
-from opacus_dp.checkpoint_consistency import STEPS_ENTRY, check_history_agrees
+from opacus_dp.checkpoint_consistency import (ACCOUNTANT_ENTRY, BUILT_IN_ACCOUNTANTS, STEPS_ENTRY,
+                                              check_accountant_fields, check_history_agrees,
+                                              refuse_unfinished_logical_batch)
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
@@ -100,11 +106,12 @@ def load(path, *, module: nn.Module, optimizer=None, accountant=None, data_loade
     """Restore a checkpoint written by :func:`save`; return the entries not consumed. The file is
     read safely (``torch_load_kwargs={"weights_only": False}`` opts out, for trusted old files) and
     verified with ``signing_key`` if given; a history that contradicts the step count is refused."""
+    refuse_unfinished_logical_batch(optimizer)
     state = checkpoint_file.read(path, signing_key=signing_key, map_location=map_location,
                                  torch_load_kwargs=torch_load_kwargs)
     _check_accountant_entry(path, state, accountant)
-    if accountant is not None:
-        check_history_agrees(path, state)
+    check_history_agrees(path, state, require_steps=accountant is not None and "optimizer_state_dict" in state
+                         and dp_optimizer_behind(optimizer) is not None)
     target = unwrap_model(module)
     generator = None if secure_mode else _sampler_generator(data_loader)
     schedulers = {k: v for k, v in (schedulers or {}).items() if v is not None}
@@ -113,7 +120,7 @@ def load(path, *, module: nn.Module, optimizer=None, accountant=None, data_loade
         target.load_state_dict(_strip_wrapper_prefixes(state.pop("module_state_dict"), target.state_dict()),
                                **(module_load_dict_kwargs or {}))
         if accountant is not None:
-            accountant.load_state_dict(state.pop("privacy_accountant_state_dict"))
+            accountant.load_state_dict(state.pop(ACCOUNTANT_ENTRY))
         _load_optimizer(state, optimizer)
         generator_state = state.pop("sampler_generator_state", None)
         if generator_state is not None and generator is not None:
@@ -159,22 +166,41 @@ class _Snapshot:
 
 
 def _check_accountant_entry(path, state: dict, accountant) -> None:
-    """Raise, before anything is loaded, if the checkpoint's privacy history is missing or does
-    not load into ``accountant`` (tried on a copy)."""
+    """Raise, before anything is loaded, if the checkpoint's privacy history is missing, malformed
+    or does not load into ``accountant`` (tried on a copy). A history recorded by another built-in
+    accountant is converted to ``accountant``'s type in ``state``, with a warning (below)."""
     if accountant is None:
         return
-    if "privacy_accountant_state_dict" not in state:
+    if ACCOUNTANT_ENTRY not in state:
         raise ValueError(
             f"checkpoint {path} has no privacy accountant state: resuming from it would count "
             "epsilon from zero for a model that may already have used the data (nothing was "
             "loaded). Use a checkpoint written by save_checkpoint, or, for weights that never "
             "saw private data, call module.load_state_dict(...) yourself"
         )
+    check_accountant_fields(path, state[ACCOUNTANT_ENTRY], accountant.mechanism())
+    _convert_history(path, state, accountant.mechanism())
     try:
-        copy.deepcopy(accountant).load_state_dict(state["privacy_accountant_state_dict"])
+        copy.deepcopy(accountant).load_state_dict(state[ACCOUNTANT_ENTRY])
     except (ValueError, TypeError, KeyError) as error:
         raise ValueError(f"checkpoint {path}: its privacy history does not load into this engine's "
                          f"accountant ({error}); nothing was loaded") from error
+
+
+def _convert_history(path, state: dict, target: str) -> None:
+    """Relabel a history saved by another built-in accountant (rdp, prv, gdp) as ``target``'s: their
+    state is only ``history`` (one ``(σ, q, num_steps)`` record per run of equal Poisson-subsampled
+    Gaussian steps) and ``mechanism``; no accountant-specific number is saved (the RDP orders are
+    not), so the records mean the same to every one of them and ``target`` recomputes ε from them."""
+    saved = state[ACCOUNTANT_ENTRY]["mechanism"]
+    if saved == target or saved not in BUILT_IN_ACCOUNTANTS or target not in BUILT_IN_ACCOUNTANTS:
+        return  # a custom accountant's history is not converted: its load_state_dict decides
+    warnings.warn(f"checkpoint {path}: its privacy history was recorded by a {saved!r} accountant and is "
+                  f"loaded into this engine's {target!r} accountant; the (noise_multiplier, sample_rate, "
+                  f"steps) records do not depend on the accountant, and epsilon is now computed by "
+                  f"{target!r} (it can differ from what the saved run reported)", UserWarning)
+    state[ACCOUNTANT_ENTRY] = {**state[ACCOUNTANT_ENTRY], "mechanism": target,
+                               "history": [tuple(entry) for entry in state[ACCOUNTANT_ENTRY]["history"]]}
 
 
 def _load_optimizer(state: dict, optimizer) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp import PrivacyEngine
-from opacus_dp.checkpoint_file import SIGNED_FORMAT, CheckpointIntegrityError
+from opacus_dp.checkpoint_file import SIGNED_MAGIC, CheckpointIntegrityError
 
 from tests.review.helpers import make_private, tiny_model, train
 
@@ -202,13 +202,14 @@ def test_a_signed_checkpoint_verifies_and_never_contains_the_key(tmp_path):
 
 
 def _tampered_payload(path, edit):
-    envelope = torch.load(path, weights_only=True)
-    state = torch.load(io.BytesIO(envelope["payload"].numpy().tobytes()), weights_only=True)
+    """Edit the payload of a signed file (``MAGIC ‖ 32-byte MAC ‖ payload``), keeping its MAC."""
+    raw = path.read_bytes()
+    head = len(SIGNED_MAGIC) + 32
+    state = torch.load(io.BytesIO(raw[head:]), weights_only=True)
     edit(state)
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    envelope["payload"] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    torch.save(envelope, path)
+    path.write_bytes(raw[:head] + buffer.getvalue())
 
 
 def test_an_edited_signed_checkpoint_is_refused(tmp_path):
@@ -235,7 +236,7 @@ def test_wrong_key_unsigned_file_and_missing_key(tmp_path):
         engine2.load_checkpoint(path=path, module=gsm2, optimizer=optimizer2, signing_key=b"another-key-of-16+bytes")
     with pytest.warns(UserWarning, match="integrity was NOT checked"):
         engine2.load_checkpoint(path=path, module=gsm2, optimizer=optimizer2)
-    assert torch.load(path, weights_only=True)[SIGNED_FORMAT] == 1
+    assert path.read_bytes().startswith(SIGNED_MAGIC)
     unsigned = tmp_path / "plain.pt"
     engine.save_checkpoint(path=unsigned, module=gsm2, optimizer=optimizer2)
     with pytest.raises(CheckpointIntegrityError, match="not signed"):
