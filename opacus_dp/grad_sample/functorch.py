@@ -19,7 +19,7 @@ more, its per-sample outputs are compared with the batched ones and a layer whos
 on other samples is refused (see :mod:`~opacus_dp.grad_sample.sample_independence`).
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -106,12 +106,57 @@ def functorch_grad_sample(
     check = bool(sample_backprops) and needs_check(layer, sample_backprops[0].shape[0])
     objective = _per_sample_objective(layer, leaves, spec, tensor_slots, output_slots, batch_dim, check)
     detached = {n: p.detach() for n, p in params.items()}
+    sample_backprops, factors = _within_float16(sample_backprops)
     per_sample, outputs = vmap(grad(objective, has_aux=True), in_dims=(None, 0, 0))(
         detached, sample_tensors, sample_backprops
     )
     if check:
         check_sample_independence(layer, detached, leaves, spec, outputs, output_slots, batch_dim)
-    return {params[n]: per_sample[n] for n in params}
+    return {params[n]: _rescaled(per_sample[n], factors) for n in params}
+
+
+# Under float16 autocast, the largest entry of a sample's output gradient after the rescaling:
+# room (×2⁸) for the layer's own backward products, e.g. sums over positions.
+FLOAT16_PEAK_EXPONENT = 7
+
+
+def _within_float16(backprops: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
+    """``(g_i / k_i, k)`` under float16 autocast (else ``(g, None)``), ``k_i = 2^e_i ≥ 1`` the least
+    power of two with ``max|g_i| / k_i ≤ 2^FLOAT16_PEAK_EXPONENT``.
+
+    The recomputed forward runs in float16, so its backward casts the output gradient to float16:
+    a scaled loss with the mean undone (``s · ∂ℓ_i/∂out``, up to ``2¹⁶``) would overflow there.
+    The per-sample gradient is linear in ``g_i``, so ``k_i · ∇(f · g_i/k_i)`` is the same, and a
+    power of two changes no float16 rounding short of the subnormal range. ``k_i = 1`` for a
+    sample already within range; a non-finite ``g_i`` stays non-finite (its sample is dropped)."""
+    if not backprops or not _float16_autocast(backprops[0].device.type) or backprops[0].shape[0] == 0:
+        return backprops, None
+    rows = [g.reshape(g.shape[0], -1) for g in backprops]
+    peaks = torch.stack([r.abs().amax(dim=1).to(torch.float32) for r in rows if r.shape[1]]
+                        or [rows[0].new_zeros(rows[0].shape[0], dtype=torch.float32)]).amax(dim=0)
+    factors = torch.exp2(torch.clamp(torch.ceil(torch.log2(peaks)) - FLOAT16_PEAK_EXPONENT, min=0))
+    if not bool((factors != 1).any()):
+        return backprops, None
+    return [g / factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype) for g in backprops], factors
+
+
+def _rescaled(per_sample: torch.Tensor, factors: Optional[torch.Tensor]) -> torch.Tensor:
+    """``k_i · per_sample_i`` (:func:`_within_float16`), in float32 for a half-precision result."""
+    if factors is None:
+        return per_sample
+    dtype = torch.float32 if per_sample.dtype in (torch.float16, torch.bfloat16) else per_sample.dtype
+    return per_sample.to(dtype) * factors.view(-1, *[1] * (per_sample.dim() - 1)).to(dtype)
+
+
+def _float16_autocast(device_type: str) -> bool:
+    """Whether float16 autocast is in effect on ``device_type`` now."""
+    try:
+        enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except TypeError:  # torch < 2.4: per-device functions
+        cpu = device_type == "cpu"
+        enabled = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
+        dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
+    return enabled and dtype == torch.float16
 
 
 _KNOWN_FAILURES = (  # (words of torch's error, what the layer did, the way out)

@@ -7,7 +7,7 @@ and the batch size ``B``. Per-sample gradient functions expect the batch on dime
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -262,3 +262,22 @@ def hook_output_grad(output: torch.Tensor, hook) -> None:
 def _reshapes_whole(view: torch.Tensor, base: torch.Tensor) -> bool:
     return (view.numel() == base.numel() and view.storage_offset() == base.storage_offset()
             and view.is_contiguous() and base.is_contiguous())
+
+
+def per_sample_output_grads(layer: nn.Module,
+                            grads: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    """``grads`` with each float16 output gradient lifted to float32 where ``layer``'s parameters
+    are wider (float16 autocast), exactly (float16 values are float32 values).
+
+    Under a ``GradScaler`` the output gradients carry the scale ``s`` (``2¹⁶`` by default): a
+    mean loss's ``1/B`` keeps them in float16's range during the model's own backward, but the
+    per-sample gradients ``s · g_i`` — the mean undone (``× B``), then the products with the
+    layer's inputs — often exceed float16's 65504. Lifted, the ``× B`` and the registered
+    samplers' products run in float32, and ``p.grad_sample`` has the parameter's dtype, as
+    ``p.grad`` has. A half-precision model (float16 parameters) keeps float16 gradients."""
+    if not any(g is not None and g.dtype == torch.float16 for g in grads):
+        return list(grads)
+    param = next(layer.parameters(recurse=False), None)
+    if param is None or param.dtype == torch.float16:
+        return list(grads)
+    return [g.to(torch.float32) if g is not None and g.dtype == torch.float16 else g for g in grads]

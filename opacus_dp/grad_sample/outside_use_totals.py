@@ -14,6 +14,13 @@ judged against the model's scale) the pass is refused, naming the parameter. Lay
 per-sample gradient is not a share of the batch gradient by definition (embeddings with
 ``scale_grad_by_freq``) are not watched. A pass whose total arrived in another graph task (a reentrant
 checkpoint's recomputation) is not compared.
+
+Non-finite values are checked first: where either side holds a NaN or inf — an overflow (float16
+under a loss scale, a squared norm beyond float32) or a NaN input or loss — the two cannot be
+compared, and the parameter is not judged in that pass; an overflow is never blamed on an outside
+use. The step then drops the samples whose gradients are not finite, or with
+``non_finite_samples="refuse"`` names the overflow (:mod:`opacus_dp.optim.nonfinite`); a refusal
+here would depend on the batch's data. An outside use shows in the next pass without one.
 """
 
 import threading
@@ -22,6 +29,7 @@ from typing import Callable, Dict, List, Set, Tuple
 import torch
 import torch.nn as nn
 
+from opacus_dp.maths.per_sample import all_finite
 from opacus_dp.module_parameters import own_parameters
 from opacus_dp.torch_internals import current_graph_task_id
 
@@ -80,6 +88,7 @@ class OutsideUseTotals:
             totals = {p: self._totals.pop((task, id(p)), None) for p in grads}
         compared = {p: (t.to(torch.float32), _summed(grads[p], undo_mean))
                     for p, t in totals.items() if t is not None and grads[p].shape[0] > 0}
+        compared = {p: pair for p, pair in compared.items() if all_finite(pair)}  # overflow: not a use
         if not compared:
             return
         scale = max(float(t.abs().max()) for t, _ in compared.values() if t.numel())

@@ -32,9 +32,10 @@ def check_finite_norms(norms: torch.Tensor, name: str) -> torch.Tensor:
     """``norms`` if all are finite, else a ``ValueError`` naming the parameter ``name``."""
     if not bool(torch.isfinite(norms).all()):
         raise ValueError(
-            f"non-finite (NaN or inf) per-sample gradient norm in parameter {name}: a NaN or inf "
-            f"gradient, or one so large that its squared norm overflows {norms.dtype} — check the "
-            "loss and inputs of this batch, or scale the loss down (no update was made)"
+            f"non-finite (NaN or inf) per-sample gradient norm in parameter {name}: a NaN input or "
+            f"loss, or an overflow — of float16 in the model's backward under a loss scale (use a "
+            f"lower torch.amp.GradScaler init_scale) or of the squared norm in {norms.dtype} — check "
+            "the loss and inputs of this batch, or scale the loss down (no update was made)"
         )
     return norms
 

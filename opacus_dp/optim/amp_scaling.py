@@ -10,7 +10,11 @@ optimizer (torch's ``GradScaler.step``). The step
    so the contribution ``(f_i / s)(s g_i)`` has norm ≤ ``C`` in the gradient's own units (any
    public ``s`` keeps it ≤ ``C``: the bound never depends on ``s`` being right; ``s`` is a power
    of two by default, and the divisions are then exact);
-2. drops a sample whose scaled gradient overflowed (NaN or inf norm, :mod:`.nonfinite`);
+2. drops a sample whose scaled gradient overflowed (NaN or inf norm, :mod:`.nonfinite`). The
+   per-sample gradients ``s · g_i`` themselves do not overflow at torch's default ``s = 2¹⁶``
+   (the mean undone, ``× B``, and the products with the layer inputs in float32:
+   :func:`~opacus_dp.grad_sample.layer_call.per_sample_output_grads`, and the ``torch.func``
+   fallback's power-of-two rescaling); only the model's own float16 backward can;
 3. gives back a ``found_inf`` formed from released values only (the noised ``p.grad``) and from
    the public history of ``s``, so the scale's evolution is post-processing.
 
@@ -35,6 +39,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from opacus_dp.maths.per_sample import all_finite
+from opacus_dp.module_parameters import local_part
 
 ATTRIBUTE_CONTRACT = (
     "torch.amp.GradScaler set optimizer.grad_scale / found_inf instead of passing itself as "
@@ -98,7 +103,7 @@ class ScaledStep:
         """Record ``found_inf`` for ``scaler.update()``: 1 if the released gradient (``p.grad``
         of ``params`` after a step) is not finite or ``s`` is above the ceiling, else 0. Returns
         whether the inner optimizer may update (the released gradient is finite)."""
-        released = [p.grad for p in params if p.grad is not None] if stepped else []
+        released = [local_part(p.grad) for p in params if p.grad is not None] if stepped else []
         finite = all_finite(released)
         found = not finite or self.scale > self.ceiling
         device = released[0].device if released else torch.device("cpu")

@@ -30,6 +30,13 @@ import torch
 from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule
 
 
+NOT_A_TENSOR = (
+    "the loss of grad_sample_mode='ghost' (GhostLoss) is not a tensor, so it cannot be passed to "
+    "scaler.scale() or iterated. Call loss.backward() on it directly (the two-pass backward), or, "
+    "with torch.amp.GradScaler, scale its tensor: scaler.scale(loss.value).backward() (one "
+    "book-keeping pass, the same update), then scaler.step(optimizer) and scaler.update()")
+
+
 class StepClipping(NamedTuple):
     """What the two-pass backward needs of the optimizer's clipping, as callables:
     ``params()``, the trainable tensors ``l`` in the optimizer's order, and
@@ -116,6 +123,11 @@ class GhostLoss:
 
     def __float__(self) -> float:
         return float(self.value)
+
+    def __iter__(self):
+        """A scalar loss is not iterable. ``torch.amp.GradScaler.scale`` takes anything that is
+        not a tensor for an iterable of tensors and comes here: say what to do instead."""
+        raise TypeError(NOT_A_TENSOR)
 
     def __repr__(self):
         return f"GhostLoss({self.value.item():.4f})"
