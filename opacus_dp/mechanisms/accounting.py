@@ -13,6 +13,10 @@ accountants (PRV, RDP, GDP) analyse.
   sensitivity of ``C`` under the loader's cyclic participation, so the whole run is one Gaussian
   mechanism with noise multiplier ``σ``: ``(σ, 1)`` at the first step, ``(σ, 0)`` afterwards.
   Sampling inside the group does not lower this ε (it is not used).
+
+The step index of the events is the optimizer's ``steps_taken``, the counter the cyclic loader's
+:class:`~opacus_dp.data.cyclic_sampler.StepSchedule` reads too: the step charged as step ``t`` of
+a round is the step that sampled group ``t mod b``.
 """
 
 import math

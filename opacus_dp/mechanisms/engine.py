@@ -10,13 +10,19 @@ the correlated noise into the optimizer and returns the accountant's step hook
   ``q·N``; needs ``b ≤ 1/q``, the steps of a pass), ``⌈S/b⌉·b`` steps per pass.
 * ``tree`` and ``blt``: ``S = len(data_loader)`` groups taken in turn with rate 1 (every example once per
   pass, in a fixed slot; no amplification is claimed), ``epochs · S`` steps at most.
+
+The loader, the noise and the accountant read the index of a step from one
+:class:`~opacus_dp.data.cyclic_sampler.StepSchedule` that follows the optimizer's released steps
+(``steps_taken``, saved in checkpoints): step ``t`` samples group ``t mod groups`` and is charged
+as step ``t`` of its round, whatever passes, breaks and resumptions led to it.
 """
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Optional
 
-from opacus_dp.data.cyclic_sampler import CyclicPoissonSampler
+from opacus_dp.data.cyclic_sampler import CyclicPoissonSampler, StepSchedule
 from opacus_dp.data.data_loader import DPDataLoader, worker_settings
 from opacus_dp.data.loader_facts import expected_batch_size_for, sample_rate_of
 from opacus_dp.data.samplers import distributed_world
@@ -28,22 +34,40 @@ from opacus_dp.mechanisms.strategies import KINDS, Strategy, make_strategy
 
 class CyclicPoissonDataLoader(DPDataLoader):
     """A :class:`~opacus_dp.data.DPDataLoader` drawing cyclic Poisson batches over ``groups``
-    groups at rate ``sample_rate`` (:class:`~opacus_dp.data.cyclic_sampler.CyclicPoissonSampler`)."""
+    groups at rate ``sample_rate`` (:class:`~opacus_dp.data.cyclic_sampler.CyclicPoissonSampler`)
+    for the steps of ``schedule``. With worker processes the batches are drawn ahead, and each is
+    checked against the schedule when it is handed out."""
 
-    def __init__(self, dataset, *, groups: int, **kwargs):
+    def __init__(self, dataset, *, groups: int, schedule: Optional[StepSchedule] = None, **kwargs):
         self.groups = groups
+        self.schedule = schedule if schedule is not None else StepSchedule()
         super().__init__(dataset, **kwargs)
+        self.batch_sampler.draws_ahead = self.num_workers > 0
 
     def _make_batch_sampler(self, num_samples: int, generator, steps):
         world, rank = distributed_world(None, None) if self.distributed else (1, 0)
         return CyclicPoissonSampler(num_samples, groups=self.groups, group_rate=self.sample_rate,
-                                    generator=generator, steps=steps, rank=rank, num_replicas=world)
+                                    generator=generator, steps=steps, rank=rank, num_replicas=world,
+                                    schedule=self.schedule)
+
+    def __iter__(self):
+        sampler = self.batch_sampler
+        if not sampler.draws_ahead:
+            return super().__iter__()  # each batch is drawn when it is asked for, and checked then
+        labels = sampler.label_sink = deque()  # the steps this pass draws (workers: at its start)
+        return self._checked(super().__iter__(), labels)
+
+    def _checked(self, batches, labels: deque):
+        for batch in batches:
+            self.batch_sampler.check_hand_out(labels.popleft())
+            yield batch
 
 
 @dataclass(frozen=True)
 class MechanismPlan:
     """A checked request: ``strategy``, accounting ``reduction``, loader ``groups`` and rate,
-    ``steps`` per pass and planned ``total_steps``."""
+    ``steps`` per pass and planned ``total_steps``; ``schedule``, the step index that loader,
+    noise and accountant share (connected to the optimizer by :func:`use_mechanism`)."""
 
     strategy: Strategy
     reduction: Reduction
@@ -52,6 +76,7 @@ class MechanismPlan:
     steps_per_pass: int
     total_steps: int
     num_samples: int
+    schedule: StepSchedule = field(default_factory=StepSchedule, compare=False)
 
     def expected_batch_size(self, sample_rate: Optional[float] = None) -> int:
         """``⌊q_g·N/b⌋`` (``sample_rate`` instead of ``q_g/b``: ``⌊sample_rate·N⌋``)."""
@@ -66,7 +91,7 @@ class MechanismPlan:
             data_loader.dataset, groups=self.groups, sample_rate=self.group_rate,
             collate_fn=data_loader.collate_fn, distributed=distributed, batch_first=batch_first,
             generator=generator if generator is not None else data_loader.generator,
-            steps=self.steps_per_pass, **worker_settings(data_loader))
+            steps=self.steps_per_pass, schedule=self.schedule, **worker_settings(data_loader))
 
 
 def _refuse(noise_mechanism: str, reason: str) -> ValueError:
@@ -127,14 +152,28 @@ def _banded_plan(data_loader, bands, epochs, steps: int, momentum: float) -> Mec
 def use_mechanism(plan: Optional[MechanismPlan], dp_optimizer, accountant) -> Optional[MechanismHooks]:
     """Give ``dp_optimizer`` the plan's correlated noise (drawn from its own generator) and the
     mean's divisor of the cyclic loader (``⌊q_g·N/b⌋ / R``, where the engine computed it for
-    ``q_g``), and return the accountant's and the budget guard's hooks; None (nothing changed)
-    without a plan."""
+    ``q_g``), connect the plan's schedule to its ``steps_taken`` (the counter the accountant's
+    hooks read), and return the accountant's and the budget guard's hooks; None (nothing
+    changed) without a plan."""
     if plan is None:
         return None
     replicas = round(plan.expected_batch_size(plan.group_rate) / dp_optimizer.expected_batch_size)
     dp_optimizer.expected_batch_size = plan.expected_batch_size() / max(replicas, 1)
-    dp_optimizer.noise = CorrelatedNoise(plan.strategy, base=dp_optimizer.noise)
+    plan.schedule.follow(lambda: dp_optimizer.steps_taken)
+    noise = dp_optimizer.noise = CorrelatedNoise(plan.strategy, base=dp_optimizer.noise, schedule=plan.schedule)
+    dp_optimizer.attach_pre_step_hook(_schedule_check(noise))
     return hooks_for(accountant, plan.reduction, dp_optimizer)
+
+
+def _schedule_check(noise: CorrelatedNoise):
+    """A pre-step hook refusing a step whose noise index is not the schedule's, where this
+    process adds the noise (so that with several processes every rank refuses that step)."""
+
+    def check(optimizer) -> None:
+        if optimizer.reducer.adds_noise or optimizer.reducer.noises_shards:
+            noise.check_schedule()
+
+    return check
 
 
 def calibrated_noise_multiplier(noise_mechanism: str, *, data_loader, bands, epochs, accountant: str,

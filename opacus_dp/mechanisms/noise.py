@@ -15,7 +15,11 @@ gradient instead of ``w_t``. Since ``C z = w`` with ``c₀ = 1``:
 
 The buffers are committed at the start of the next step (:meth:`begin_step`), so a step refused
 after its noise was drawn (:meth:`discard_step`) leaves them as they were. They are part of
-:meth:`state_dict` (checkpoints). With several processes only the rank that adds the noise
+:meth:`state_dict` (checkpoints), with the steps taken and the strategy's schedule (kind, steps,
+bands, period): a state saved for another schedule is refused. With a
+:class:`~opacus_dp.data.cyclic_sampler.StepSchedule` (the engine's), a step whose index is not
+the schedule's (the optimizer's released steps, which the sampling and the accountant use) is
+refused before anything is drawn. With several processes only the rank that adds the noise
 (:mod:`~opacus_dp.distributed.reducers`) uses them.
 """
 
@@ -23,6 +27,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from opacus_dp.data.cyclic_sampler import StepSchedule
 from opacus_dp.mechanisms import tree
 from opacus_dp.mechanisms.strategies import Strategy
 from opacus_dp.optim.noise import GaussianNoise
@@ -34,9 +39,11 @@ class CorrelatedNoise:
     Within a step, :meth:`sample` is called once per tensor, in the same order every step.
     """
 
-    def __init__(self, strategy: Strategy, base: Optional[GaussianNoise] = None):
+    def __init__(self, strategy: Strategy, base: Optional[GaussianNoise] = None,
+                 schedule: Optional[StepSchedule] = None):
         self.strategy = strategy
         self.base = base if base is not None else GaussianNoise()
+        self.schedule = schedule
         self.step_index = -1  # index of the current (or last) step
         # banded: the z's of the last b − 1 steps; blt: [θ-buffers per tensor]; tree: [open nodes per tensor]
         self._history: List[List[torch.Tensor]] = []
@@ -62,6 +69,7 @@ class CorrelatedNoise:
     def begin_step(self, device: torch.device) -> None:
         """Commit the previous step's noise, then start a step."""
         self._commit()
+        self.check_schedule()
         if self.strategy.kind in ("blt", "tree") and self.step_index + 1 >= self.strategy.steps:
             raise RuntimeError(
                 f"the {self.strategy.kind} noise was planned and accounted for {self.strategy.steps} steps: this "
@@ -69,6 +77,19 @@ class CorrelatedNoise:
         self.step_index += 1
         self._slot, self._open = 0, True
         self.base.begin_step(device)
+
+    def check_schedule(self) -> None:
+        """Refuse a step whose index is not the schedule's (e.g. noise state and step count
+        restored from different points)."""
+        if self.schedule is None or not self.schedule.connected:
+            return
+        expected = self.schedule.next_step()
+        if self.step_index + 1 != expected:
+            raise RuntimeError(
+                f"the {self.strategy.kind} noise has taken {self.step_index + 1} steps but the optimizer has "
+                f"released {expected}: the noise correlation and the sampling schedule would disagree. "
+                "Restore the noise state and the step count from the same checkpoint "
+                "(PrivacyEngine.load_checkpoint); nothing was released")
 
     def discard_step(self) -> None:
         """Forget the noise drawn in the current step (it was not released)."""
@@ -131,11 +152,17 @@ class CorrelatedNoise:
             return z.unsqueeze(0).expand(len(self._theta), *z.shape).clone()
         return self._history[0][slot].mul_(theta).add_(z)
 
+    def _schedule_record(self) -> dict:
+        strategy = self.strategy
+        return {"kind": strategy.kind, "steps": int(strategy.steps), "bands": int(strategy.bands),
+                "period": int(strategy.period)}
+
     def state_dict(self) -> dict:
-        """The generator's state (as :class:`GaussianNoise`), the steps taken and the buffers."""
+        """The generator's state (as :class:`GaussianNoise`), the steps taken, the strategy's
+        schedule and the buffers."""
         self._commit()
         return {**self.base.state_dict(), "mechanism": self.strategy.kind,
-                "mechanism_steps": self.step_index + 1,
+                "mechanism_steps": self.step_index + 1, "mechanism_schedule": self._schedule_record(),
                 "buffers": [[t.clone() for t in step] for step in self._history]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -145,6 +172,13 @@ class CorrelatedNoise:
         if saved != self.strategy.kind and self.strategy.bands != 1:
             raise ValueError(f"the noise state was saved for the {saved!r} mechanism, this optimizer "
                              f"uses {self.strategy.kind!r}: its correlation cannot be resumed from it")
+        schedule = state.get("mechanism_schedule")
+        if schedule is not None and schedule != self._schedule_record():
+            raise ValueError(
+                f"the noise state was saved for the schedule {schedule}, this optimizer uses "
+                f"{self._schedule_record()}: groups, rounds and correlation would change mid-run. "
+                "Resume with the make_private arguments of the saved run (noise_mechanism, bands, "
+                "epochs, the data loader's batch size)")
         self.base.load_state_dict(state)
         self._history = [[t.clone() for t in step] for step in state.get("buffers", [])]
         self.step_index = int(state.get("mechanism_steps", 0)) - 1
