@@ -14,14 +14,25 @@ writes the directory ``path``:
   ranks) and the schedulers' states. In secure mode neither generator is saved (as in
   :mod:`~opacus_dp.checkpoint`).
 
-Loading reads and checks rank ``r``'s file first (present, written for this world size, a
-privacy history this accountant loads and that agrees with the step count) and only then changes
-anything. Resuming needs the same world size: the noise streams and the sampler's shares are per
-rank.
+Every rank runs its own checks before any collective of DCP, then the ranks agree in one bounded
+all-reduce (:mod:`~opacus_dp.distributed.checkpoint_agreement`), so a refusal is raised alike on
+every rank as a :class:`ShardedCheckpointError` naming the failing ranks, their files and the
+reasons (``error.refusals``). Loading checks rank ``r``'s file: present, readable, signature
+(with ``signing_key``), integrity fields (``world_size``, ``rank``, ``dp_optimizer_steps``:
+integers, this world size, this rank), a privacy history this accountant loads and that agrees
+with the step count; and across ranks, the same steps and privacy history. Only then does
+anything change. Resuming needs the same world size: the noise streams and the sampler's shares
+are per rank.
+
+Saving is atomic at the directory level (:mod:`~opacus_dp.distributed.checkpoint_directory`):
+every rank writes into a staging sibling directory, the ranks agree that every part was written,
+and only then does rank 0 swap it into place by rename; a failed or interrupted save leaves the
+previous checkpoint at ``path`` loadable, and raises on every rank.
 """
 
+import hashlib
 import os
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
@@ -30,6 +41,16 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from opacus_dp import checkpoint_file
 from opacus_dp.checkpoint import _check_accountant_entry, _clipping_state, _load_clipping_state, _sampler_generator
 from opacus_dp.checkpoint_consistency import STEPS_ENTRY, check_history_agrees
+from opacus_dp.checkpoint_file import CheckpointIntegrityError
+from opacus_dp.distributed import checkpoint_directory
+from opacus_dp.distributed.checkpoint_agreement import (  # noqa: F401  (ShardedCheckpoint*Error: public here)
+    Refusal,
+    RankStatus,
+    ShardedCheckpointError,
+    ShardedCheckpointIntegrityError,
+    agree,
+    rank_file_name,
+)
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
@@ -37,7 +58,7 @@ SHARDED_DIR = "sharded"
 
 
 def _rank_file(path, rank: int) -> str:
-    return os.path.join(os.fspath(path), f"private_rank{rank}.pt")
+    return os.path.join(os.fspath(path), rank_file_name(rank))
 
 
 def _parts(module: nn.Module, optimizer):
@@ -48,14 +69,30 @@ def _parts(module: nn.Module, optimizer):
     return unwrap_model(module), dp_optimizer, dp_optimizer.original_optimizer
 
 
-def save(path, *, module: nn.Module, optimizer, accountant, rank: int, world_size: int,
-         data_loader=None, schedulers: Optional[Dict[str, object]] = None, checkpoint_dict=None,
-         secure_mode: bool = False, signing_key=None) -> None:
-    """Write the directory described in the module doc (collective: call it on every rank)."""
-    model, dp_optimizer, inner = _parts(module, optimizer)
-    model_state, optimizer_state = get_state_dict(model, inner)
-    dcp.save({"model": model_state, "optimizer": optimizer_state},
-             checkpoint_id=os.path.join(os.fspath(path), SHARDED_DIR))
+def _attempt(reason: Refusal, action: Callable[[], object]) -> Tuple[RankStatus, Optional[Exception]]:
+    """Run ``action``; its failure becomes this rank's ``reason`` for :func:`agree`."""
+    try:
+        action()
+    except Exception as error:  # reported to every rank, then re-raised as the cause
+        return RankStatus(reason), error
+    return RankStatus(), None
+
+
+# ----------------------------------------------------------------------------- saving
+def _prepare(path) -> Tuple[RankStatus, Optional[Exception]]:
+    """Rank 0: the staging directory (:func:`checkpoint_directory.prepare`), as a status."""
+    try:
+        checkpoint_directory.prepare(path)
+    except checkpoint_directory.PathInUseError as error:
+        return RankStatus(Refusal.PATH_IN_USE), error
+    except OSError as error:
+        return RankStatus(Refusal.RENAME_FAILED), error
+    return RankStatus(), None
+
+
+def _private_state(dp_optimizer, accountant, *, rank, world_size, data_loader, schedulers, checkpoint_dict,
+                   secure_mode) -> dict:
+    """What rank ``rank`` alone writes (module doc)."""
     state = dict(checkpoint_dict or {})
     state.update({"privacy_accountant_state_dict": accountant.state_dict(), STEPS_ENTRY: dp_optimizer.steps_taken,
                   "world_size": world_size, "rank": rank})
@@ -70,22 +107,89 @@ def save(path, *, module: nn.Module, optimizer, accountant, rank: int, world_siz
     for name, scheduler in (schedulers or {}).items():
         if scheduler is not None:
             state[f"{name}_state_dict"] = scheduler.state_dict()
-    checkpoint_file.write(state, _rank_file(path, rank), signing_key=signing_key)
-
-
-def _read_rank_state(path, rank: int, world_size: int, accountant, signing_key) -> dict:
-    """Rank ``rank``'s file, checked before anything changes (module doc)."""
-    if not os.path.isfile(_rank_file(path, rank)):
-        raise ValueError(f"{path} is not a sharded checkpoint for rank {rank} (no private_rank{rank}.pt): "
-                         "it was written by another number of processes or is not a sharded checkpoint "
-                         "(nothing was loaded)")
-    state = checkpoint_file.read(_rank_file(path, rank), signing_key=signing_key)
-    if state.pop("world_size", None) != world_size or state.pop("rank", None) != rank:
-        raise ValueError(f"checkpoint {path} was written by another number of processes than the "
-                         f"{world_size} running now: resume with the same world size (nothing was loaded)")
-    _check_accountant_entry(path, state, accountant)
-    check_history_agrees(path, state)
     return state
+
+
+def save(path, *, module: nn.Module, optimizer, accountant, rank: int, world_size: int,
+         data_loader=None, schedulers: Optional[Dict[str, object]] = None, checkpoint_dict=None,
+         secure_mode: bool = False, signing_key=None) -> None:
+    """Write the directory described in the module doc (collective: call it on every rank).
+    Three agreements: every rank's entries are safe and rank 0 prepared the staging directory;
+    every rank wrote its part; rank 0 moved it into place (so no rank returns before that)."""
+    model, dp_optimizer, inner = _parts(module, optimizer)
+    state, staging = {}, checkpoint_directory.staging_path(path)
+
+    def gather() -> None:
+        state.update(_private_state(dp_optimizer, accountant, rank=rank, world_size=world_size, data_loader=data_loader,
+                                    schedulers=schedulers, checkpoint_dict=checkpoint_dict, secure_mode=secure_mode))
+        checkpoint_file.check_safe_entries(state)
+
+    status, error = _attempt(Refusal.UNSAVABLE_STATE, gather)
+    if status.reason is None and rank == 0:
+        status, error = _prepare(path)
+    try:
+        agree(path, status, action="save", rank=rank, world_size=world_size, cause=error)
+        model_state, optimizer_state = get_state_dict(model, inner)
+        dcp.save({"model": model_state, "optimizer": optimizer_state},
+                 checkpoint_id=os.path.join(staging, SHARDED_DIR))
+        status, error = _attempt(Refusal.WRITE_FAILED, lambda: checkpoint_file.write(
+            state, _rank_file(staging, rank), signing_key=signing_key))
+        agree(path, status, action="save", rank=rank, world_size=world_size, cause=error)
+    except Exception:
+        if rank == 0:
+            checkpoint_directory.discard_staging(path)
+        raise
+    status, error = RankStatus(), None
+    if rank == 0:
+        status, error = _attempt(Refusal.RENAME_FAILED, lambda: checkpoint_directory.swap_into_place(path))
+    agree(path, status, action="save", rank=rank, world_size=world_size, cause=error, written=True)
+
+
+# ----------------------------------------------------------------------------- loading
+def _is_count(value, low: int = 0) -> bool:
+    return type(value) is int and value >= low
+
+
+def _history_digest(state: dict) -> int:
+    """48 bits of SHA-256 of the privacy history: equal on every rank of one save."""
+    text = repr(state.get("privacy_accountant_state_dict")).encode("utf-8")
+    return int.from_bytes(hashlib.sha256(text).digest()[:6], "big")
+
+
+def _read_rank_file(path, rank: int, signing_key) -> Tuple[RankStatus, Optional[dict], Optional[Exception]]:
+    """Rank ``rank``'s file, read safely (signature checked with ``signing_key``)."""
+    if not os.path.isdir(os.path.join(os.fspath(path), SHARDED_DIR)):
+        return RankStatus(Refusal.NOT_A_CHECKPOINT), None, None
+    if not os.path.isfile(_rank_file(path, rank)):
+        return RankStatus(Refusal.MISSING_FILE), None, None
+    try:
+        return RankStatus(), checkpoint_file.read(_rank_file(path, rank), signing_key=signing_key), None
+    except CheckpointIntegrityError as error:
+        return RankStatus(Refusal.SIGNATURE), None, error
+    except Exception as error:  # damaged, truncated, or refused by the safe loader
+        return RankStatus(Refusal.UNREADABLE), None, error
+
+
+def check_rank_file(path, rank: int, world_size: int, accountant,
+                    signing_key=None) -> Tuple[RankStatus, Optional[dict], Optional[Exception]]:
+    """This rank's own checks (module doc), changing nothing: ``(status, state, error)``; the
+    state without its ``world_size``/``rank`` fields when ready."""
+    status, state, error = _read_rank_file(path, rank, signing_key)
+    if status.reason is not None:
+        return status, None, error
+    saved_world, saved_rank, steps = state.pop("world_size", None), state.pop("rank", None), state.get(STEPS_ENTRY)
+    if not (_is_count(saved_world, 1) and _is_count(saved_rank) and saved_rank < saved_world and _is_count(steps)):
+        return RankStatus(Refusal.MALFORMED), None, None
+    if saved_world != world_size:
+        return RankStatus(Refusal.WORLD_SIZE, detail=saved_world), None, None
+    if saved_rank != rank:
+        return RankStatus(Refusal.WRONG_RANK, detail=saved_rank), None, None
+    try:
+        _check_accountant_entry(path, state, accountant)
+        check_history_agrees(path, state)
+    except (ValueError, TypeError) as error:
+        return RankStatus(Refusal.HISTORY), None, error
+    return RankStatus(steps=steps, digest=_history_digest(state)), state, None
 
 
 def load(path, *, module: nn.Module, optimizer, accountant, rank: int, world_size: int,
@@ -93,11 +197,18 @@ def load(path, *, module: nn.Module, optimizer, accountant, rank: int, world_siz
          signing_key=None) -> dict:
     """Restore what :func:`save` wrote (collective); returns the entries not consumed."""
     model, dp_optimizer, inner = _parts(module, optimizer)
-    state = _read_rank_state(path, rank, world_size, accountant, signing_key)
+    status, state, error = check_rank_file(path, rank, world_size, accountant, signing_key)
+    agree(path, status, action="load", rank=rank, world_size=world_size, cause=error)
     model_state, optimizer_state = get_state_dict(model, inner)
     sharded = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(sharded, checkpoint_id=os.path.join(os.fspath(path), SHARDED_DIR))
     set_state_dict(model, inner, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
+    _restore_private_state(state, dp_optimizer, accountant, data_loader, schedulers, secure_mode)
+    return state
+
+
+def _restore_private_state(state: dict, dp_optimizer, accountant, data_loader, schedulers, secure_mode) -> None:
+    """Consume this rank's entries of ``state`` into the engine's parts."""
     accountant.load_state_dict(state.pop("privacy_accountant_state_dict"))
     dp_optimizer.steps_taken = state.pop(STEPS_ENTRY)
     noise = state.pop("noise_generator_state", None)
@@ -112,4 +223,3 @@ def load(path, *, module: nn.Module, optimizer, accountant, rank: int, world_siz
         saved = state.pop(f"{name}_state_dict", None)
         if scheduler is not None and saved is not None:
             scheduler.load_state_dict(saved)
-    return state
