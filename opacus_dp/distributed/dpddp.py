@@ -7,6 +7,7 @@ and the optimizer's :class:`~opacus_dp.distributed.reducers.AllReduceReducer` su
 rank 0's parameters and buffers are broadcast so that all replicas start identical.
 """
 
+import copy
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -72,6 +73,17 @@ class DifferentiallyPrivateDistributedDataParallel(nn.Module):
         tensors = [p.data for p in module.parameters()] + list(module.buffers())
         if tensors:
             broadcast_tensors_(tensors, src=0, group=process_group)
+
+    _shared_by_copies = ("process_group",)  # a communicator, not state: copies use the same
+
+    def __deepcopy__(self, memo):
+        """A copy of the wrapper and its model that synchronises over the same process group."""
+        if self.process_group is not None:
+            memo.setdefault(id(self.process_group), self.process_group)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
 
     @property
     def world_size(self) -> int:
