@@ -28,7 +28,7 @@ from typing import Iterator, List, Optional
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from opacus_dp.data.data_loader import SamplingGeneratorKept, worker_seed_generator, worker_settings
-from opacus_dp.data.samplers import DistributedPoissonBatchSampler, check_positive_int
+from opacus_dp.data.samplers import DistributedPoissonBatchSampler, check_positive_int, count_logical_batch
 from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
 
@@ -64,7 +64,9 @@ class BatchSplittingSampler(Sampler[List[int]]):
         return max(1, *(math.ceil(s / self.max_batch_size) for s in sizes))
 
     def __iter__(self) -> Iterator[List[int]]:
-        for logical in self.batch_sampler:
+        counted_here = isinstance(self.batch_sampler, DistributedPoissonBatchSampler)
+        logicals = self.batch_sampler.draw(count_batches=False) if counted_here else self.batch_sampler
+        for logical in logicals:
             chunks = split_indices(list(logical), self.max_batch_size, self._num_chunks(len(logical)))
             for position, chunk in enumerate(chunks):
                 self.skip_flags.append(position < len(chunks) - 1)
@@ -110,10 +112,16 @@ class PhysicalBatchLoader(SamplingGeneratorKept, DataLoader):
         dp_optimizer = dp_optimizer_behind(self.optimizer)
         _discard_unfinished(dp_optimizer)  # left by an earlier loop that did not finish
         finished = False
+        counts = isinstance(splitter.batch_sampler, DistributedPoissonBatchSampler)
+        first_piece = True
         try:
             for batch in super().__iter__():
                 _check_previous_steps(dp_optimizer)
-                _signal_chunk(self.optimizer, dp_optimizer, splitter.skip_flags.popleft())
+                do_skip = splitter.skip_flags.popleft()
+                _signal_chunk(self.optimizer, dp_optimizer, do_skip)
+                if counts and first_piece:  # the logical batch reaches the loop (step_clock.py)
+                    count_logical_batch()
+                first_piece = not do_skip
                 yield batch
             _check_previous_steps(dp_optimizer)
             finished = True

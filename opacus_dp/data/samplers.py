@@ -107,6 +107,21 @@ class UniformWithReplacementSampler(Sampler[List[int]]):
         return self.num_samples * self.sample_rate
 
 
+_LOGICAL_BATCHES = [0]  # handed out in this process by the distributed DP loaders
+
+
+def count_logical_batch() -> None:
+    """One logical batch of a distributed DP loader reached the training loop (a draw of
+    :class:`DistributedPoissonBatchSampler`, or the first piece of one in ``BatchMemoryManager``)."""
+    _LOGICAL_BATCHES[0] += 1
+
+
+def logical_batches_handed_out() -> int:
+    """Logical batches the distributed DP loaders of this process handed out so far: each rank's
+    step compares how many it got since its last step (:mod:`~opacus_dp.distributed.step_clock`)."""
+    return _LOGICAL_BATCHES[0]
+
+
 def distributed_world(num_replicas, rank):
     """(num_replicas, rank), filled in from ``torch.distributed`` when not given."""
     if num_replicas is None or rank is None:
@@ -189,10 +204,18 @@ class DistributedPoissonBatchSampler(Sampler[List[int]]):
         return order[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[List[int]]:
+        return self.draw(count_batches=True)
+
+    def draw(self, *, count_batches: bool) -> Iterator[List[int]]:
+        """The ``steps`` local batches of one pass; ``count_batches``: count each as handed out
+        (:func:`count_logical_batch`; ``BatchMemoryManager`` counts them itself, when their
+        first piece reaches the loop)."""
         owned = self.shard_indices()
         for _ in range(self.steps):
             mask = poisson_mask(self.total_size, self.sample_rate, self.generator)
             self._sizes_of_ranks = [int(mask[r :: self.num_replicas].sum()) for r in range(self.num_replicas)]
+            if count_batches:
+                count_logical_batch()
             yield owned[mask[self.rank :: self.num_replicas]].tolist()
 
     def batch_sizes_of_ranks(self) -> List[int]:

@@ -3,7 +3,8 @@
 * :class:`DifferentiallyPrivateDistributedDataParallel` — model wrapper (rank-0 broadcast).
 * :class:`AllReduceReducer` — one all-reduce of the clipped sums per step, noise on rank 0;
   a step refused on one rank is refused on all (:class:`StepRefusedError`), and a rank that does
-  not join within ``step_timeout`` is named (:class:`StepCollectiveError`).
+  not join within ``step_timeout`` is named (:class:`StepCollectiveError`); ranks out of step (one
+  skipped a batch) are refused on every rank (:class:`RanksOutOfStepError`, :mod:`step_clock`).
 * :func:`local_gradients_hook` — DDP comm hook that stops DDP's unclipped all-reduce.
 * :mod:`~opacus_dp.distributed.configure` — what the PrivacyEngine calls.
 * :mod:`~opacus_dp.distributed.data_parallel` — per-sample gradients inside nn.DataParallel.
@@ -22,6 +23,7 @@ from opacus_dp.distributed.configure import (
 from opacus_dp.distributed.ddp_hooks import install_local_gradients_hook, local_gradients_hook
 from opacus_dp.distributed.dpddp import DifferentiallyPrivateDistributedDataParallel
 from opacus_dp.distributed.reducers import AllReduceReducer
+from opacus_dp.distributed.step_clock import RanksOutOfStepError
 from opacus_dp.distributed.step_wait import StepCollectiveError
 from opacus_dp.optim.step_refusal import StepRefusedError
 
@@ -31,6 +33,7 @@ __all__ = [
     "AllReduceReducer",
     "DPDDP",
     "DifferentiallyPrivateDistributedDataParallel",
+    "RanksOutOfStepError",
     "StepCollectiveError",
     "StepRefusedError",
     "average_gradients",

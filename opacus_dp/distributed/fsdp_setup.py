@@ -5,7 +5,9 @@ refuses what the sharded step does not support (adaptive clipping, whose noisy c
 a rank to noise it alone, and correlated noise across steps) and every trainable tensor that
 is not one of FSDP2's ``Shard(0)`` shards; then installs the
 :class:`~opacus_dp.distributed.reduce_scatter.ReduceScatterReducer` and gives the rank its own
-noise stream (:mod:`~opacus_dp.distributed.noise_streams`).
+noise stream (:mod:`~opacus_dp.distributed.noise_streams`); every forward and backward pass of
+``module`` then first meets the other ranks, bounded by ``step_timeout``
+(:mod:`~opacus_dp.distributed.fsdp_rendezvous`).
 """
 
 import torch.distributed as dist
@@ -44,10 +46,12 @@ def configure_fsdp_optimizer(module: nn.Module, optimizer, *, sample_rate, step_
     group_of = parameter_groups(module)
     names = {**parameter_names(module), **optimizer.param_names}
     check_sharded_parameters(optimizer.params, names, group_of)
-    reducer = ReduceScatterReducer(module, step_timeout=step_timeout)
+    reducer = ReduceScatterReducer(module, step_timeout=step_timeout,
+                                   settings=len(optimizer._step_settings()))
     check_same_on_all_ranks({"world_size": reducer.world_size, "sample_rate": sample_rate,
                              "fully_shard modules": float(len(fsdp_modules(module))),
                              **optimizer.settings_ranks_share()}, reducer.process_group)
     check_mean_divisor(optimizer)
     optimizer.reducer = reducer
+    reducer.install_rendezvous(module)
     give_rank_its_stream(optimizer.noise, reducer.rank)

@@ -14,7 +14,10 @@ the same distribution as one process adding noise to the whole sum (DDP's rank-0
 
 Before the reduce-scatters, the ranks' settings and refusals travel in a ``(W, m)`` table in an
 all-reduce of ``W·m`` numbers (:mod:`~opacus_dp.distributed.agreement`), so a step refused on one
-rank is refused on all before any gradient moves.
+rank is refused on all before any gradient moves. Its rows end with each rank's step clock, and the
+same table is exchanged (bounded) before every forward and backward pass
+(:mod:`~opacus_dp.distributed.fsdp_rendezvous`): FSDP2's own collectives never wait unbounded for a
+rank that stopped before them, and ranks out of step are refused everywhere.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -24,7 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from opacus_dp.distributed.agreement import agree_alone
-from opacus_dp.distributed.fsdp import DTensor, parameter_groups, shard_rows
+from opacus_dp.distributed.fsdp import DTensor, fsdp_modules, parameter_groups, shard_rows
+from opacus_dp.distributed.fsdp_rendezvous import FsdpRendezvous
+from opacus_dp.distributed.step_clock import STEP, StepClock
 from opacus_dp.distributed.step_wait import BoundedStepWait, StepTimeout
 
 # torch >= 2.14 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
@@ -43,7 +48,7 @@ class ReduceScatterReducer(BoundedStepWait):
     reduces_in_place = False
     needs_equal_passes = True  # every forward/backward pass of a fully_shard model is a collective
 
-    def __init__(self, model, *, step_timeout: StepTimeout = None):
+    def __init__(self, model, *, step_timeout: StepTimeout = None, settings: int = 1):
         self._group_of = parameter_groups(model)
         some = next(iter(self._group_of), None)
         if some is None:
@@ -55,6 +60,12 @@ class ReduceScatterReducer(BoundedStepWait):
         self.bytes_reduced = 0
         self.num_reduce_scatters = 0
         self.step_timeout = step_timeout
+        self.clock = StepClock()
+        self.rendezvous = FsdpRendezvous(self, settings)  # installed by install_rendezvous(model)
+
+    def install_rendezvous(self, model) -> None:
+        """Meet the other ranks (bounded) before every forward and backward pass of ``model``."""
+        self.rendezvous.install(fsdp_modules(model)[0][1])
 
     @torch.no_grad()
     def reduce(self, tensors: List[torch.Tensor], agreed: Optional[Dict[str, float]] = None,
@@ -65,9 +76,13 @@ class ReduceScatterReducer(BoundedStepWait):
         sums and send buffer are alive beside the shards)."""
         names = sorted(agreed or {})
         if names or refusal is not None:
+            if len(names or ["refusal"]) != self.rendezvous.settings:
+                raise ValueError(f"ReduceScatterReducer was built for {self.rendezvous.settings} step "
+                                 f"settings, got {len(names)}: build it with settings=len(agreed)")
             agree_alone(names or ["refusal"], [agreed[n] for n in names] or [0.0], refusal,
                         world_size=self.world_size, rank=self.rank, device=_device_of(tensors, params),
-                        group=self.process_group, wait=self._wait)
+                        group=self.process_group, wait=self._wait, clock=self.clock.row(STEP),
+                        after_wait=self.clock.step_over)
         if len(params) != len(tensors):
             raise ValueError("ReduceScatterReducer.reduce needs the parameter of every tensor")
         buckets = self._buckets(tensors, params)

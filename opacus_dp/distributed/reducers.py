@@ -26,6 +26,9 @@ The same rows carry a step refused by one rank's own checks (``refusal``, a code
 (NaN never is a setting), and every rank raises
 :class:`~opacus_dp.optim.step_refusal.StepRefusedError` — no extra collective, no extra byte.
 The all-reduce is waited for at most ``step_timeout`` (:mod:`~opacus_dp.distributed.step_wait`).
+Each row also ends with the rank's step clock (:mod:`~opacus_dp.distributed.step_clock`): a rank
+that skipped a batch outside the optimizer makes the step raise
+:class:`~opacus_dp.distributed.step_clock.RanksOutOfStepError` on every rank (nothing applied).
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -35,6 +38,7 @@ import torch.distributed as dist
 
 from opacus_dp.distributed.agreement import agreement_rows, check_table
 from opacus_dp.distributed.checks import require_process_group
+from opacus_dp.distributed.step_clock import CLOCK_COLUMNS, STEP, StepClock
 from opacus_dp.distributed.step_wait import BoundedStepWait, StepTimeout
 
 NOISE_RANK = 0
@@ -60,6 +64,7 @@ class AllReduceReducer(BoundedStepWait):
         self.bytes_reduced = 0
         self.num_all_reduces = 0
         self.step_timeout = step_timeout
+        self.clock = StepClock()
 
     @torch.no_grad()
     def reduce(self, tensors: List[torch.Tensor], agreed: Optional[Dict[str, float]] = None,
@@ -77,7 +82,7 @@ class AllReduceReducer(BoundedStepWait):
         rows = None
         if names and groups:
             rows = agreement_rows([agreed[n] for n in names], groups[0][0], refusal,
-                                  self.world_size, self.rank)
+                                  self.world_size, self.rank, self.clock.row(STEP))
         extra = [] if rows is None else [rows.reshape(-1)]  # the table rides in the first bucket
         flats = [torch.cat([t.reshape(-1) for t in same_kind] + (extra if index == 0 else []))
                  for index, same_kind in enumerate(groups)]
@@ -86,11 +91,12 @@ class AllReduceReducer(BoundedStepWait):
         self.bytes_reduced += sum(flat.numel() * flat.element_size() for flat in flats)
         self.num_all_reduces += len(flats)
         self._wait(works)
+        self.clock.step_over()
         for same_kind, flat in zip(groups, flats):
             _unflatten(flat, same_kind)
         if rows is not None:
             table = flats[0][flats[0].numel() - rows.numel():].view_as(rows)
-            check_table(names, table)
+            check_table(names, table, clock_columns=CLOCK_COLUMNS)
         return tensors
 
     @staticmethod

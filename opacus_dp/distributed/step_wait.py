@@ -7,7 +7,9 @@ most ``step_timeout`` (the group's own timeout by default). Only when that wait 
 :func:`absent_ranks` find out who is missing: every waiting rank sends a token to every other
 and waits a short grace for theirs; the ranks whose token does not come did not reach the step.
 The normal step pays nothing for this. Gloo only (a point-to-point exchange with an absent
-peer could block on other backends: there the error cannot name the ranks).
+peer could block on other backends: there the error cannot name the ranks). Under FSDP2 the
+same bounded wait guards the meeting before every forward and backward pass
+(:mod:`~opacus_dp.distributed.fsdp_rendezvous`).
 """
 
 import datetime
@@ -119,15 +121,17 @@ def _remaining(deadline: float) -> datetime.timedelta:
 
 def _message(error: Exception, missing: Optional[List[int]], wait: Optional[float], grace: float) -> str:
     advice = (
-        " Such a rank probably caught an exception before optimizer.step() and went on, or is "
-        "stuck or dead. This process group can no longer be used: destroy it and restart every "
-        "rank (e.g. torchrun --max-restarts=...), resuming from the last checkpoint; if the ranks "
+        " Such a rank probably caught an exception (before its forward pass, backward pass or "
+        "optimizer.step()) and went on, or is stuck or dead. This process group can no longer be "
+        "used: destroy it and restart every rank (e.g. torchrun --max-restarts=...), resuming "
+        "from the last checkpoint; if the ranks "
         "are only slow, raise step_timeout (make_private(step_timeout=...) or DPDDP(..., "
         "step_timeout=...)). Nothing of this step was applied on this rank")
     within = "" if wait is None else f" (waited up to {wait:g} s)"
     if missing:
         names = ", ".join(str(r) for r in missing)
-        return (f"the all-reduce of this private step did not complete{within}: "
+        return (f"the all-reduce of this private step (at optimizer.step(), or before an FSDP2 "
+                f"forward or backward pass) did not complete{within}: "
                 f"rank{'s' if len(missing) > 1 else ''} {names} did not join it (no answer in a "
                 f"further {grace:g} s).{advice}")
     if missing is None:

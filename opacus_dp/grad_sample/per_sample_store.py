@@ -147,7 +147,9 @@ class PerSampleGradStore:
         """Make ``param.grad_sample`` exist with 0 rows (a forward pass on an empty batch)."""
         with self._lock:
             if self._synced(param) is None:
-                self._publish(param, param.new_zeros((0, *param.shape)))
+                # torch.zeros, not param.new_zeros: an FSDP2 parameter (DTensor) would give a
+                # sharded DTensor, whereas per-sample gradients are plain tensors of the full shape
+                self._publish(param, torch.zeros((0, *param.shape), dtype=param.dtype, device=param.device))
 
     def mark_empty_pass(self) -> None:
         """The running backward pass is over an empty batch: it counts as a pass (a batch)."""

@@ -22,7 +22,7 @@ import torch
 
 from opacus_dp.errors import PrivacyBudgetExceededError
 
-NON_FINITE, BUDGET, POISSON_MERGE, TOO_MANY_SAMPLES, EARLIER_PIECE, OTHER = 1, 2, 3, 4, 5, 6
+NON_FINITE, BUDGET, POISSON_MERGE, TOO_MANY_SAMPLES, EARLIER_PIECE, OTHER, OUT_OF_STEP = 1, 2, 3, 4, 5, 6, 7
 REASONS = {
     NON_FINITE: "non-finite (NaN or inf) per-sample gradients or norms",
     BUDGET: "the privacy budget (max_epsilon) would be exceeded",
@@ -30,6 +30,7 @@ REASONS = {
     TOO_MANY_SAMPLES: "more samples than one logical batch (max_batch_size)",
     EARLIER_PIECE: "an earlier piece (virtual step) of this logical batch failed",
     OTHER: "a local check failed (see that rank's error)",
+    OUT_OF_STEP: "this rank skipped a batch or is in another phase of the step (ranks out of step)",
 }
 # words of the messages of dp_optimizer.py and clipping.py that tell the reason
 _MARKS = ((NON_FINITE, "non-finite"), (POISSON_MERGE, "with Poisson sampling"),

@@ -123,7 +123,7 @@ def test_one_all_reduce_of_the_clipped_sums_per_step(equivalence, privacy):
     numel = sum(p.numel() for p in r["start"])
     steps = len(r["batches"])
     assert r["all_reduces"] == steps
-    agreement = WORLD * 4  # the step's settings, one row per rank (distributed/reducers.py)
+    agreement = WORLD * (4 + 2)  # the step's settings and clock, one row per rank (distributed/reducers.py)
     assert r["reducer_bytes"] == steps * (numel + agreement) * 8  # float64, once per logical step
     assert privacy[0]["noise_ddp"]["ddp_grads_stayed_local"], "DDP must not all-reduce unclipped grads"
 
@@ -281,7 +281,7 @@ def test_adaptive_clipping_with_noise_one_all_reduce_same_bound_everywhere(priva
     assert_bit_identical(r0["final"], r1["final"])
     steps, numel = len(r0["batches"]), sum(p.numel() for p in r0["start"])
     assert r0["all_reduces"] == steps  # the unclipped count travels in the gradients' all-reduce
-    assert r0["reducer_bytes"] == steps * (numel + 1 + WORLD * 4) * 8
+    assert r0["reducer_bytes"] == steps * (numel + 1 + WORLD * (4 + 2)) * 8  # settings + clock
     reference = RDPAccountant()  # the accountant records the total σ, not the gradient's share
     for _ in range(steps):
         reference.step(noise_multiplier=r0["sigma"], sample_rate=r0["sample_rate"])
