@@ -132,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--split-seed", type=int, default=0, help="seed of the train/test split")
     add_training_args(parser, epochs=50, batch_size=800, lr=2.0, momentum=0.0)
     add_privacy_args(parser, sigma=1.0, max_grad_norm=1.5)
-    add_output_args(parser, checkpoint_file="checkpoints/char_lstm.pt")
+    add_output_args(parser, example="char_lstm")
     args = parser.parse_args(argv)
     check_common_args(parser, args)
     for name in ("max_seq_length", "embedding_size", "hidden_size", "n_lstm_layers"):

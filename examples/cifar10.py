@@ -116,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_training_args(parser, epochs=20, batch_size=512, lr=1e-3, optim="RMSprop",
                       batch_size_test_flags=("-b", "--batch-size-test"))  # Opacus's short flag
     add_privacy_args(parser, sigma=1.5, max_grad_norm=1.2)
-    add_output_args(parser, checkpoint_file="checkpoints/cifar10.pt")
+    add_output_args(parser, example="cifar10")
     add_data_args(parser, data_root="data/cifar10")
     args = parser.parse_args(argv)
     check_common_args(parser, args)

@@ -21,7 +21,8 @@ One iteration per Poisson batch of real images ``x`` (one private step of D):
 
 Datasets (``--dataset``): ``cifar10``, ``mnist`` (``--target-digit`` keeps one digit),
 ``folder`` (``torchvision.datasets.ImageFolder``), ``fake`` (``FakeData``) and ``digits``
-(scikit-learn's shipped 8×8 digits, no download). Outputs in ``--outf``: ``real_samples.png``
+(scikit-learn's shipped 8×8 digits, no download). Outputs in ``--outf`` (by default
+``$XDG_CACHE_HOME/opacus_dp/examples/dcgan``, see ``common/cli.py``): ``real_samples.png``
 (a grid of *private* training images, for visual comparison only), ``fake_samples_epoch_NNN.png``
 from fixed noise, checkpoints, metrics.
 
@@ -42,12 +43,12 @@ import torch.nn as nn
 
 from common import checkpoints
 from common.cli import (add_distributed_args, add_privacy_args, add_synthetic_args, add_unsafe_resume_arg,
-                        check_common_args, make_parser)
+                        check_common_args, default_output_dir, make_parser)
 from common.distributed import barrier, init_from_args, shutdown, wrap_model
 from common.privacy import prepare_training
-from common.reporting import MetricsLog, privacy_line
+from common.reporting import MetricsLog, privacy_line, resume_line, run_settings_line
 from common.gan import Discriminator, Generator, build_dataset, discriminator_frozen, save_grids
-from common.loop import progress, set_epoch, to_device
+from common.loop import EpochProgress, epsilon_due, set_epoch, to_device
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,8 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--beta1", type=float, default=0.5, help="Adam β1")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation, sampling, noise")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--outf", default="dcgan_out", help="folder for images and checkpoints")
-    parser.add_argument("--checkpoint-file", default=None, help="None: <outf>/dcgan.pt")
+    parser.add_argument("--outf", default=default_output_dir("dcgan"), metavar="DIR",
+                        help="folder for images and checkpoints")
+    parser.add_argument("--checkpoint-file", default=None, metavar="PATH", help="None: <outf>/dcgan.pt")
     parser.add_argument("--resume", default="", metavar="PATH", help="continue from this checkpoint")
     add_unsafe_resume_arg(parser)
     parser.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON metrics")
@@ -136,32 +138,43 @@ def train_epoch(args, run, netG, optimizer_g, setup, epoch: int, fakes: int) -> 
     latent = latent_generator(args.seed, epoch, setup.rank)
     totals = {"loss_d": 0.0, "loss_g": 0.0, "steps": 0}
     show = setup.is_main and not args.no_progress
-    bar = progress(run.train_loader, total=len(run.train_loader), epoch=epoch, enabled=show)
     epsilon = run.epsilon()
-    for batch in bar:
-        real = to_device(batch[0], setup.device)
-        fake = netG(torch.randn(fakes, args.nz, 1, 1, generator=latent).to(setup.device))
-        labels = torch.cat([torch.ones(len(real)), torch.zeros(fakes)]).to(setup.device)
-        run.optimizer.zero_grad(set_to_none=True)
-        loss_d = criterion(run.model(torch.cat([real, fake.detach()])), labels)
-        loss_d.backward()
-        run.optimizer.step()
-        optimizer_g.zero_grad(set_to_none=True)
-        with discriminator_frozen(run.model):
-            loss_g = criterion(run.model(fake), torch.ones(fakes, device=setup.device))
-            loss_g.backward()
-        optimizer_g.step()
-        totals["loss_d"] += loss_d.item()
-        totals["loss_g"] += loss_g.item()
-        totals["steps"] += 1
-        if run.private and (totals["steps"] == 1 or totals["steps"] % args.print_freq == 0):
-            epsilon = run.epsilon()  # at the epoch's first step, then every --print-freq steps
-        if show:
-            bar.set_postfix(loss_d=f"{loss_d.item():.3f}", loss_g=f"{loss_g.item():.3f}",
-                            **({"eps": f"{epsilon:.2f}"} if run.private else {}))
+    with EpochProgress(total=len(run.train_loader), epoch=epoch, enabled=show) as bar:
+        for batch in run.train_loader:
+            loss_d, loss_g = _train_step(args, run, netG, optimizer_g, setup, batch, fakes, latent, criterion)
+            totals["loss_d"] += loss_d
+            totals["loss_g"] += loss_g
+            totals["steps"] += 1
+            if run.private and epsilon_due(totals["steps"], totals["steps"] - 1, args.print_freq):
+                epsilon = run.epsilon()
+            bar.advance(**_shown(loss_d, loss_g, epsilon if run.private else None))
+        epsilon = run.epsilon()
+        bar.close(**_shown(loss_d, loss_g, epsilon if run.private else None) if totals["steps"] else {})
     steps = max(totals["steps"], 1)
     return {"epoch": epoch, "loss_d": totals["loss_d"] / steps, "loss_g": totals["loss_g"] / steps,
-            "steps": totals["steps"], "epsilon": run.epsilon()}
+            "steps": totals["steps"], "epsilon": epsilon}
+
+
+def _train_step(args, run, netG, optimizer_g, setup, batch, fakes: int, latent, criterion):
+    """Private D step on ``[real ; fake]``, then the non-private G step; the two losses."""
+    real = to_device(batch[0], setup.device)
+    fake = netG(torch.randn(fakes, args.nz, 1, 1, generator=latent).to(setup.device))
+    labels = torch.cat([torch.ones(len(real)), torch.zeros(fakes)]).to(setup.device)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss_d = criterion(run.model(torch.cat([real, fake.detach()])), labels)
+    loss_d.backward()
+    run.optimizer.step()
+    optimizer_g.zero_grad(set_to_none=True)
+    with discriminator_frozen(run.model):
+        loss_g = criterion(run.model(fake), torch.ones(fakes, device=setup.device))
+        loss_g.backward()
+    optimizer_g.step()
+    return loss_d.item(), loss_g.item()
+
+
+def _shown(loss_d: float, loss_g: float, epsilon) -> dict:
+    return dict(loss_d=f"{loss_d:.3f}", loss_g=f"{loss_g:.3f}",
+                **({"eps": f"{epsilon:.3f}"} if epsilon is not None else {}))
 
 
 def _save(run, args, setup, netG, optimizer_g, entries: dict) -> None:
@@ -170,6 +183,21 @@ def _save(run, args, setup, netG, optimizer_g, entries: dict) -> None:
                        generator_optimizer_state_dict=optimizer_g.state_dict())
         checkpoints.save(run, args.checkpoint_file, entries)
     barrier(setup)
+
+
+def _announce(args, setup, run, entries: dict) -> None:
+    """The privacy settings, where the outputs go, and where a resumed run continues."""
+    if not setup.is_main:
+        return
+    if run.private:
+        print(run_settings_line(run, args.epochs), flush=True)
+    print(f"outputs: {args.outf} (checkpoint {args.checkpoint_file})", flush=True)
+    if args.resume:
+        per_epoch = len(run.train_loader)
+        steps = run.accounted_steps() if run.private else entries.get("epoch", 0) * per_epoch
+        print(resume_line(args.resume, steps=steps, planned_steps=args.epochs * per_epoch,
+                          finished=entries.get("epoch", 0) >= args.epochs,
+                          epsilon=run.epsilon() if run.private else None), flush=True)
 
 
 def train(args, setup, dataset, channels: int) -> str:
@@ -181,6 +209,7 @@ def train(args, setup, dataset, channels: int) -> str:
                      settings=vars(args), history=entries.get("metrics"))
     fixed_noise = torch.randn(64, args.nz, 1, 1, generator=torch.Generator().manual_seed(args.seed))
     fakes, stopped = fake_rows(run, len(dataset), setup.world_size), "done"
+    _announce(args, setup, run, entries)
     for epoch in range(entries.get("epoch", 0) + 1, args.epochs + 1):
         try:
             record = train_epoch(args, run, netG, optimizer_g, setup, epoch, fakes)

@@ -40,9 +40,10 @@ from common import checkpoints, text_data
 from common.classification import make_optimizer
 from common.cli import add_output_args, add_privacy_args, add_training_args, check_common_args, make_parser
 from common.distributed import barrier, init_from_args, shutdown, wrap_model
-from common.loop import _sum_over_processes, first_epoch, progress, set_epoch, set_learning_rate, to_device
+from common.loop import (EpochProgress, _sum_over_processes, epsilon_due, first_epoch, set_epoch, set_learning_rate,
+                         to_device)
 from common.privacy import physical_batches, prepare_training
-from common.reporting import MetricsLog, privacy_line
+from common.reporting import MetricsLog, privacy_line, resume_line, run_settings_line
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="CPU threads of each process (torch.set_num_threads; 0: torch's default). The "
                              "default model is too small to gain from more, and more only contend on a busy CPU")
     parser.set_defaults(grad_sample_mode="bk")
-    add_output_args(parser, checkpoint_file="checkpoints/finetune_transformer.pt")
+    add_output_args(parser, example="finetune_transformer")
     args = parser.parse_args(argv)
     check_common_args(parser, args)
     _check_args(parser, args)
@@ -266,9 +267,9 @@ def train_epoch(run, args, setup, epoch: int) -> dict:
     torch.manual_seed(args.seed * 10_007 + epoch)  # dropout, if any: a resumed run draws the same
     loss_sum, seen, steps, before = 0.0, 0, 0, run.accounted_steps()
     epsilon, show = run.epsilon(), setup.is_main and not args.no_progress
-    with physical_batches(run) as batches:
-        bar = progress(batches, total=len(run.train_loader), epoch=epoch, enabled=show)
-        for batch, take_step in bar:
+    with EpochProgress(total=len(run.train_loader), epoch=epoch, enabled=show) as bar, \
+            physical_batches(run) as batches:
+        for batch, take_step in batches:
             batch = to_device(tuple(batch), setup.device)
             run.optimizer.zero_grad(set_to_none=True)
             if len(batch[0]):  # an empty Poisson batch still takes its (noise only) step
@@ -277,14 +278,15 @@ def train_epoch(run, args, setup, epoch: int) -> dict:
                 loss_sum, seen = loss_sum + loss.item() * len(batch[0]), seen + len(batch[0])
             run.optimizer.step() if take_step else run.optimizer.virtual_step()
             stepped = run.accounted_steps() - before if run.private else steps + take_step
-            if run.private and stepped > steps and (steps == 0 or stepped % args.print_freq == 0):
-                epsilon = run.epsilon()  # from the first step on, then every --print-freq steps
+            if run.private and epsilon_due(stepped, steps, args.print_freq):
+                epsilon = run.epsilon()
             steps = stepped
-            if show:
-                bar.set_postfix(loss=f"{loss_sum / max(seen, 1):.3f}", eps=f"{epsilon:.2f}")
+            bar.advance(loss=f"{loss_sum / max(seen, 1):.3f}", eps=f"{epsilon:.3f}")
+        epsilon = run.epsilon()
+        bar.close(loss=f"{loss_sum / max(seen, 1):.3f}", eps=f"{epsilon:.3f}")
     loss_sum, seen = _sum_over_processes(setup.device, loss_sum, seen)
     return {"epoch": epoch, "train_loss": loss_sum / max(seen, 1), "steps": steps,
-            "epsilon": run.epsilon(), "total_steps": run.accounted_steps()}
+            "epsilon": epsilon, "total_steps": run.accounted_steps()}
 
 
 def build_run(args, setup, tokenizer, train_set, num_labels: int):
@@ -320,6 +322,13 @@ def train(args, setup, run, entries: dict, test_set) -> dict:
 
     name, lower_is_better = metric_name(args), args.task == "causal-lm"
     model = checkpoints.unwrap(run.model)
+    say(setup, f"checkpoint: {args.checkpoint_file}")
+    if args.resume:
+        per_epoch = len(run.train_loader)
+        say(setup, resume_line(args.resume, steps=run.accounted_steps() if run.private else
+                               entries.get("epoch", 0) * per_epoch, planned_steps=args.epochs * per_epoch,
+                               finished=first_epoch(args, entries) > args.epochs,
+                               epsilon=run.epsilon() if run.private else None))
     initial = entries.get("initial") or evaluate(model, test_set, args, setup.device)
     say(setup, f"before training: held-out {name} {shown(args, initial[name])}")
     log = MetricsLog(args.metrics_file, args.tensorboard, enabled=setup.is_main, settings=vars(args),
@@ -365,8 +374,7 @@ def main(argv=None) -> int:
                    f"{' + LoRA r=%d' % args.lora_rank if args.lora else ''}, "
                    f"{sum(p.numel() for p in model.parameters()):,} parameters, {trainable:,} trained")
         if run.private:
-            say(setup, f"privacy: σ = {run.noise_multiplier:.4g}, C = {args.max_grad_norm:g}, "
-                       f"q = {run.sample_rate:.4g}, δ = {args.delta:g}, {run.grad_sample_mode} per-sample gradients")
+            say(setup, run_settings_line(run, args.epochs, C=f"{args.max_grad_norm:g}"))
         if args.evaluate:
             result = evaluate(model, test_set, args, setup.device)
             say(setup, f"held-out {metric_name(args)} = {shown(args, result[metric_name(args)])} "

@@ -54,10 +54,14 @@ from common.fsdp_llama import (
     sum_over_ranks,
 )
 from common.loop import set_epoch
+from common.notices import engine_notices, say_error
+from common.reporting import privacy_line, resume_line, settings_line
 from opacus_dp import PrivacyEngine
 from opacus_dp.data import BatchMemoryManager
 
 CHECKPOINT_MARK = "private_rank0.pt"  # written by save_checkpoint into a sharded checkpoint directory
+SECURE_MODE_NOTE = ("note: secure_mode is off: the noise comes from a seeded generator, fine for experiments; "
+                    "build the engine with secure_mode=True for a model you release")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -178,7 +182,8 @@ def make_private_run(args, ranks, model: nn.Module, train_set) -> Run:
     """Shard ``model`` with FSDP2 and make its training private (σ given or calibrated)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     loader = DataLoader(train_set, batch_size=args.batch_size, generator=torch.Generator().manual_seed(args.seed))
-    engine = PrivacyEngine(accountant=args.accountant)
+    with engine_notices(ranks.is_main, SECURE_MODE_NOTE):
+        engine = PrivacyEngine(accountant=args.accountant)
     common = dict(module=model, optimizer=optimizer, data_loader=loader, max_grad_norm=_max_grad_norm(args, model),
                   clipping=args.clipping, grad_sample_mode=args.grad_sample_mode, loss_reduction="mean",
                   noise_generator=torch.Generator(ranks.device).manual_seed(args.seed + 1),
@@ -295,15 +300,25 @@ def main(argv=None) -> int:
         say(ranks, f"model: {args.model_name_or_path or 'llama (random, from config)'}, {n_params:,} parameters, "
                    f"FSDP2 over {ranks.world_size} ranks ({ranks.device.type}){', bf16' if args.bf16 else ''}")
         say(ranks, f"data: {len(train_set)} training and {len(test_set)} held-out blocks of {args.block_size} tokens")
-        say(ranks, f"privacy: sigma={run.optimizer.noise_multiplier!r} q={run.loader.sample_rate!r} "
-                   f"steps_per_epoch={len(run.loader)} delta={args.delta!r} accountant={args.accountant} "
-                   f"mode={args.grad_sample_mode} clipping={args.clipping} C={args.max_grad_norm:g}")
+        planned = args.epochs * len(run.loader)
+        planned = planned if args.max_steps is None else min(planned, args.max_steps)
+        if run.loader.sample_rate >= 1:
+            say_error(f"warning: --batch-size {args.batch_size} ≥ {len(train_set)} training blocks: sample "
+                      "rate q = 1, every private step uses all of them (no privacy amplification by "
+                      "sampling); pass a smaller --batch-size for a sampled run", ranks.is_main)
+        say(ranks, settings_line(sigma=run.optimizer.noise_multiplier, sample_rate=run.loader.sample_rate,
+                                 steps_per_epoch=len(run.loader), delta=args.delta, accountant=args.accountant,
+                                 planned_steps=planned, mode=args.grad_sample_mode, clipping=args.clipping,
+                                 C=f"{args.max_grad_norm:g}"))
         first_epoch = resume(run, args) + 1 if args.resume else 1
         if args.resume:
-            say(ranks, f"resumed from {args.checkpoint_dir}: epoch {first_epoch - 1} done, {run.steps} steps")
+            say(ranks, resume_line(args.checkpoint_dir, steps=run.steps, planned_steps=planned,
+                                   finished=first_epoch > args.epochs or run.steps >= planned,
+                                   epsilon=run.engine.get_epsilon(args.delta)))
         perplexity = train(run, args, ranks, test_set, first_epoch)
         epsilon = run.engine.get_epsilon(args.delta)
         say(ranks, f"final: steps={run.steps} epsilon={epsilon!r} perplexity={perplexity!r}")
+        say(ranks, privacy_line(epsilon, args.delta, args.accountant))
         dist.barrier()  # no rank leaves the group while another still talks to it
         return 0
     finally:

@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=16, help="channels of the first convolution")
     add_training_args(parser, epochs=10, batch_size=240, lr=0.1, momentum=0.0)
     add_privacy_args(parser, sigma=1.0, max_grad_norm=1.0)
-    add_output_args(parser, checkpoint_file="checkpoints/mnist.pt")
+    add_output_args(parser, example="mnist")
     add_data_args(parser, data_root="data/mnist")
     args = parser.parse_args(argv)
     check_common_args(parser, args)

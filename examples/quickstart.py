@@ -23,7 +23,6 @@ import argparse
 import json
 import sys
 import time
-import warnings
 
 import numpy as np
 import torch
@@ -32,6 +31,9 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 
+from common.cli import make_parser
+from common.notices import engine_notices
+from common.reporting import privacy_line, settings_line
 from opacus_dp import PrivacyEngine
 
 PIXEL_MAX = 16.0  # load_digits stores pixel intensities as integers 0..16
@@ -41,8 +43,7 @@ SECURE_MODE_NOTE = "note: secure_mode is off (fine for experiments; use secure_m
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Private digit classifier (DP-SGD) on sklearn's digits",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = make_parser("Private digit classifier (DP-SGD) on sklearn's digits")
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
     parser.add_argument("--target-epsilon", type=float, default=3.0, help="privacy budget ε")
     parser.add_argument("--delta", type=float, default=1e-5, help="privacy parameter δ")
@@ -73,15 +74,8 @@ def load_data():
 def make_engine(accountant: str) -> PrivacyEngine:
     """The privacy engine; its secure-mode reminder becomes one short line on stderr (Python
     would print the warning with a source line), other warnings are shown as usual."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        engine = PrivacyEngine(accountant=accountant)
-    for warning in caught:
-        if str(warning.message).startswith("secure_mode is off"):
-            print(SECURE_MODE_NOTE, file=sys.stderr)
-        else:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    return engine
+    with engine_notices(True, SECURE_MODE_NOTE):
+        return PrivacyEngine(accountant=accountant)
 
 
 @torch.no_grad()
@@ -103,6 +97,9 @@ def train(args: argparse.Namespace) -> dict:
         module=model, optimizer=optimizer, data_loader=loader, target_epsilon=args.target_epsilon,
         target_delta=args.delta, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
         noise_generator=torch.Generator().manual_seed(args.seed + 1))
+    print(settings_line(sigma=optimizer.noise_multiplier, sample_rate=loader.sample_rate,
+                        steps_per_epoch=len(loader), delta=args.delta, accountant=engine.accountant.mechanism(),
+                        planned_steps=args.epochs * len(loader)), flush=True)
     criterion = nn.CrossEntropyLoss()
     for _ in range(args.epochs):
         model.train()
@@ -129,10 +126,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     result = train(args)
     result.update(seconds=time.perf_counter() - start, settings=vars(args))
-    print(f"noise multiplier σ = {result['noise_multiplier']:.4f}, sample rate q = "
-          f"{result['sample_rate']:.4f}, {result['steps']} steps")
     print(f"test accuracy = {100 * result['test_accuracy']:.2f} %")
-    print(f"ε = {result['epsilon']:.6f} at δ = {args.delta:g} ({result['accountant']} accountant)")
+    print(privacy_line(result["epsilon"], args.delta, result["accountant"]))
     print(f"time = {result['seconds']:.1f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

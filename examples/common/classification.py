@@ -18,7 +18,7 @@ from common import checkpoints
 from common.distributed import Distributed, barrier, wrap_model
 from common.loop import evaluate, first_epoch, set_learning_rate, train_epoch
 from common.privacy import TrainingRun, prepare_training
-from common.reporting import MetricsLog, privacy_line
+from common.reporting import MetricsLog, privacy_line, resume_line, run_settings_line
 
 
 def make_optimizer(args: argparse.Namespace, params) -> torch.optim.Optimizer:
@@ -91,6 +91,15 @@ def _train_epochs(args, run: TrainingRun, test_loader, setup: Distributed, log: 
     return None
 
 
+def _resumed(args, run: TrainingRun, entries: dict) -> str:
+    """The resume line: the step the run continues from, or that nothing is left to train."""
+    per_epoch = len(run.train_loader)
+    steps = run.accounted_steps() if run.private else entries.get("epoch", 0) * per_epoch
+    return resume_line(args.resume, steps=steps, planned_steps=args.epochs * per_epoch,
+                       finished=first_epoch(args, entries) > args.epochs,
+                       epsilon=run.epsilon() if run.private else None)
+
+
 def run_classification(args: argparse.Namespace, *, build_model: Callable[[], nn.Module],
                        train_set: Dataset, test_set: Dataset, setup: Distributed,
                        collate_fn=None) -> int:
@@ -101,6 +110,11 @@ def run_classification(args: argparse.Namespace, *, build_model: Callable[[], nn
         test = evaluate(run.model, test_loader, setup.device)
         _say(setup, f"test accuracy = {100 * test['accuracy']:.2f} % (checkpoint {args.resume})")
         return 0
+    if run.private:
+        _say(setup, run_settings_line(run, args.epochs))
+    _say(setup, f"checkpoint: {args.checkpoint_file}")
+    if args.resume:
+        _say(setup, _resumed(args, run, entries))
     log = MetricsLog(args.metrics_file, args.tensorboard, enabled=setup.is_main,
                      settings=vars(args), history=entries.get("metrics"))
     stopped = _train_epochs(args, run, test_loader, setup, log, entries)

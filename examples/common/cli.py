@@ -3,19 +3,47 @@
 Batch sizes: ``--batch-size B`` is the expected *physical* batch per process; one private
 step (a "logical" Poisson batch) holds ``B × n_accumulation_steps × world_size`` examples in
 expectation, i.e. the sample rate is ``q = B · k · R / N`` unless ``--sample-rate`` gives q.
+
+Outputs (checkpoints, images) go by default to ``$XDG_CACHE_HOME/opacus_dp/examples/<example>/``
+(``~/.cache/...`` when the variable is unset), never into the directory the script is run from;
+the path is printed at the start, and ``--checkpoint-file``/``--outf`` choose another.
 """
 
 import argparse
 import logging
 import math
-from typing import Optional, Sequence
+import os
+from typing import List, Optional, Sequence
 
 import torch
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless X is None, False or "" (an unset option
+    or an off switch, whose help says what happens) or the help already states its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == "" \
+                or "%(default)" in text or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
+
+
 def make_parser(description: str) -> argparse.ArgumentParser:
-    """The parser of an example; ``--help`` shows every default."""
-    return argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The parser of an example; ``--help`` shows every default (:class:`HelpFormatter`)."""
+    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+
+
+def default_output_dir(example: str) -> str:
+    """``$XDG_CACHE_HOME/opacus_dp/examples/<example>`` (``~/.cache`` if unset): outputs of a run
+    without ``--checkpoint-file``/``--outf`` stay out of the working directory (module doc)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "opacus_dp", "examples", example)
+
+
+def default_checkpoint_file(example: str) -> str:
+    return os.path.join(default_output_dir(example), f"{example}.pt")
 
 
 def add_privacy_args(parser: argparse.ArgumentParser, *, sigma: float, max_grad_norm: float,
@@ -100,9 +128,9 @@ def add_unsafe_resume_arg(parser) -> None:
                              "the file: only for an old checkpoint you wrote yourself")
 
 
-def add_output_args(parser: argparse.ArgumentParser, *, checkpoint_file: str) -> None:
+def add_output_args(parser: argparse.ArgumentParser, *, example: str) -> None:
     group = parser.add_argument_group("outputs")
-    group.add_argument("--checkpoint-file", default=checkpoint_file,
+    group.add_argument("--checkpoint-file", default=default_checkpoint_file(example), metavar="PATH",
                        help="path of the last checkpoint; the best one gets the suffix _best")
     group.add_argument("--resume", default="", metavar="PATH",
                        help="continue from this checkpoint (model, optimizer, privacy history)")
@@ -177,6 +205,25 @@ def _check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if not (above and below and math.isfinite(value)):
             bounds = f"{'≥' if inclusive else '>'} {low}" + (f" and < {high}" if high is not None else "")
             parser.error(f"--{name.replace('_', '-')} must be a finite number {bounds}, got {value}")
+
+
+def sampling_notes(args: argparse.Namespace, num_samples: int, world_size: int) -> List[str]:
+    """Lines to print when every private step would use the whole training set (q = 1: no
+    amplification by sampling, each step spends the privacy of a full-batch release), and
+    whether one process's batch alone is larger than the training set."""
+    q = sample_rate_of(args, num_samples, world_size)
+    if q < 1:
+        return []
+    if args.sample_rate is not None:
+        return [f"warning: --sample-rate {args.sample_rate:g}: sample rate q = 1, every private step "
+                f"uses all {num_samples} training examples (no privacy amplification by sampling)"]
+    k, batch = args.n_accumulation_steps, args.batch_size * args.n_accumulation_steps
+    parts = f"--batch-size {args.batch_size}" + (f" × --n-accumulation-steps {k}" if k > 1 else "")
+    parts += f" × {world_size} processes" if world_size > 1 else ""
+    size = (f"{parts} is larger than the training set of {num_samples} examples" if batch > num_samples
+            else f"{parts} ≥ {num_samples} training examples")
+    return [f"warning: {size}: sample rate q = 1, every private step uses all of them (no privacy "
+            "amplification by sampling); pass a smaller --batch-size for a sampled run"]
 
 
 def sample_rate_of(args: argparse.Namespace, num_samples: int, world_size: int) -> float:

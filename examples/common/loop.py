@@ -39,12 +39,40 @@ def set_epoch(loader: DataLoader, epoch: int) -> None:
             sampler.set_epoch(epoch)
 
 
-def progress(iterable, *, total: int, epoch: int, enabled: bool):
-    if not enabled:
-        return iterable
-    from tqdm import tqdm
+class EpochProgress:
+    """The progress bar of one epoch (nothing when disabled): :meth:`advance` after each batch
+    with the values to show, :meth:`close` with the epoch's final values — ε after its last
+    step, the figure the epoch's line prints next — which are drawn before the bar goes."""
 
-    return tqdm(iterable, total=total, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
+    def __init__(self, *, total: int, epoch: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
+
+    def advance(self, **values) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(values)  # drawn now
+
+    def close(self, **values) -> None:
+        if self.bar is not None:
+            if values:
+                self.bar.set_postfix(values, refresh=True)
+            self.bar.close()  # a second call does nothing
+
+    def __enter__(self) -> "EpochProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # an epoch cut short (budget exhausted) leaves no bar behind
+
+
+def epsilon_due(stepped: int, steps: int, print_freq: int) -> bool:
+    """Whether the bar's ε is recomputed now: at the epoch's first private step, then whenever the
+    count of steps crosses a multiple of ``print_freq`` (the epoch's last step: :meth:`EpochProgress.close`)."""
+    return stepped > steps and (steps == 0 or stepped // print_freq > steps // print_freq)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, args, epoch: int) -> None:
@@ -71,9 +99,9 @@ def train_epoch(run: TrainingRun, epoch: int, *, device: torch.device, print_fre
     loss_sum, correct, seen, steps = 0.0, 0, 0, 0
     accounted_before = run.accounted_steps()
     epsilon = run.epsilon() if run.private else math.nan
-    with physical_batches(run) as batches:
-        bar = progress(batches, total=len(run.train_loader), epoch=epoch, enabled=show_progress)
-        for batch, take_step in bar:
+    with EpochProgress(total=len(run.train_loader), epoch=epoch, enabled=show_progress) as bar, \
+            physical_batches(run) as batches:
+        for batch, take_step in batches:
             inputs, targets = to_device(batch, device)
             run.optimizer.zero_grad(set_to_none=True)
             outputs = run.model(inputs)
@@ -88,16 +116,20 @@ def train_epoch(run: TrainingRun, epoch: int, *, device: torch.device, print_fre
                 loss_sum += loss.item() * len(targets)
                 correct += int((outputs.argmax(dim=1) == targets).sum())
                 seen += len(targets)
-            if run.private and stepped > steps and (steps == 0 or stepped % print_freq == 0):
-                epsilon = run.epsilon()  # at the epoch's first step, then every print_freq steps
+            if run.private and epsilon_due(stepped, steps, print_freq):
+                epsilon = run.epsilon()
             steps = stepped
-            if show_progress:
-                bar.set_postfix(loss=f"{loss_sum / max(seen, 1):.3f}",
-                                acc=f"{correct / max(seen, 1):.3f}", eps=f"{epsilon:.2f}")
+            bar.advance(**_shown(loss_sum, correct, seen, epsilon))
+        epsilon = run.epsilon() if run.private else math.nan
+        bar.close(**_shown(loss_sum, correct, seen, epsilon))
     loss_sum, correct, seen = _sum_over_processes(device, loss_sum, correct, seen)
-    epsilon = run.epsilon() if run.private else math.nan
     return EpochStats(loss=loss_sum / max(seen, 1), accuracy=correct / max(seen, 1),
                       steps=steps, epsilon=epsilon)
+
+
+def _shown(loss_sum: float, correct: int, seen: int, epsilon: float) -> dict:
+    return dict(loss=f"{loss_sum / max(seen, 1):.3f}", acc=f"{correct / max(seen, 1):.3f}",
+                eps=f"{epsilon:.3f}")
 
 
 def _steps_so_far(run: TrainingRun, counted: int, accounted_before: int) -> int:

@@ -22,8 +22,9 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from common.cli import physical_batch_limit, sample_rate_of
+from common.cli import physical_batch_limit, sample_rate_of, sampling_notes
 from common.distributed import Distributed
+from common.notices import engine_notices, say_error
 
 
 @dataclass
@@ -152,16 +153,19 @@ def prepare_training(args: argparse.Namespace, model: nn.Module, optimizer: torc
     from opacus_dp.data import DPDataLoader
 
     q = sample_rate_of(args, len(train_set), setup.world_size)
+    for note in sampling_notes(args, len(train_set), setup.world_size):
+        say_error(note, setup.is_main)
     loader = DPDataLoader(train_set, sample_rate=q, distributed=setup.active,
                           generator=_sampling_generator(args), num_workers=args.workers,
                           collate_fn=collate_fn)
-    if args.api == "modern":
-        budget_delta = args.delta if args.max_epsilon is not None else None
-        model, optimizer, loader, engine = _modern(args, model, optimizer, loader,
-                                                   noise_multiplier, budget_delta, setup.device)
-    else:
-        model, optimizer, loader, engine = _classic(args, model, optimizer, loader, noise_multiplier,
-                                                    setup.device)
+    with engine_notices(setup.is_main):
+        if args.api == "modern":
+            budget_delta = args.delta if args.max_epsilon is not None else None
+            model, optimizer, loader, engine = _modern(args, model, optimizer, loader,
+                                                       noise_multiplier, budget_delta, setup.device)
+        else:
+            model, optimizer, loader, engine = _classic(args, model, optimizer, loader, noise_multiplier,
+                                                        setup.device)
     mode = engine.grad_sample_mode if args.api == "classic" else args.grad_sample_mode
     return TrainingRun(model, optimizer, loader, api=args.api, delta=args.delta, engine=engine,
                        physical_limit=physical_batch_limit(args), sample_rate=q, grad_sample_mode=mode)

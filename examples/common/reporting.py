@@ -73,6 +73,37 @@ class MetricsLog:
             json.dump(_clean(payload), f, indent=2)
 
 
+def settings_line(*, sigma: float, sample_rate: float, steps_per_epoch: int, delta: float, accountant: str,
+                  planned_steps: int, **details) -> str:
+    """The line every private example prints before training (tests parse it)::
+
+        privacy: sigma=σ q=q steps_per_epoch=K delta=δ accountant=A planned_steps=T [key=value ...]
+
+    σ and q in full precision (``repr``), so that ε of the T planned steps can be recomputed."""
+    fields = dict(sigma=repr(float(sigma)), q=repr(float(sample_rate)), steps_per_epoch=int(steps_per_epoch),
+                  delta=repr(float(delta)), accountant=accountant, planned_steps=int(planned_steps), **details)
+    return "privacy: " + " ".join(f"{key}={value}" for key, value in fields.items())
+
+
+def run_settings_line(run, epochs: int, **details) -> str:
+    """:func:`settings_line` of a private ``common.privacy.TrainingRun`` planned for ``epochs``
+    passes of its Poisson loader (``len(loader)`` steps each)."""
+    per_epoch = len(run.train_loader)
+    return settings_line(sigma=run.noise_multiplier, sample_rate=run.sample_rate, steps_per_epoch=per_epoch,
+                         delta=run.delta, accountant=run.engine.accountant.mechanism(),
+                         planned_steps=epochs * per_epoch, mode=run.grad_sample_mode, **details)
+
+
+def resume_line(path: str, *, steps: int, planned_steps: int, finished: bool,
+                epsilon: Optional[float] = None) -> str:
+    """What ``--resume PATH`` found: where the run continues (with ε spent so far, for a private
+    run), or that the checkpoint already holds every planned step (``finished``)."""
+    if finished:
+        return f"checkpoint {path} already covers the planned {planned_steps} steps: nothing to do"
+    spent = f" (ε = {epsilon:.3f})" if epsilon is not None else ""
+    return f"resumed from {path} at step {steps}{spent}"
+
+
 def privacy_line(epsilon: float, delta: float, accountant: str) -> str:
     """The line every example prints at the end (tests parse it): ``ε = … at δ = …``."""
     return f"ε = {epsilon:.6f} at δ = {delta:g} ({accountant} accountant)"
