@@ -24,10 +24,17 @@ SECURE_MODE_NOTICE = ("secure_mode is off: fine for experiments; train the final
                       "secure_mode=True for noise robust to floating-point attacks")
 
 
+class SecureModeNotice(UserWarning):
+    """The reminder that ``secure_mode`` is off (a type, so that it can be filtered as such)."""
+
+
 def warn_if_not_secure(secure_mode: bool, stacklevel: int = 3) -> None:
-    """The reminder that ``secure_mode`` is off (``stacklevel``: the user's call)."""
-    if not secure_mode:
-        warnings.warn(SECURE_MODE_NOTICE, UserWarning, stacklevel=stacklevel)
+    """The reminder that ``secure_mode`` is off (``stacklevel``: the user's call), from one process
+    only when ``torch.distributed`` is initialised (rank 0)."""
+    if secure_mode or (torch.distributed.is_available() and torch.distributed.is_initialized()
+                       and torch.distributed.get_rank() != 0):
+        return
+    warnings.warn(SECURE_MODE_NOTICE, SecureModeNotice, stacklevel=stacklevel)
 
 
 def shard_if_asked(module: nn.Module, fsdp: FsdpOption) -> Optional[Dict[torch.Tensor, str]]:

@@ -1,7 +1,7 @@
 """One-line notices of the examples on stderr (what Python's warning display would print with a
 source path, once per process of a ``torchrun`` job).
 
-The library reminds, with a ``UserWarning`` at each engine it builds, that ``secure_mode`` is off.
+The library reminds, with a ``SecureModeNotice`` (a ``UserWarning``) at each engine it builds, that ``secure_mode`` is off.
 In the examples that reminder becomes one line naming the flag that turns it on
 (``--secure-rng``), printed by the main process only; every other warning is issued unchanged.
 """
@@ -11,7 +11,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
-from opacus_dp.engine_wiring import SECURE_MODE_NOTICE
+from opacus_dp.engine_wiring import SecureModeNotice
 
 SECURE_MODE_NOTE = ("note: secure_mode is off: noise and sampling come from seeded generators, fine for "
                     "experiments; pass --secure-rng for a model you release")
@@ -32,7 +32,7 @@ def engine_notices(show: bool, note: str = SECURE_MODE_NOTE) -> Iterator[None]:
         yield
     noted = False
     for warning in caught:
-        if str(warning.message) == SECURE_MODE_NOTICE:
+        if issubclass(warning.category, SecureModeNotice):
             if not noted:
                 say_error(note, show)
             noted = True

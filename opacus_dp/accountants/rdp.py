@@ -50,11 +50,12 @@ class RDPAccountant(PrivacyAccountant):
     def get_privacy_spent(
         self, *, delta: float, alphas: Optional[Sequence[float]] = None
     ) -> Tuple[float, float]:
-        """``(ε, best_order)``: ε at δ and the RDP order achieving it (``nan`` if none does)."""
+        """``(ε, best_order)``: ε at δ and the RDP order achieving it (``nan`` only when ε is
+        infinite; before any costly step ``(0, the smallest order)``, as the analysis gives for zero RDP)."""
         delta = check_delta(delta)
         orders = self.alphas if alphas is None else check_orders(alphas)
         if self._spends_nothing():
-            return 0.0, float("nan")
+            return rdp_analysis.get_privacy_spent(orders, np.zeros(len(orders)), delta)
         return rdp_analysis.get_privacy_spent(orders, self.compute_rdp(orders), delta)
 
     def get_epsilon(self, delta: float, alphas: Optional[Sequence[float]] = None) -> float:

@@ -76,8 +76,6 @@ def test_a_0x_loop_without_the_sampler_is_still_warned():
         _train(model, optimizer, shuffled)
 
 
-@pytest.mark.xfail(strict=True, reason="RDPAccountant.get_privacy_spent returns (0.0, nan) for an empty "
-                                       "history, so a 0.x loop prints 'for α = nan' before its first step")
 def test_privacy_spent_before_the_first_step_names_an_order():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
