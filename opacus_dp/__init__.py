@@ -17,6 +17,7 @@ _LAZY = {
     "DPDataLoader": "opacus_dp.data",
     "BatchMemoryManager": "opacus_dp.data",
     "PrivacyBudgetExceededError": "opacus_dp.errors",
+    "install_as_opacus": "opacus_dp.integrations",
 }
 
 __all__ = ["__version__", *_LAZY]
