@@ -14,7 +14,7 @@ refuses, before anything changes, the step that would push ε above the maximum.
 """
 
 import warnings
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -117,7 +117,8 @@ class PrivacyEngine(metaclass=_EngineType):
                      max_clipbound: Optional[float] = None, min_clipbound: Optional[float] = None,
                      unclipped_num_std: Optional[float] = None, step_timeout=None,
                      skip_weight_grads: Optional[bool] = None, noise_mechanism: str = "independent",
-                     bands: Optional[int] = None, epochs: Optional[float] = None, fsdp=False):
+                     bands: Optional[int] = None, epochs: Optional[float] = None, fsdp=False,
+                     check_sample_independence: bool = True, public_buffers: Sequence[str] = ()):
         """Return ``(GradSampleModule, DPOptimizer, DataLoader)`` ready for private training.
 
         With ``poisson_sampling`` the loader is replaced by a ``DPDataLoader`` with
@@ -160,6 +161,7 @@ class PrivacyEngine(metaclass=_EngineType):
         A model sharded with FSDP2 (``fully_shard``) is trained with clipped sums reduce-scattered
         into the shards; ``fsdp=True`` (or a dict of ``fully_shard`` options and ``blocks``) shards an
         unsharded model for the user and points ``optimizer`` at the shards (``docs/distributed.md``).
+        ``check_sample_independence``, ``public_buffers``: :mod:`opacus_dp.grad_sample.model_checks`.
         """
         _check_opacus_flags(wrap_model, rand_on_empty)
         self._mechanism = plan_mechanism(noise_mechanism, data_loader=data_loader, bands=bands, epochs=epochs,
@@ -183,6 +185,7 @@ class PrivacyEngine(metaclass=_EngineType):
         gsm = wrap_module(module, grad_sample_mode=grad_sample_mode, batch_first=batch_first,
                           loss_reduction=loss_reduction, skip_weight_grads=skip_weight_grads)
         try:
+            gsm.configure_model_checks(check_sample_independence, public_buffers)
             loader, dp_optimizer = self._private_loader_and_optimizer(
                 gsm, module, optimizer, data_loader, noise_multiplier=noise_multiplier,
                 max_grad_norm=max_grad_norm, loss_reduction=loss_reduction, clipping=clipping,
@@ -212,7 +215,8 @@ class PrivacyEngine(metaclass=_EngineType):
                                   min_clipbound: Optional[float] = None,
                                   unclipped_num_std: Optional[float] = None, step_timeout=None,
                                   skip_weight_grads: Optional[bool] = None, noise_mechanism: str = "independent",
-                                  bands: Optional[int] = None, fsdp=False, **epsilon_kwargs):
+                                  bands: Optional[int] = None, fsdp=False, check_sample_independence: bool = True,
+                                  public_buffers: Sequence[str] = (), **epsilon_kwargs):
         """:meth:`make_private` with σ calibrated so that ``epochs`` passes spend ≤ target ε;
         ``epsilon_kwargs`` go to the accountant's ``get_epsilon`` during the calibration (as in
         Opacus: ``alphas`` for RDP, ``eps_error`` for PRV). With ``clipping="adaptive"`` the
@@ -239,7 +243,7 @@ class PrivacyEngine(metaclass=_EngineType):
             clipbound_learning_rate=clipbound_learning_rate, max_clipbound=max_clipbound,
             min_clipbound=min_clipbound, unclipped_num_std=unclipped_num_std, step_timeout=step_timeout,
             skip_weight_grads=skip_weight_grads, noise_mechanism=noise_mechanism, bands=bands, epochs=epochs,
-            fsdp=fsdp)
+            fsdp=fsdp, check_sample_independence=check_sample_independence, public_buffers=public_buffers)
 
     def _private_loader_and_optimizer(self, gsm, module, optimizer, data_loader, *,
                                       noise_multiplier, max_grad_norm, loss_reduction, clipping,
@@ -347,6 +351,7 @@ class PrivacyEngine(metaclass=_EngineType):
         """Restore what :meth:`save_checkpoint` saved; returns the remaining checkpoint entries.
         Loads with ``weights_only=True`` (``torch_load_kwargs={"weights_only": False}`` opts out for
         trusted old files); with ``signing_key`` an unsigned or altered file is refused."""
+        checkpoint.refuse_unfinished_logical_batch(optimizer)  # before any collective of FSDP2
         if is_fully_sharded(module):
             return self._sharded_checkpoint(fsdp_checkpoint.load, path, module, optimizer, data_loader,
                                             noise_scheduler, grad_clip_scheduler, signing_key)

@@ -62,7 +62,8 @@ class ClassicPrivacyEngine:
     ``grad_sample_mode`` ("hooks", "functorch", "ghost", "bk", "auto"; see
     :mod:`opacus_dp.grad_sample.mode_selection`) and its ``skip_weight_grads``; ``fsdp=True`` (or a
     dict of ``fully_shard`` options) shards the model with FSDP2 here and ``attach`` points the
-    optimizer at the shards (``docs/distributed.md``). ``p.grad_sample``
+    optimizer at the shards (``docs/distributed.md``); ``check_sample_independence`` and
+    ``public_buffers``: as for ``make_private``. ``p.grad_sample``
     and ``p.summed_grad`` follow 0.x's lifecycle (:mod:`opacus_dp.state_views`).
     """
 
@@ -78,7 +79,7 @@ class ClassicPrivacyEngine:
                  noise_generator: Optional[torch.Generator] = None, grad_sample_mode: str = "hooks",
                  enable_stat: bool = False, experimental: bool = False, clipping_method=None,
                  clipping_ratio=None, clipping_momentum=None, skip_weight_grads: Optional[bool] = None,
-                 fsdp=False):
+                 fsdp=False, check_sample_independence: bool = True, public_buffers: Sequence[str] = ()):
         check_misc_settings(enable_stat=enable_stat, experimental=experimental, clipping_method=clipping_method,
                             clipping_ratio=clipping_ratio, clipping_momentum=clipping_momentum)
         self.secure_mode = self.secure_rng = bool(secure_rng)
@@ -115,6 +116,7 @@ class ClassicPrivacyEngine:
         self.noise_generator = noise_generator
         self.grad_sample_mode = check_choice(grad_sample_mode, MODE_NAMES, "grad_sample_mode")
         self.skip_weight_grads = skip_weight_grads
+        self._model_checks = (check_sample_independence, public_buffers)
         self.device = None
         self.optimizer = None
         self.grad_sample_module = None
@@ -140,6 +142,7 @@ class ClassicPrivacyEngine:
         gsm = wrap_module(self.module, grad_sample_mode=self.grad_sample_mode, batch_first=self.batch_first,
                           loss_reduction=self.loss_reduction, skip_weight_grads=self.skip_weight_grads)
         try:
+            gsm.configure_model_checks(*self._model_checks)
             dp_optimizer = make_dp_optimizer(
                 optimizer, grad_sample_module=gsm, noise_multiplier=self._noise_multiplier,
                 max_grad_norm=self._max_grad_norm, expected_batch_size=self.expected_batch_size,

@@ -1,13 +1,15 @@
 """The public methods of ``GradSampleModule`` beyond its hooks (Opacus's API): reading and
 consuming the per-sample gradients, their lifecycle, closing, state dicts, validation."""
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from opacus_dp.distributed import data_parallel
 from opacus_dp.errors import UnsupportedModuleError
+from opacus_dp.grad_sample.attachments import weakly
+from opacus_dp.grad_sample.model_checks import replace_model_checks
 from opacus_dp.grad_sample.support import describe, unsupported_modules
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.per_sample_source import ModuleGradSource
@@ -70,6 +72,12 @@ class GradSampleModuleAPI:
 
     def allow_grad_accumulation(self) -> None:
         self._store.accumulation_allowed = True
+
+    def configure_model_checks(self, check_sample_independence: bool = True, public_buffers: Sequence[str] = ()):
+        """(Re)set the model-level checks (constructor arguments of the same names)."""
+        self._model_checks = replace_model_checks(getattr(self, "_model_checks", None), self._module, self._handles,
+                                                  self.batch_first, weakly(self._recording, False),
+                                                  check_sample_independence, public_buffers)
 
     def disable_hooks(self) -> None:
         self.hooks_enabled = False

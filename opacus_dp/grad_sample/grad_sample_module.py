@@ -24,6 +24,7 @@ The hooks on the user's layers refer to their wrapper weakly: a wrapper dropped 
 is collected while the model lives on, and a finalizer removes all it attached (:class:`_Attachments`).
 """
 
+import copy
 import gc
 import threading
 import weakref
@@ -42,7 +43,8 @@ from opacus_dp.grad_sample.broadcast_inputs import BroadcastInputs
 from opacus_dp.grad_sample.compiled_modules import prepare_for_compile
 from opacus_dp.grad_sample.grad_sample_api import GradSampleModuleAPI
 from opacus_dp.grad_sample.outside_use_totals import OutsideUseTotals
-from opacus_dp.grad_sample.layer_call import LayerCall, call_batch_dim, hook_output_grad, separate_outputs
+from opacus_dp.grad_sample.layer_call import (LayerCall, call_batch_dim, hook_output_grad,
+                                             per_sample_output_grads, separate_outputs)
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck, Switches
@@ -107,6 +109,8 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
             then stays None after ``loss.backward()`` (call :meth:`disable_hooks` for an ordinary
             gradient). Never done for models with ``nn.DataParallel`` or
             ``DistributedDataParallel`` inside (replicas, reducer), where it is ignored.
+        check_sample_independence, public_buffers: refuse a model whose samples mix, or that writes a
+            buffer not named in ``public_buffers`` (:mod:`~opacus_dp.grad_sample.model_checks`).
 
     Accumulation: per-sample gradients of all calls made for one backward pass (loops,
     RNN time steps, tied weights, several forwards added into one loss) are summed;
@@ -131,6 +135,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         strict: bool = True,
         force_functorch: bool = False,
         skip_weight_grads: bool = False,
+        check_sample_independence: bool = True, public_buffers: Sequence[str] = (),
     ):
         super().__init__()
         self._check_arguments(module, batch_first, loss_reduction)
@@ -154,6 +159,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         self._handles.extend(guard_running_statistics(module, weakly(self._recording, False)))
         if self._handles:
             data_parallel.acquire(self)
+        self.configure_model_checks(check_sample_independence, public_buffers)
         self.skips_weight_grads = bool(skip_weight_grads) and not _has_replicas(module)
         if self.skips_weight_grads:
             self._skip_weight_grads()
@@ -338,6 +344,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         if not self.hooks_enabled:
             return
         scale = call.batch_size if self.loss_reduction == "mean" else None
+        grads = per_sample_output_grads(master, grads)  # float16 under autocast: in float32
         backprops = batch_first_backprops(call, hooked, n_outputs, grads, scale)
         if backprops is None:
             return
@@ -385,6 +392,18 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
     def forward(self, *args, **kwargs):
         self._restore_switches()
         return self._module(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        """A plain deep copy of the wrapped model, without the hooks and attributes of this wrapper
+        (an EMA copy: ordinary ``p.grad``, state-dict keys of the model, no ``_module.``)."""
+        copied = copy.deepcopy(self._module, memo)
+        memo[id(self)] = copied
+        return copied
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            f"a {type(self).__name__} cannot be pickled (its per-sample state is not data to save): "
+            "save model.state_dict() or a checkpoint, or pickle the plain copy copy.deepcopy(model)")
 
     def __getattr__(self, name: str):
         try:

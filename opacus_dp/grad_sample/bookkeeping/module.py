@@ -39,7 +39,7 @@ from opacus_dp.grad_sample.attachments import weakly
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule, batch_first_backprops
 from opacus_dp.grad_sample.support import describe
 from opacus_dp.maths.per_sample import is_loss_scaled
-from opacus_dp.module_parameters import has_trainable_parameters, local_part
+from opacus_dp.module_parameters import has_trainable_parameters, is_sharded_model, local_part
 from opacus_dp.per_sample_source import NO_GRADS, FactorFunction, NameOf
 
 
@@ -70,20 +70,23 @@ class BookkeepingGradSampleModule(GradSampleModule):
             with many positions, e.g. early convolutions, as its Gram products grow with the
             square of the positions).
         skip_weight_grads: as for ``GradSampleModule`` (default here: True).
+        check_sample_independence, public_buffers: as for ``GradSampleModule``.
     """
 
     _tracks_producers = True  # kept ghost inputs may be held as their activation's input
 
     def __init__(self, module: nn.Module, batch_first: bool = True, loss_reduction: str = "mean",
                  strict: bool = True, layer_rule: str = "mixed",
-                 skip_weight_grads: bool = True):
+                 skip_weight_grads: bool = True, check_sample_independence: bool = True,
+                 public_buffers: Sequence[str] = ()):
         if isinstance(module, nn.Module):
             _refuse_data_parallel(module)
         # no reference cycle through the wrapper, and none from the store (kept by the
         # wrapper's finalizer) to it: a dropped wrapper is freed (see GradSampleModule)
         self._bookkeeper = Bookkeeper(weakly(self._per_sample_grads), layer_rule)
         super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction,
-                         strict=strict, skip_weight_grads=skip_weight_grads)
+                         strict=strict, skip_weight_grads=skip_weight_grads,
+                         check_sample_independence=check_sample_independence, public_buffers=public_buffers)
         self._bookkeeper.shared_layers = shared_layers(self._hooked_layers())
         store, bookkeeper = self._store, weakref.ref(self._bookkeeper)
         self._bookkeeper.other_batches = lambda: store.passes
@@ -208,8 +211,11 @@ class BookkeepingGradSampleModule(GradSampleModule):
     @property
     def supports_two_passes(self) -> bool:
         """The two-pass backward of the ``ghost`` mode needs no autograd weight gradients (a
-        second backward through ``DistributedDataParallel`` would reduce twice)."""
-        return self.skips_weight_grads
+        second backward through ``DistributedDataParallel`` would reduce twice) and no FSDP2
+        model: there every backward pass is a collective (all-gathers), so a rank whose local
+        batch is empty (no second pass needed) would leave the others waiting; one pass is
+        equally correct and gathers the shards once."""
+        return self.skips_weight_grads and not is_sharded_model(self._module)
 
     @contextmanager
     def norms_pass(self):
