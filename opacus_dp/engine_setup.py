@@ -4,12 +4,16 @@ the one mode table, :mod:`opacus_dp.grad_sample.mode_selection`), the optimizer.
 
 import math
 import secrets
+import warnings
 from typing import Dict, List, Optional, Sequence, Type, Union
 
 import torch
 import torch.nn as nn
+from torch.utils.data import DataLoader
 
+from opacus_dp.data import UniformWithReplacementSampler
 from opacus_dp.grad_sample import BookkeepingGradSampleModule, GradSampleModule
+from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion, StepClipping
 from opacus_dp.grad_sample.compiled_modules import compile_like, take_compiled
 from opacus_dp.grad_sample.mode_selection import MODE_NAMES, wrap_for_engine
 from opacus_dp.model_wrappers import parameter_names, unwrap_model  # noqa: F401  (also imported from here)
@@ -148,3 +152,34 @@ def make_dp_optimizer(optimizer, *, grad_sample_module, noise_multiplier: float,
     )
     dp_optimizer.use_state_views(state_views)
     return dp_optimizer
+
+
+def ghost_criterion(criterion, loss_reduction: str, module, optimizer):
+    """The criterion returned in ghost mode (Opacus 1.6 returns one, default cross-entropy):
+    its losses run the two-pass backward (see opacus_dp.grad_sample.bookkeeping.ghost_criterion)."""
+    if criterion is None:
+        criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
+    clipping = StepClipping(params=lambda: optimizer.params, clip_factors=optimizer.clip_factors)
+    return GhostCriterion(criterion, loss_reduction, module=module, clipping=clipping)
+
+
+def refuse_skipped_empty_draws(data_loader: DataLoader) -> None:
+    """A 0.x ``UniformWithReplacementSampler`` skips its empty draws (:mod:`opacus_dp.data.empty_draws`);
+    this engine would neither step on them nor account them, which under-reports ε."""
+    sampler = getattr(data_loader, "batch_sampler", None)
+    if isinstance(sampler, UniformWithReplacementSampler) and sampler.skip_empty:
+        raise ValueError(
+            "data_loader draws Poisson batches with UniformWithReplacementSampler, which skips empty "
+            "draws: with poisson_sampling=False they would be neither steps nor accounted (epsilon "
+            "under-reported). Pass poisson_sampling=True (the engine then samples itself), or "
+            "UniformWithReplacementSampler(..., skip_empty=False) with a collate_fn that accepts an "
+            "empty list")
+
+
+def check_opacus_flags(wrap_model, rand_on_empty) -> None:
+    for name, value in (("wrap_model", wrap_model), ("rand_on_empty", rand_on_empty)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if rand_on_empty:
+        warnings.warn("rand_on_empty=True has no effect: empty Poisson batches are delivered as "
+                      "batches with zero rows, which every grad_sample_mode handles", UserWarning)

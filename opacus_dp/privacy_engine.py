@@ -26,16 +26,19 @@ from opacus_dp.distributed import fsdp_checkpoint
 from opacus_dp.distributed.fsdp import is_fully_sharded
 from opacus_dp.accountants import create_accountant, get_noise_multiplier
 from opacus_dp.accountants.validation import warn_if_delta_not_small
-from opacus_dp.data import DPDataLoader, UniformWithReplacementSampler, check_sampling, switch_generator
+from opacus_dp.data import DPDataLoader, check_sampling, switch_generator
 from opacus_dp.data.loader_facts import expected_batch_size_for, fixed_batch_size, planned_steps, sample_rate_of
 from opacus_dp.data.sampling_checks import check_batching
 from opacus_dp.distributed.checks import share_generator_state
 from opacus_dp.engine_setup import (
     adaptive_options,
     check_choice,
+    check_opacus_flags,
     check_optimizer_params,
     check_privacy_arguments,
+    ghost_criterion,
     make_dp_optimizer,
+    refuse_skipped_empty_draws,
     secure_generator,
     unwrap_model,
     validate_module,
@@ -49,7 +52,6 @@ from opacus_dp.engine_wiring import (
     shard_if_asked,
     warn_if_not_secure,
 )
-from opacus_dp.grad_sample.bookkeeping.ghost_criterion import GhostCriterion, StepClipping
 from opacus_dp.grad_sample.mode_selection import MODE_NAMES
 from opacus_dp.mechanisms.engine import calibrated_noise_multiplier, plan_mechanism, use_mechanism
 from opacus_dp.optim.adaptive_clipping import adaptive_clipper
@@ -163,7 +165,7 @@ class PrivacyEngine(metaclass=_EngineType):
         unsharded model for the user and points ``optimizer`` at the shards (``docs/distributed.md``).
         ``check_sample_independence``, ``public_buffers``: :mod:`opacus_dp.grad_sample.model_checks`.
         """
-        _check_opacus_flags(wrap_model, rand_on_empty)
+        check_opacus_flags(wrap_model, rand_on_empty)
         self._mechanism = plan_mechanism(noise_mechanism, data_loader=data_loader, bands=bands, epochs=epochs,
                                          poisson_sampling=poisson_sampling, clipping=clipping)
         check_privacy_arguments(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
@@ -197,7 +199,7 @@ class PrivacyEngine(metaclass=_EngineType):
             raise
         self._data_loader = loader
         if grad_sample_mode == "ghost":
-            return gsm, dp_optimizer, _ghost_criterion(criterion, loss_reduction, gsm, dp_optimizer), loader
+            return gsm, dp_optimizer, ghost_criterion(criterion, loss_reduction, gsm, dp_optimizer), loader
         return gsm, dp_optimizer, loader
 
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -283,7 +285,7 @@ class PrivacyEngine(metaclass=_EngineType):
             return DPDataLoader.from_data_loader(data_loader, generator=generator,
                                                  distributed=distributed, batch_first=batch_first)
         check_batching(data_loader, "make_private(poisson_sampling=False)")
-        _refuse_skipped_empty_draws(data_loader)
+        refuse_skipped_empty_draws(data_loader)
         check_sampling(data_loader, poisson_expected=False)
         if generator is None:
             return data_loader
@@ -370,36 +372,3 @@ class PrivacyEngine(metaclass=_EngineType):
                       data_loader=data_loader if data_loader is not None else self._data_loader,
                       schedulers={"noise_scheduler": noise_scheduler, "grad_clip_scheduler": grad_clip_scheduler},
                       secure_mode=self.secure_mode, signing_key=signing_key, **extra)
-
-
-def _ghost_criterion(criterion, loss_reduction: str, module, optimizer):
-    """The criterion returned in ghost mode (Opacus 1.6 returns one, default cross-entropy):
-    its losses run the two-pass backward (see opacus_dp.grad_sample.bookkeeping.ghost_criterion)."""
-    if criterion is None:
-        criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
-    clipping = StepClipping(params=lambda: optimizer.params, clip_factors=optimizer.clip_factors)
-    return GhostCriterion(criterion, loss_reduction, module=module, clipping=clipping)
-
-
-def _refuse_skipped_empty_draws(data_loader: DataLoader) -> None:
-    """A 0.x ``UniformWithReplacementSampler`` skips its empty draws (:mod:`opacus_dp.data.empty_draws`);
-    this engine would neither step on them nor account them, which under-reports ε."""
-    sampler = getattr(data_loader, "batch_sampler", None)
-    if isinstance(sampler, UniformWithReplacementSampler) and sampler.skip_empty:
-        raise ValueError(
-            "data_loader draws Poisson batches with UniformWithReplacementSampler, which skips empty "
-            "draws: with poisson_sampling=False they would be neither steps nor accounted (epsilon "
-            "under-reported). Pass poisson_sampling=True (the engine then samples itself), or "
-            "UniformWithReplacementSampler(..., skip_empty=False) with a collate_fn that accepts an "
-            "empty list")
-
-
-
-
-def _check_opacus_flags(wrap_model, rand_on_empty) -> None:
-    for name, value in (("wrap_model", wrap_model), ("rand_on_empty", rand_on_empty)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
-    if rand_on_empty:
-        warnings.warn("rand_on_empty=True has no effect: empty Poisson batches are delivered as "
-                      "batches with zero rows, which every grad_sample_mode handles", UserWarning)

@@ -1,6 +1,8 @@
 """The public methods of ``GradSampleModule`` beyond its hooks (Opacus's API): reading and
 consuming the per-sample gradients, their lifecycle, closing, state dicts, validation."""
 
+import copy
+import gc
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -8,7 +10,7 @@ import torch.nn as nn
 
 from opacus_dp.distributed import data_parallel
 from opacus_dp.errors import UnsupportedModuleError
-from opacus_dp.grad_sample.attachments import weakly
+from opacus_dp.grad_sample.attachments import _owner, weakly
 from opacus_dp.grad_sample.model_checks import replace_model_checks
 from opacus_dp.grad_sample.support import describe, unsupported_modules
 from opacus_dp.model_wrappers import unwrap_model
@@ -18,6 +20,38 @@ from opacus_dp.state_views import StateViews
 
 class GradSampleModuleAPI:
     """Mixin of :class:`~opacus_dp.grad_sample.grad_sample_module.GradSampleModule` (module doc)."""
+
+    @staticmethod
+    def _check_arguments(module, batch_first, loss_reduction) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        if isinstance(module, GradSampleModuleAPI):
+            raise ValueError("module is already a GradSampleModule; wrap the inner module once")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"batch_first must be a bool, got {type(batch_first).__name__}")
+        hooked = [(path, sub) for path, sub in module.named_modules() if _owner(sub) is not None]
+        if hooked:  # perhaps a dropped wrapper in a reference cycle: collecting it detaches it
+            gc.collect()
+        for path, sub in hooked:
+            if _owner(sub) is not None:
+                raise ValueError(
+                    f"{describe(path, sub)} already has per-sample gradient hooks of another "
+                    f"GradSampleModule; call close() on that one first"
+                )
+
+    def __deepcopy__(self, memo):
+        """A plain deep copy of the wrapped model, without the hooks and attributes of this wrapper
+        (an EMA copy: ordinary ``p.grad``, state-dict keys of the model, no ``_module.``)."""
+        copied = copy.deepcopy(self._module, memo)
+        memo[id(self)] = copied
+        return copied
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            f"a {type(self).__name__} cannot be pickled (its per-sample state is not data to save): "
+            "save model.state_dict() or a checkpoint, or pickle the plain copy copy.deepcopy(model)")
 
     def trainable_parameters(self) -> List[Tuple[str, nn.Parameter]]:
         """``(name, param)`` of the wrapped module's parameters with ``requires_grad``."""

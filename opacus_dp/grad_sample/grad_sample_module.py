@@ -24,8 +24,6 @@ The hooks on the user's layers refer to their wrapper weakly: a wrapper dropped 
 is collected while the model lives on, and a finalizer removes all it attached (:class:`_Attachments`).
 """
 
-import copy
-import gc
 import threading
 import weakref
 from typing import Dict, List, Optional, Sequence
@@ -198,26 +196,6 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
     def _recording(self) -> bool:
         """The hooks record this call (not disabled, not a fallback's recomputation)."""
         return self.hooks_enabled and not getattr(_RECOMPUTING, "active", False)
-
-    @staticmethod
-    def _check_arguments(module, batch_first, loss_reduction) -> None:
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-        if isinstance(module, GradSampleModule):
-            raise ValueError("module is already a GradSampleModule; wrap the inner module once")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if not isinstance(batch_first, bool):
-            raise TypeError(f"batch_first must be a bool, got {type(batch_first).__name__}")
-        hooked = [(path, sub) for path, sub in module.named_modules() if _owner(sub) is not None]
-        if hooked:  # perhaps a dropped wrapper in a reference cycle: collecting it detaches it
-            gc.collect()
-        for path, sub in hooked:
-            if _owner(sub) is not None:
-                raise ValueError(
-                    f"{describe(path, sub)} already has per-sample gradient hooks of another "
-                    f"GradSampleModule; call close() on that one first"
-                )
 
     # ------------------------------------------------------------------ hooks
     def _add_hooks(self) -> None:
@@ -392,18 +370,6 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
     def forward(self, *args, **kwargs):
         self._restore_switches()
         return self._module(*args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        """A plain deep copy of the wrapped model, without the hooks and attributes of this wrapper
-        (an EMA copy: ordinary ``p.grad``, state-dict keys of the model, no ``_module.``)."""
-        copied = copy.deepcopy(self._module, memo)
-        memo[id(self)] = copied
-        return copied
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError(
-            f"a {type(self).__name__} cannot be pickled (its per-sample state is not data to save): "
-            "save model.state_dict() or a checkpoint, or pickle the plain copy copy.deepcopy(model)")
 
     def __getattr__(self, name: str):
         try:
