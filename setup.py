@@ -26,8 +26,8 @@ setup(
     extras_require={
         "examples": ["torchvision>=0.17", "tqdm>=4.60", "scikit-learn>=1.2"],
         "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "opacus==1.6.0", "dp-accounting>=0.4"],
-        # Hugging Face models (GPT-2's Conv1D), LoRA adapters and timm models; tests/hf need them
-        "hf": ["transformers>=4.40", "peft>=0.10", "timm>=1.0"],
+        # Hugging Face models (GPT-2's Conv1D), the Trainer (accelerate), LoRA adapters and timm models
+        "hf": ["transformers>=4.40", "accelerate>=1.0", "peft>=0.10", "timm>=1.0"],
     },
     entry_points={"console_scripts": ["opacus-dp-calculator=opacus_dp.cli:main"]},
     classifiers=[
