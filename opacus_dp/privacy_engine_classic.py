@@ -186,6 +186,7 @@ class ClassicPrivacyEngine:
             self._empty_draws.remove()
             self._empty_draws = None
         restore_optimizer(self.optimizer, self._saved_attributes)
+        self._dp_optimizer.reducer.close()
         self.grad_sample_module.close()
         self._noise_multiplier = self._dp_optimizer.noise_multiplier
         self.optimizer = self.grad_sample_module = self._dp_optimizer = None

@@ -67,6 +67,10 @@ class ReduceScatterReducer(BoundedStepWait):
         """Meet the other ranks (bounded) before every forward and backward pass of ``model``."""
         self.rendezvous.install(fsdp_modules(model)[0][1])
 
+    def close(self) -> None:
+        """Remove the meeting hooks from the model."""
+        self.rendezvous.remove()
+
     @torch.no_grad()
     def reduce(self, tensors: List[torch.Tensor], agreed: Optional[Dict[str, float]] = None,
                refusal: Optional[int] = None, params: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:

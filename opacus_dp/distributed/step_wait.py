@@ -145,6 +145,9 @@ class BoundedStepWait:
     """For a reducer with a ``process_group``: the settable ``step_timeout`` (seconds or timedelta;
     None: the process group's timeout) and ``_wait(works)``, which waits at most that long."""
 
+    def close(self) -> None:
+        """Remove what the reducer attached to the model (nothing, unless overridden)."""
+
     @property
     def step_timeout(self) -> Optional[float]:
         """Seconds a step waits for the other ranks (None: the process group's timeout)."""

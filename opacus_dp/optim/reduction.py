@@ -35,6 +35,9 @@ class LocalReducer:
         """Identity (``agreed``: the step's settings other processes would have to share)."""
         return tensors
 
+    def close(self) -> None:
+        """Remove what the reducer attached to the model (nothing here)."""
+
     @staticmethod
     def as_grad(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``value`` in ``param``'s shape and dtype."""
