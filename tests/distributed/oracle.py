@@ -48,3 +48,19 @@ def sgd_step(model: nn.Module, update: List[torch.Tensor], lr: float) -> None:
     """``p ← p − lr · update`` for the trainable parameters of ``model``."""
     for p, u in zip([p for p in model.parameters() if p.requires_grad], update):
         p.sub_(lr * u)
+
+
+def replay_on_one_process(model: nn.Module, reports, max_grad_norm, lr: float) -> List[torch.Tensor]:
+    """σ = 0 reference: ``model`` set to the ranks' starting parameters, then SGD on the ranks'
+    pieces of each logical step concatenated (empty pieces included), cross-entropy, clipped mean
+    over ``reports[0]["global_batch"]``."""
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), reports[0]["start"]):
+            p.copy_(value)
+    for step in range(len(reports[0]["batches"])):
+        pieces = [piece for r in reports for piece in r["batches"][step]]
+        x = torch.cat([x for x, _ in pieces])
+        y = torch.cat([y for _, y in pieces])
+        update = clipped_mean_update(model, nn.CrossEntropyLoss(), x, y, max_grad_norm, reports[0]["global_batch"])
+        sgd_step(model, update, lr)
+    return [p.detach() for p in model.parameters()]

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.accountants import RDPAccountant
-from tests.distributed.oracle import clipped_mean_update, sgd_step
+from tests.distributed.oracle import replay_on_one_process
 from tests.distributed.spawn import run_on_ranks
 from tests.distributed.workers_fsdp import DELTA, FLAT_C, LAYER_C, LR, fsdp_job, make_model
 
@@ -31,17 +31,7 @@ def ranks(tmp_path_factory):
 
 def replay(reports, clip):
     """σ = 0 reference: one process, the ranks' batches of each step concatenated, SGD."""
-    model = make_model(seed=0)
-    with torch.no_grad():
-        for p, value in zip(model.parameters(), reports[0]["start"]):
-            p.copy_(value)
-    for step in range(len(reports[0]["batches"])):
-        pieces = [piece for r in reports for piece in r["batches"][step]]
-        x = torch.cat([x for x, _ in pieces])
-        y = torch.cat([y for _, y in pieces])
-        update = clipped_mean_update(model, nn.CrossEntropyLoss(), x, y, clip, reports[0]["global_batch"])
-        sgd_step(model, update, LR)
-    return [p.detach() for p in model.parameters()]
+    return replay_on_one_process(make_model(seed=0), reports, clip, LR)
 
 
 def assert_params_equal(reports, expected, rtol=1e-6, atol=1e-7):

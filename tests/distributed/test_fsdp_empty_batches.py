@@ -7,9 +7,8 @@ with per-sample gradients from a batch-size-1 autograd loop, clipped by hand.
 
 import pytest
 import torch
-import torch.nn as nn
 
-from tests.distributed.oracle import clipped_mean_update, sgd_step
+from tests.distributed.oracle import replay_on_one_process
 from tests.distributed.spawn import run_on_ranks
 from tests.distributed.workers_fsdp import FLAT_C, LR, make_model
 from tests.distributed.workers_fsdp_empty import LOOPS, MODES, empty_batches_job
@@ -25,17 +24,7 @@ def ranks():
 
 def replay(reports):
     """One process, the ranks' pieces of each step concatenated (empty ones included), SGD."""
-    model = make_model(seed=0)
-    with torch.no_grad():
-        for p, value in zip(model.parameters(), reports[0]["start"]):
-            p.copy_(value)
-    for step in range(len(reports[0]["batches"])):
-        pieces = [piece for r in reports for piece in r["batches"][step]]
-        x = torch.cat([x for x, _ in pieces])
-        y = torch.cat([y for _, y in pieces])
-        update = clipped_mean_update(model, nn.CrossEntropyLoss(), x, y, FLAT_C, reports[0]["global_batch"])
-        sgd_step(model, update, LR)
-    return [p.detach() for p in model.parameters()]
+    return replay_on_one_process(make_model(seed=0), reports, FLAT_C, LR)
 
 
 def _local_sizes(report):

@@ -100,6 +100,23 @@ def private(model, *, mode="bk", clipping="flat", sigma=0.0, fsdp=True, seed=7, 
     return engine, out[0], out[1], criterion, out[-1]
 
 
+def record_logical_steps(engine, module, optimizer, criterion, batches, steps: int):
+    """Train on ``batches`` until ``steps`` released steps; the physical batches of each, in order."""
+    logical, current = [], []
+    for x, y in batches:
+        current.append((x, y))
+        criterion(module(x), y).backward()
+        before = len(engine.accountant)
+        optimizer.step()
+        optimizer.zero_grad()
+        if len(engine.accountant) > before:
+            logical.append(current)
+            current = []
+        if len(logical) == steps:
+            break
+    return logical
+
+
 def train_sigma_zero(rank, world_size, mode, clipping, steps=3, physical=2, sharding="flag"):
     """σ = 0 with BatchMemoryManager virtual steps; ``sharding``: "flag" (fsdp=True) or "hand"."""
     model = make_model(seed=0)
@@ -108,19 +125,8 @@ def train_sigma_zero(rank, world_size, mode, clipping, steps=3, physical=2, shar
         shard_by_hand(model)
     engine, module, optimizer, criterion, loader = private(model, mode=mode, clipping=clipping,
                                                            fsdp=sharding == "flag", seed=11 + rank)
-    logical, current = [], []
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as pieces:
-        for x, y in pieces:
-            current.append((x, y))
-            criterion(module(x), y).backward()
-            before = len(engine.accountant)
-            optimizer.step()
-            optimizer.zero_grad()
-            if len(engine.accountant) > before:
-                logical.append(current)
-                current = []
-            if len(logical) == steps:
-                break
+        logical = record_logical_steps(engine, module, optimizer, criterion, pieces, steps)
     return {"start": start, "batches": logical, "final": full_params(module),
             "global_batch": optimizer.expected_batch_size * world_size,
             "epsilon": engine.get_epsilon(DELTA), "sample_rate": loader.sample_rate, "steps": len(logical),

@@ -7,10 +7,9 @@ other some are common. Every mode trains σ = 0 in the plain loop and in the
 test compares the result with one process replaying the concatenated batches.
 """
 
-import torch
 
 from opacus_dp.data import BatchMemoryManager
-from tests.distributed.workers_fsdp import full_params, make_model, private
+from tests.distributed.workers_fsdp import full_params, make_model, private, record_logical_steps
 
 MODES = ("bk", "ghost", "hooks", "functorch")
 LOOPS = ("plain", "bmm")
@@ -21,25 +20,11 @@ def train_small_rate(rank, world_size, mode, loop, steps=6):
     model = make_model(seed=0)
     start = full_params(model)
     engine, module, optimizer, criterion, loader = private(model, mode=mode, batch_size=2, seed=3)
-    logical, current = [], []
-    physical = BatchMemoryManager(data_loader=loader, max_physical_batch_size=1, optimizer=optimizer) \
-        if loop == "bmm" else None
-    batches = physical.__enter__() if physical is not None else loader
-    try:
-        for x, y in batches:
-            current.append((x, y))
-            criterion(module(x), y).backward()
-            before = len(engine.accountant)
-            optimizer.step()
-            optimizer.zero_grad()
-            if len(engine.accountant) > before:
-                logical.append(current)
-                current = []
-            if len(logical) == steps:
-                break
-    finally:
-        if physical is not None:
-            physical.__exit__(None, None, None)
+    if loop == "bmm":
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=1, optimizer=optimizer) as pieces:
+            logical = record_logical_steps(engine, module, optimizer, criterion, pieces, steps)
+    else:
+        logical = record_logical_steps(engine, module, optimizer, criterion, loader, steps)
     return {"start": start, "batches": logical, "final": full_params(module),
             "global_batch": optimizer.expected_batch_size * world_size, "steps": len(engine.accountant)}
 
