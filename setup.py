@@ -28,6 +28,8 @@ setup(
         "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "opacus==1.6.0", "dp-accounting>=0.4"],
         # Hugging Face models (GPT-2's Conv1D), the Trainer (accelerate), LoRA adapters and timm models
         "hf": ["transformers>=4.40", "accelerate>=1.0", "peft>=0.10", "timm>=1.0"],
+        # PyTorch Lightning: opacus_dp.integrations.lightning and its tests
+        "lightning": ["lightning>=2.1"],
     },
     entry_points={"console_scripts": ["opacus-dp-calculator=opacus_dp.cli:main"]},
     classifiers=[

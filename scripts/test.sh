@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run the opacus_dp test suite. Creates ./.venv (if absent) with the package and its
-# test + example + hf (transformers, for tests/hf) extras, then runs pytest on tests/. Extra
+# test + example + hf (transformers, for tests/hf) + lightning extras, then runs pytest on tests/. Extra
 # arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/ensure_venv.sh "test,examples,hf"
+source scripts/ensure_venv.sh "test,examples,hf,lightning"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Refuse a run that collects too few tests (pytest's own exit 5 covers zero): the whole
 # suite has several hundred tests, so a broken collection cannot pass as a green run.
