@@ -20,17 +20,12 @@ import sys
 import warnings
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
+from common.digits import accuracy, load_data
 from opacus_dp.integrations.lightning import DPCallback, PrivateDataLoader
-
-PIXEL_MAX = 16.0
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Private digit classifier (DP-SGD) with PyTorch Lightning",
@@ -49,15 +44,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.epochs < 1 or args.batch_size < 1 or args.devices < 1:
         parser.error("--epochs, --batch-size and --devices must be positive")
     return args
-
-
-def load_data():
-    images, labels = load_digits(return_X_y=True)
-    features = images.astype(np.float32) / PIXEL_MAX - 0.5
-    x_train, x_test, y_train, y_test = train_test_split(features, labels, test_size=0.2, random_state=0,
-                                                        stratify=labels)
-    as_set = lambda x, y: TensorDataset(torch.from_numpy(x), torch.from_numpy(y))  # noqa: E731
-    return as_set(x_train, y_train), as_set(x_test, y_test)
 
 
 class DigitClassifier(pl.LightningModule):
@@ -81,12 +67,6 @@ class DigitClassifier(pl.LightningModule):
 
     def train_dataloader(self):
         return PrivateDataLoader(DataLoader(self.train_set, batch_size=self.batch_size))
-
-
-def accuracy(model: torch.nn.Module, dataset) -> float:
-    x, y = dataset.tensors
-    with torch.no_grad():
-        return float((model(x).argmax(dim=1) == y).float().mean())
 
 
 def main(argv=None) -> int:

@@ -24,21 +24,16 @@ import json
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.nn as nn
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from common.cli import make_parser
+from common.digits import accuracy, load_data
 from common.notices import engine_notices
 from common.reporting import privacy_line, settings_line
 from opacus_dp import PrivacyEngine
 
-PIXEL_MAX = 16.0  # load_digits stores pixel intensities as integers 0..16
-TEST_FRACTION = 0.2
-SPLIT_SEED = 0
 SECURE_MODE_NOTE = "note: secure_mode is off (fine for experiments; use secure_mode=True for a released model)"
 
 
@@ -60,29 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load_data():
-    """Fixed train/test split of the digits, pixels mapped to [-1/2, 1/2] with fixed constants."""
-    images, labels = load_digits(return_X_y=True)
-    features = images.astype(np.float32) / PIXEL_MAX - 0.5
-    x_train, x_test, y_train, y_test = train_test_split(
-        features, labels, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=labels)
-    train = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
-    test = TensorDataset(torch.from_numpy(x_test), torch.from_numpy(y_test))
-    return train, test
-
-
 def make_engine(accountant: str) -> PrivacyEngine:
     """The privacy engine; its secure-mode reminder becomes one short line on stderr (Python
     would print the warning with a source line), other warnings are shown as usual."""
     with engine_notices(True, SECURE_MODE_NOTE):
         return PrivacyEngine(accountant=accountant)
-
-
-@torch.no_grad()
-def accuracy(model: nn.Module, dataset: TensorDataset) -> float:
-    model.eval()
-    features, labels = dataset.tensors
-    return float((model(features).argmax(dim=1) == labels).float().mean())
 
 
 def train(args: argparse.Namespace) -> dict:
