@@ -188,3 +188,11 @@ def explained_fallback_error(error: RuntimeError, layer_name: str) -> Exception:
                               f"fallback but {cause}; {fix}")
     return error
 
+
+
+# Opacus 1.6's public helpers of this module (opacus.grad_sample.functorch)
+from opacus_dp.grad_sample.functorch_compat import (  # noqa: E402
+    ft_compute_per_sample_gradient,
+    make_functional,
+    prepare_layer,
+)

@@ -20,7 +20,9 @@ _SAME_NAME = [
     ".grad_sample.grad_sample_module", ".grad_sample.grad_sample_module_fast_gradient_clipping",
     ".grad_sample.linear", ".grad_sample.utils",
     ".layers", ".layers.dp_multihead_attention", ".layers.dp_rnn", ".layers.param_rename",
-    ".optimizers", ".optimizers.adaclipoptimizer", ".optimizers.optimizer",
+    ".optimizers", ".optimizers.adaclipoptimizer", ".optimizers.ddp_perlayeroptimizer",
+    ".optimizers.ddpoptimizer", ".optimizers.ddpoptimizer_fast_gradient_clipping",
+    ".optimizers.fsdpoptimizer_fast_gradient_clipping", ".optimizers.optimizer",
     ".optimizers.optimizer_fast_gradient_clipping", ".optimizers.perlayeroptimizer", ".optimizers.utils",
     ".privacy_engine",
     ".schedulers", ".schedulers.grad_clip_scheduler", ".schedulers.noise_scheduler",
@@ -49,7 +51,6 @@ _OWN_GRAD_SAMPLERS = ("Opacus's own per-layer grad sampler; opacus_dp's live in 
 _OTHER_WRAPPERS = ("another GradSampleModule class of Opacus; opacus_dp has one GradSampleModule "
                    "(grad_sample_mode 'hooks', 'functorch', 'ghost', 'bk')")
 _NO_FSDP_TP = "Opacus's FSDP1 / tensor-parallel path; use make_private with an FSDP2 (fully_shard) model"
-_DDP_OPTIMIZER = "make_private with a DDP/DPDDP model connects the all-reduce to the one DPOptimizer"
 _PRV_INTERNALS = ("internals of Opacus's PRV accountant; opacus_dp's PRV accountant "
                   "(opacus_dp.accountants.prv) is a different numerical implementation")
 _ADAPTIVE = "adaptive clipping is make_private(..., clipping='adaptive', target_unclipped_quantile=...)"
@@ -72,11 +73,7 @@ ABSENT: Dict[str, str] = {
     "opacus.grad_sample.gsm_no_op": _OTHER_WRAPPERS,
     "opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp": _NO_FSDP_TP,
     "opacus.grad_sample.grad_sample_module_fast_gradient_clipping_tp": _NO_FSDP_TP,
-    "opacus.optimizers.fsdpoptimizer_fast_gradient_clipping": _NO_FSDP_TP,
     "opacus.utils.fsdp_utils": _NO_FSDP_TP,
-    "opacus.optimizers.ddp_perlayeroptimizer": _DDP_OPTIMIZER,
-    "opacus.optimizers.ddpoptimizer": _DDP_OPTIMIZER,
-    "opacus.optimizers.ddpoptimizer_fast_gradient_clipping": _DDP_OPTIMIZER,
     "opacus.lightning": "needs PyTorch Lightning, which opacus_dp does not depend on",
     "opacus.utils.adaptive_clipping": _ADAPTIVE,
     "opacus.utils.adaptive_clipping.adaptive_clipping_utils": _ADAPTIVE,

@@ -48,7 +48,7 @@ PRESENT = [
     ]),
     ('0.x, 1.x', 'opacus_dp.grad_sample.conv', []),
     ('0.x, 1.x', 'opacus_dp.grad_sample.embedding', []),
-    ('1.x', 'opacus_dp.grad_sample.functorch', []),
+    ('1.x', 'opacus_dp.grad_sample.functorch', ['ft_compute_per_sample_gradient', 'make_functional', 'prepare_layer']),
     ('0.x, 1.x', 'opacus_dp.grad_sample.grad_sample_module', ['GradSampleModule']),
     ('1.x', 'opacus_dp.grad_sample.grad_sample_module_fast_gradient_clipping', [
         'GradSampleModuleFastGradientClipping'
@@ -69,13 +69,21 @@ PRESENT = [
     ]),
     ('0.x, 1.x', 'opacus_dp.layers.param_rename', []),
     ('1.x', 'opacus_dp.optimizers', [
-        'AdaClipDPOptimizer', 'DPOptimizer', 'DPOptimizerFastGradientClipping', 'DPPerLayerOptimizer'
+        'AdaClipDPOptimizer', 'DPOptimizer', 'DPOptimizerFastGradientClipping', 'DPPerLayerOptimizer',
+        'DistributedDPOptimizer', 'DistributedDPOptimizerFastGradientClipping', 'DistributedPerLayerOptimizer',
+        'FSDPOptimizerFastGradientClipping', 'SimpleDistributedPerLayerOptimizer'
     ]),
     ('1.x', 'opacus_dp.optimizers.adaclipoptimizer', ['AdaClipDPOptimizer']),
     ('1.x', 'opacus_dp.optimizers.optimizer', ['DPOptimizer']),
     ('1.x', 'opacus_dp.optimizers.optimizer_fast_gradient_clipping', ['DPOptimizerFastGradientClipping']),
     ('1.x', 'opacus_dp.optimizers.perlayeroptimizer', ['DPPerLayerOptimizer']),
     ('1.x', 'opacus_dp.optimizers.utils', ['params']),
+    ('1.x', 'opacus_dp.optimizers.ddpoptimizer', ['DistributedDPOptimizer']),
+    ('1.x', 'opacus_dp.optimizers.ddp_perlayeroptimizer', [
+        'DistributedPerLayerOptimizer', 'SimpleDistributedPerLayerOptimizer'
+    ]),
+    ('1.x', 'opacus_dp.optimizers.ddpoptimizer_fast_gradient_clipping', ['DistributedDPOptimizerFastGradientClipping']),
+    ('1.x', 'opacus_dp.optimizers.fsdpoptimizer_fast_gradient_clipping', ['FSDPOptimizerFastGradientClipping']),
     ('0.x', 'opacus_dp.privacy_analysis', ['compute_rdp', 'get_privacy_spent']),
     ('0.x, 1.x', 'opacus_dp.privacy_engine', ['PrivacyEngine', 'get_noise_multiplier', 'DEFAULT_ALPHAS']),
     ('1.x', 'opacus_dp.schedulers', [
@@ -161,11 +169,7 @@ ABSENT = [
     "opacus_dp.accountants.analysis.prv.compose", "opacus_dp.accountants.analysis.prv.domain",
     "opacus_dp.accountants.analysis.prv.prvs", "opacus_dp.accountants.analysis.prv:PoissonSubsampledGaussianPRV",
     "opacus_dp.lightning",
-    "opacus_dp.optimizers:DistributedDPOptimizer", "opacus_dp.optimizers:SimpleDistributedPerLayerOptimizer",
     "opacus_dp.optimizers:DistributedDPOptimizerFastGradientlipping",
-    "opacus_dp.optimizers:FSDPOptimizerFastGradientClipping", "opacus_dp.optimizers.ddpoptimizer",
-    "opacus_dp.optimizers.ddp_perlayeroptimizer", "opacus_dp.optimizers.ddpoptimizer_fast_gradient_clipping",
-    "opacus_dp.optimizers.fsdpoptimizer_fast_gradient_clipping",
     "opacus_dp.utils.adaptive_clipping", "opacus_dp.utils.fsdp_utils",
 ]
 

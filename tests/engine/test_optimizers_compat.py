@@ -59,7 +59,7 @@ def test_get_optimizer_class():
     assert get_optimizer_class("flat", False) is DPOptimizer
     assert get_optimizer_class("per_layer", False, "functorch") is DPPerLayerOptimizer
     with pytest.raises(ValueError, match="use PrivacyEngine.make_private"):
-        get_optimizer_class("flat", True)
+        get_optimizer_class("adaptive", True)
     with pytest.raises(ValueError, match="use PrivacyEngine.make_private"):
         get_optimizer_class("per_layer", False, "ghost")
     with pytest.raises(ValueError, match="clipping must be"):
