@@ -39,7 +39,9 @@ from opacus_dp.privacy_engine_classic_setup import (
     calibrate_noise_multiplier,
     classic_sampling,
     patch_optimizer,
+    recognised_0x_sampler,
     restore_optimizer,
+    SamplerFeed,
     warn_fixed_size_batches,
 )
 from opacus_dp.state_views import OPACUS_0X
@@ -124,10 +126,17 @@ class ClassicPrivacyEngine:
         self._pending_noise_state = None
         self._saved_attributes = None
         self._empty_draws = None  # follows the empty draws of a 0.x Poisson sampler while attached
+        self._sampling_given = None  # (poisson, sample_size, expected) while a 0.14 sampler is taken
+        self._sampler_feed = None  # checks that the taken sampler feeds the steps
 
     # ------------------------------------------------------------------ attach / detach
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer.step()`` a private step (see module doc)."""
+        """Make ``optimizer.step()`` a private step (see module doc).
+
+        Given ``sample_rate`` without ``poisson``/``batch_size``, a live
+        ``UniformWithReplacementSampler`` of that rate created before ``attach`` (Opacus 0.14's
+        loop) makes the engine run as ``poisson=True, sample_size=sampler.num_samples`` until
+        ``detach`` (:func:`~opacus_dp.privacy_engine_classic_setup.recognised_0x_sampler`)."""
         owner = getattr(optimizer, "privacy_engine", None)
         if owner is not None:
             if owner is self:
@@ -139,6 +148,21 @@ class ClassicPrivacyEngine:
         rebind_if_sharded(optimizer, self._unsharded_names, self.module)
         check_optimizer_params(self.module, optimizer)
         validate_module(self.module, error_class=IncompatibleModuleException)  # 0.x's error type
+        sampler = self._take_0x_sampler()
+        try:
+            self._wire(optimizer)
+        except Exception:
+            self._restore_sampling_given()
+            raise
+        if sampler is not None:
+            self._sampler_feed = SamplerFeed(sampler, self.steps)
+        if not self.poisson:
+            warn_fixed_size_batches(self.sample_rate)
+        elif self.world_size == 1:  # every empty draw of a 0.x sampler is a step too
+            self._empty_draws = follow_empty_draws(optimizer, sample_rate=self.sample_rate)
+
+    def _wire(self, optimizer) -> None:
+        """Hooks on the model, the private step on ``optimizer``, the accountant behind it."""
         gsm = wrap_module(self.module, grad_sample_mode=self.grad_sample_mode, batch_first=self.batch_first,
                           loss_reduction=self.loss_reduction, skip_weight_grads=self.skip_weight_grads)
         try:
@@ -161,10 +185,24 @@ class ClassicPrivacyEngine:
             self._pending_noise_state = None
         self._saved_attributes = patch_optimizer(optimizer, self)
         self.optimizer = optimizer
-        if not self.poisson:
-            warn_fixed_size_batches(self.sample_rate)
-        elif self.world_size == 1:  # every empty draw of a 0.x sampler is a step too
-            self._empty_draws = follow_empty_draws(optimizer, sample_rate=self.sample_rate)
+
+    def _take_0x_sampler(self):
+        """Opacus 0.14's loop (:func:`recognised_0x_sampler`): run as ``poisson=True,
+        sample_size=N`` while attached — the mean divides by q·N, empty draws are accounted
+        steps. Returns the sampler taken, or None."""
+        sampler = recognised_0x_sampler(poisson=self.poisson, world_size=self.world_size,
+                                        batch_size=self.batch_size, sample_size=self.sample_size,
+                                        sample_rate=self.sample_rate)
+        if sampler is not None:
+            self._sampling_given = (self.poisson, self.sample_size, self.expected_batch_size)
+            self.poisson, self.sample_size = True, sampler.num_samples
+            self.expected_batch_size = self.sample_rate * sampler.num_samples
+        return sampler
+
+    def _restore_sampling_given(self) -> None:
+        if self._sampling_given is not None:
+            self.poisson, self.sample_size, self.expected_batch_size = self._sampling_given
+        self._sampling_given = self._sampler_feed = None
 
     def _limit_logical_batches(self, gsm) -> BatchingPolicy:
         """Opacus 0.x: everything between two steps is one logical batch of ``batch_size``.
@@ -186,6 +224,7 @@ class ClassicPrivacyEngine:
             self._empty_draws.remove()
             self._empty_draws = None
         restore_optimizer(self.optimizer, self._saved_attributes)
+        self._restore_sampling_given()
         self._dp_optimizer.reducer.close()
         self.grad_sample_module.close()
         self._noise_multiplier = self._dp_optimizer.noise_multiplier

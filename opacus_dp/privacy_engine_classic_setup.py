@@ -3,12 +3,14 @@
 import math
 import types
 import warnings
+import weakref
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from opacus_dp.accountants import get_noise_multiplier
 from opacus_dp.data import SamplingWarning
+from opacus_dp.data.empty_draws import live_sampler_of_rate
 from opacus_dp.optim.amp_scaling import copy_found_inf
 
 # Opacus 0.x default RDP orders: 1.1, 1.2, ..., 10.9 and 12, ..., 63.
@@ -97,19 +99,74 @@ def warn_fixed_size_batches(sample_rate: float) -> None:
     warnings.warn(
         f"privacy is accounted as Poisson sampling with sample_rate={sample_rate:.4g}, but "
         "poisson=False: shuffled fixed-size batches are not covered by that analysis and may be "
-        "less private than reported. Use poisson=True with opacus_dp.data.DPDataLoader(dataset, "
+        "less private than reported. Draw Poisson batches and pass poisson=True, "
+        "sample_size=len(dataset): with opacus_dp.data.DPDataLoader(dataset, "
         f"sample_rate={sample_rate:.4g}), which also delivers empty batches, or with a DataLoader "
-        "whose batch_sampler is UniformWithReplacementSampler (its empty draws are steps of the "
-        "attached engine)",
+        "whose batch_sampler is UniformWithReplacementSampler(num_samples=len(dataset), "
+        f"sample_rate={sample_rate:.4g}) (its empty draws are steps of the attached engine; one "
+        "such sampler created before attach is recognised without those arguments)",
         SamplingWarning, stacklevel=3,
     )
+
+
+def recognised_0x_sampler(*, poisson: bool, world_size: int, batch_size, sample_size, sample_rate: float):
+    """The sampler of Opacus 0.14's loop, or None.
+
+    That loop is ``DataLoader(dataset, batch_sampler=UniformWithReplacementSampler(num_samples=N,
+    sample_rate=q))`` with ``PrivacyEngine(model, sample_rate=q, ...)`` (``poisson`` left False,
+    no ``batch_size``). Its batches are Poisson draws of rate q over N examples, so the engine
+    runs as ``poisson=True, sample_size=N``. Recognised only in one process, when exactly one N
+    belongs to the live skipping samplers of rate q and ``sample_size`` (if given) is that N;
+    :class:`SamplerFeed` warns if the steps then outnumber that sampler's draws.
+    """
+    if poisson or world_size != 1 or batch_size is not None:
+        return None
+    sampler = live_sampler_of_rate(sample_rate)
+    if sampler is None or sample_size not in (None, sampler.num_samples):
+        return None
+    return sampler
+
+
+class SamplerFeed:
+    """Checks, before each step, that the recognised sampler drew at least one batch per step
+    since ``attach`` (draws_k ≥ k before step k; prefetching loaders draw ahead). Warns once
+    otherwise: those batches are not the Poisson draws the accountant assumes."""
+
+    def __init__(self, sampler, steps_now: int):
+        self._sampler = weakref.ref(sampler)
+        self._draws_at_attach, self._steps_at_attach = sampler.draws, steps_now
+        self._described = f"{type(sampler).__name__}(num_samples={sampler.num_samples}, " \
+                          f"sample_rate={sampler.sample_rate:.4g})"
+        self.warned = False
+
+    def check(self, steps_now: int) -> None:
+        if self.warned:
+            return
+        sampler = self._sampler()
+        draws = 0 if sampler is None else sampler.draws - self._draws_at_attach
+        step = steps_now - self._steps_at_attach + 1
+        if draws >= step:
+            return
+        self.warned = True
+        warnings.warn(
+            f"step {step} after attach came after only {draws} draws of {self._described}, which "
+            "was alive at attach and taken for this loop's sampler (the engine was given "
+            "sample_rate, poisson=False): privacy is accounted as Poisson sampling, which "
+            "shuffled fixed-size batches are not covered by and may be less private than "
+            "reported. Sample with that sampler, or pass poisson=True, sample_size=len(dataset) "
+            "and use opacus_dp.data.DPDataLoader(dataset, sample_rate=q)",
+            SamplingWarning, stacklevel=4)
 
 
 # -------------------------------------------------------------- optimizer instance patching
 def _dp_step(optimizer, closure=None, grad_scaler=None):
     """The private step; with a ``torch.amp.GradScaler`` (which keys its state by the patched
     ``optimizer``) the scaler's ``found_inf`` is the one the private step gave back."""
-    dp_optimizer = optimizer.privacy_engine._dp_optimizer
+    engine = optimizer.privacy_engine
+    feed = getattr(engine, "_sampler_feed", None)
+    if feed is not None:  # Opacus 0.14's sampler, recognised at attach
+        feed.check(engine.steps)
+    dp_optimizer = engine._dp_optimizer
     if grad_scaler is None:
         return dp_optimizer.step(closure)
     result = dp_optimizer.step(closure, grad_scaler=grad_scaler)

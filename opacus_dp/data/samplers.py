@@ -12,7 +12,7 @@ from typing import Iterator, List, Optional
 import torch
 from torch.utils.data import Sampler
 
-from opacus_dp.data.empty_draws import report_empty_draw
+from opacus_dp.data.empty_draws import register_skipping_sampler, report_empty_draw
 
 
 def check_sample_rate(sample_rate) -> float:
@@ -80,6 +80,7 @@ class UniformWithReplacementSampler(Sampler[List[int]]):
     0.x instead took a random (geometric) number of noise-only steps after each step, drawn
     apart from the sampler. ``skip_empty=False`` yields empty lists (Opacus 1.x; for a
     collate that builds empty batches, as :class:`~opacus_dp.data.DPDataLoader` does).
+    ``draws`` counts the draws made so far, empty ones included.
     """
 
     def __init__(self, num_samples: int, sample_rate: float, generator=None, steps: Optional[int] = None,
@@ -89,6 +90,9 @@ class UniformWithReplacementSampler(Sampler[List[int]]):
         self.generator = generator
         self.steps = default_steps(self.sample_rate) if steps is None else check_positive_int(steps, "steps")
         self.skip_empty = bool(skip_empty)
+        self.draws = 0
+        if self.skip_empty:  # a classic engine attached later may recognise it
+            register_skipping_sampler(self)
 
     def __len__(self) -> int:
         """Number of draws per pass (the batches yielded, when none is empty)."""
@@ -97,6 +101,7 @@ class UniformWithReplacementSampler(Sampler[List[int]]):
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps):
             indices = poisson_mask(self.num_samples, self.sample_rate, self.generator).nonzero().view(-1).tolist()
+            self.draws += 1
             if indices or not self.skip_empty:
                 yield indices
             else:

@@ -48,9 +48,6 @@ def _train(model, optimizer, loader) -> int:
     return steps
 
 
-@pytest.mark.xfail(strict=True, reason="the classic engine warns at attach() that poisson=False batches are "
-                                       "not Poisson, before it could see that they come from a "
-                                       "UniformWithReplacementSampler of its own rate")
 def test_a_0x_poisson_loop_gets_no_sampling_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -88,8 +85,9 @@ def test_privacy_spent_before_the_first_step_names_an_order():
 
 
 def test_the_0x_poisson_loop_with_poisson_and_sample_size_is_quiet_and_exact():
-    """What docs/migration.md tells a 0.x user today: ``poisson=True, sample_size=N`` with the
-    same loader runs without a sampling warning and accounts every step, empty draws included."""
+    """``poisson=True, sample_size=N`` given explicitly (what docs/migration.md says to pass when
+    the sampler is not recognised) with the same loader runs without a sampling warning and
+    accounts every step, empty draws included."""
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(N, 16), torch.randint(0, 2, (N,)))
     loader = DataLoader(data, batch_sampler=UniformWithReplacementSampler(
