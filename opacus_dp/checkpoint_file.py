@@ -170,9 +170,8 @@ def _sync_directory(directory: str) -> None:
     except OSError:
         return
     try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(descriptor)
     finally:
         os.close(descriptor)
 

@@ -191,6 +191,34 @@ def explained_fallback_error(error: RuntimeError, layer_name: str) -> Exception:
 
 
 # Opacus 1.6's public helpers of this module (opacus.grad_sample.functorch)
+
+
+def check_fallback_inputs(layer_name: str, master: nn.Module, call) -> None:
+    """Refuse a fallback layer called without tensors, or with a tensor not batched like its
+    output (``call``: its :class:`~opacus_dp.grad_sample.layer_call.LayerCall`)."""
+    args, kwargs = call.batch_first_inputs()
+    if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves((list(args), kwargs))):
+        raise ValueError(
+            f"{layer_name} gets per-sample gradients from the generic torch.func "
+            f"fallback but was called without tensor arguments, so its output does not come "
+            f"from the samples (its first dimension, {call.batch_size}, would be taken for the "
+            f"batch). Compute the parameter's use inside the module that receives the batch, "
+            f"or register a grad sampler for {type(master).__name__}."
+        )
+    for position, leaf in enumerate(tree_leaves((list(args), kwargs))):
+        if isinstance(leaf, torch.Tensor) and (
+            leaf.dim() == 0 or leaf.shape[0] != call.batch_size
+        ):
+            raise ValueError(
+                f"{layer_name} gets per-sample gradients from the generic "
+                f"torch.func fallback, which needs every tensor argument batched with "
+                f"{call.batch_size} rows on the batch dimension, but tensor argument "
+                f"#{position} has shape {tuple(leaf.shape)}. Keep shared tensors as "
+                f"buffers of the module, or register a grad sampler for "
+                f"{type(master).__name__}."
+            )
+
+
 from opacus_dp.grad_sample.functorch_compat import (  # noqa: E402
     ft_compute_per_sample_gradient,
     make_functional,

@@ -31,11 +31,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_leaves
 
 from opacus_dp.distributed import data_parallel
 from opacus_dp.grad_sample.running_statistics import guard_running_statistics
-from opacus_dp.grad_sample.functorch import explained_fallback_error, functorch_grad_sample
+from opacus_dp.grad_sample.functorch import check_fallback_inputs, explained_fallback_error, functorch_grad_sample
 from opacus_dp.grad_sample.attachments import _HOOKED_BY, _Attachments, _owner, weakly
 from opacus_dp.grad_sample.broadcast_inputs import BroadcastInputs
 from opacus_dp.grad_sample.compiled_modules import prepare_for_compile
@@ -251,7 +250,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         if reader is not None:
             call.statistics = reader(layer, output)
         if self._sampler_for(layer) is None:
-            self._check_fallback_inputs(path, master, call)
+            check_fallback_inputs(describe(path, master), master, call)
             call.autocast = autocast_of(master)
         chunk = data_parallel.chunk_of(layer, master, describe_layer=describe(path, master),
                                        uses_registered_sampler=self._sampler_for(layer) is not None)
@@ -288,29 +287,6 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
                 f"pass batched inputs or set batch_first to match the data layout"
             )
         return output.shape[batch_dim]
-
-    def _check_fallback_inputs(self, path, master, call: LayerCall) -> None:
-        args, kwargs = call.batch_first_inputs()
-        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves((list(args), kwargs))):
-            raise ValueError(
-                f"{describe(path, master)} gets per-sample gradients from the generic torch.func "
-                f"fallback but was called without tensor arguments, so its output does not come "
-                f"from the samples (its first dimension, {call.batch_size}, would be taken for the "
-                f"batch). Compute the parameter's use inside the module that receives the batch, "
-                f"or register a grad sampler for {type(master).__name__}."
-            )
-        for position, leaf in enumerate(tree_leaves((list(args), kwargs))):
-            if isinstance(leaf, torch.Tensor) and (
-                leaf.dim() == 0 or leaf.shape[0] != call.batch_size
-            ):
-                raise ValueError(
-                    f"{describe(path, master)} gets per-sample gradients from the generic "
-                    f"torch.func fallback, which needs every tensor argument batched with "
-                    f"{call.batch_size} rows on the batch dimension, but tensor argument "
-                    f"#{position} has shape {tuple(leaf.shape)}. Keep shared tensors as "
-                    f"buffers of the module, or register a grad sampler for "
-                    f"{type(master).__name__}."
-                )
 
     def _sampler_for(self, layer: nn.Module):
         if self.force_functorch and not isinstance(layer, nn.EmbeddingBag):

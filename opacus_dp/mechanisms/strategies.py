@@ -30,6 +30,7 @@ cached: finite, of the configured shape, ``C ≥ 0`` for BLT, ``Δ > 0`` and nev
 ``C = I``; otherwise ``C = I`` is used with a warning, or :class:`StrategyError` raised.
 """
 
+import contextlib
 import enum
 import math
 import warnings
@@ -133,10 +134,8 @@ def _minimise(parameters: torch.Tensor, loss_of, iterations: int) -> torch.Tenso
         x.grad = torch.zeros_like(x)
         return torch.tensor(_WALL, dtype=x.dtype)
 
-    try:
+    with contextlib.suppress(RuntimeError, ArithmeticError):  # a numerical failure keeps the best point so far
         optimizer.step(closure)
-    except (RuntimeError, ArithmeticError):  # a numerical failure keeps the best point so far
-        pass
     return best["point"]
 
 
