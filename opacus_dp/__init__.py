@@ -10,7 +10,7 @@ from opacus_dp.submodules import submodule_getattr
 from opacus_dp.version import __version__
 
 _LAZY = {
-    "PrivacyEngine": "opacus_dp.privacy_engine",
+    "PrivacyEngine": "opacus_dp.engine.modern",
     "GradSampleModule": "opacus_dp.grad_sample",
     "GradSampleModuleFastGradientClipping": "opacus_dp.grad_sample",
     "DPOptimizer": "opacus_dp.optim",

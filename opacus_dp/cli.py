@@ -32,6 +32,7 @@ from opacus_dp.accountants.validation import (
     check_sample_rate,
     check_steps,
 )
+from opacus_dp.engine.plan import PrivatePlan
 from opacus_dp.mechanisms.accounting import reduction_for
 from opacus_dp.mechanisms.strategies import KINDS
 
@@ -63,12 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _accounted(args, parser, q: float, steps: int):
     """``(rate, events)`` the accountant composes: DP-SGD's ``(q, T)``; banded ``(b·q, ⌈T/b⌉)``;
     blt and tree one Gaussian mechanism ``(1, 1)`` (:mod:`opacus_dp.mechanisms.accounting`)."""
-    if args.noise_mechanism != "banded":
-        if args.bands is not None:
-            parser.error("--bands only applies to --noise-mechanism banded")
-        if args.noise_mechanism == "independent":
-            return q, steps
-    elif args.bands is None or args.bands < 1 or args.bands * q > 1 + 1e-12:
+    PrivatePlan.check_noise(args.noise_mechanism, args.bands)  # make_private's own check of the two
+    if args.noise_mechanism == "independent":
+        return q, steps
+    if args.noise_mechanism == "banded" and (args.bands is None or args.bands < 1 or args.bands * q > 1 + 1e-12):
         parser.error("--noise-mechanism banded needs --bands b >= 1 with b x sample rate <= 1")
     reduction = reduction_for(args.noise_mechanism, sample_rate=min(1.0, (args.bands or 1) * q), bands=args.bands or 1)
     return reduction.rate, reduction.rounds(steps)

@@ -85,8 +85,11 @@ def build(mode: str, width: int, batch_size: int):
     from opacus_dp.distributed import (
         AllReduceReducer,
         DifferentiallyPrivateDistributedDataParallel,
-        configure_optimizer,
+        connect_reducer,
+        make_reducer,
     )
+    from opacus_dp.optim.clipping import FlatClipper
+    from opacus_dp.optim.noise import GaussianNoise
     from opacus_dp.grad_sample import GradSampleModule
     from opacus_dp.optim import DPOptimizer, grad_source_for
 
@@ -106,13 +109,13 @@ def build(mode: str, width: int, batch_size: int):
     if mode == "dp-2x":
         wrapped.register_comm_hook(counter, counting_allreduce_hook)
     gsm = GradSampleModule(wrapped)
+    reducer = AllReduceReducer() if mode == "dp-2x" else \
+        make_reducer(gsm, params=list(gsm.parameters()), names={}, clipper=FlatClipper(1.0), noise=GaussianNoise())
     optimizer = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.05), noise_multiplier=1.0,
                             max_grad_norm=1.0, expected_batch_size=batch_size,
-                            grad_source=grad_source_for(gsm))
-    if mode == "dp-2x":
-        optimizer.reducer = AllReduceReducer()
-    else:
-        configure_optimizer(gsm, optimizer, sample_rate=0.01)
+                            grad_source=grad_source_for(gsm), reducer=reducer)
+    if mode != "dp-2x":
+        connect_reducer(gsm, optimizer, sample_rate=0.01)
     return gsm, optimizer, lambda: optimizer.reducer.bytes_reduced + counter.bytes
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from opacus_dp import checkpoint_file
+from opacus_dp.checkpoints import file_format
 from opacus_dp.model_wrappers import unwrap_model as unwrap  # noqa: F401  (used by the examples)
 
 from common.privacy import TrainingRun
@@ -35,7 +35,7 @@ def read(path: str, unsafe: bool = False) -> dict:
     if not os.path.isfile(path):
         raise SystemExit(f"--resume {path}: no such checkpoint file")
     try:
-        return checkpoint_file.read(path, map_location="cpu", torch_load_kwargs=_load_kwargs(unsafe))
+        return file_format.read(path, map_location="cpu", torch_load_kwargs=_load_kwargs(unsafe))
     except Exception as error:
         raise SystemExit(f"--resume {path}: {error}") from error
 
@@ -69,7 +69,7 @@ def save(run: TrainingRun, path: str, entries: dict, *, best: bool = False) -> N
         if run.api == "classic":
             state["privacy_engine_state_dict"] = run.engine.state_dict()
             state["sampler_generator_state"] = run.train_loader.generator.get_state()
-        checkpoint_file.write(state, path)
+        file_format.write(state, path)
     if best:
         shutil.copyfile(path, best_path(path))
 
@@ -89,7 +89,7 @@ def restore(run: TrainingRun, path: str, map_location: Optional[torch.device] = 
     if run.api == "modern":
         return run.engine.load_checkpoint(path=path, module=run.model, optimizer=run.optimizer,
                                           map_location=map_location, torch_load_kwargs=_load_kwargs(unsafe))
-    state = checkpoint_file.read(path, map_location=map_location, torch_load_kwargs=_load_kwargs(unsafe))
+    state = file_format.read(path, map_location=map_location, torch_load_kwargs=_load_kwargs(unsafe))
     unwrap(run.model).load_state_dict(state.pop("module_state_dict"))
     run.optimizer.load_state_dict(state.pop("optimizer_state_dict"))
     if run.api == "classic":

@@ -11,7 +11,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
-from opacus_dp.engine_wiring import SecureModeNotice
+from opacus_dp.engine.private_step import SecureModeNotice
 
 SECURE_MODE_NOTE = ("note: secure_mode is off: noise and sampling come from seeded generators, fine for "
                     "experiments; pass --secure-rng for a model you release")

@@ -4,7 +4,8 @@
 budget.  Each accountant records ``(σ, q)`` per step in ``history`` and reports ε(δ).
 """
 
-from opacus_dp.accountants.accountant import IAccountant, PrivacyAccountant
+from opacus_dp.accountants.accountant import IAccountant
+from opacus_dp.accountants.privacy_accountant import PrivacyAccountant
 from opacus_dp.accountants.calibration import get_noise_multiplier
 from opacus_dp.accountants.gdp import GaussianAccountant
 from opacus_dp.accountants.prv import PRVAccountant

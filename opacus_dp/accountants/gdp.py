@@ -7,7 +7,7 @@ because for a finite number of steps the CLT can under-report ε; prefer ``"prv"
 import math
 import warnings
 
-from opacus_dp.accountants.accountant import PrivacyAccountant
+from opacus_dp.accountants.privacy_accountant import PrivacyAccountant
 from opacus_dp.accountants.analysis import gdp as gdp_analysis
 from opacus_dp.accountants.validation import check_delta
 

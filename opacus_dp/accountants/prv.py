@@ -12,7 +12,7 @@ can only increase δ(ε), so the reported ε is an upper bound — on standard s
 
 from typing import Optional
 
-from opacus_dp.accountants.accountant import PrivacyAccountant
+from opacus_dp.accountants.privacy_accountant import PrivacyAccountant
 from opacus_dp.accountants.analysis.prv.dpsgd import compute_epsilon
 from opacus_dp.accountants.validation import check_delta
 

@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from opacus_dp.accountants.accountant import PrivacyAccountant
+from opacus_dp.accountants.privacy_accountant import PrivacyAccountant
 from opacus_dp.accountants.analysis import rdp as rdp_analysis
 from opacus_dp.accountants.validation import check_delta, check_orders
 

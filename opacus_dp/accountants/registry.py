@@ -2,7 +2,7 @@
 
 from typing import Dict, Type
 
-from opacus_dp.accountants.accountant import PrivacyAccountant
+from opacus_dp.accountants.privacy_accountant import PrivacyAccountant
 from opacus_dp.accountants.gdp import GaussianAccountant
 from opacus_dp.accountants.prv import PRVAccountant
 from opacus_dp.accountants.rdp import RDPAccountant

@@ -26,7 +26,7 @@ from opacus_dp.audit.correlated import MechanismRecord, canary_groups
 from opacus_dp.data.cyclic_sampler import CyclicPoissonSampler
 from opacus_dp.data import BatchMemoryManager, DPDataLoader
 from opacus_dp.distributed import world_size_of
-from opacus_dp.privacy_engine import PrivacyEngine
+from opacus_dp.engine.modern import PrivacyEngine
 
 ModelWrapper = Callable[[nn.Module], nn.Module]
 _SEED_STRIDE = 1_000_003

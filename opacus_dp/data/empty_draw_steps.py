@@ -50,7 +50,7 @@ def take_empty_step(optimizer) -> None:
     if dp_optimizer is None:
         raise TypeError(f"optimizer must be a DPOptimizer or attached to a PrivacyEngine, got "
                         f"{type(optimizer).__name__}")
-    if getattr(dp_optimizer.reducer, "world_size", 1) > 1:
+    if dp_optimizer.reducer.world_size > 1:
         raise RuntimeError(
             "an empty Poisson draw of one process cannot be a step of all processes (the others "
             "would wait for it in the all-reduce): with several processes sample with "
@@ -58,12 +58,10 @@ def take_empty_step(optimizer) -> None:
             "empty batches on every rank in step")
     params = list(dp_optimizer.params)
     grads = [p.grad for p in params]
-    source = dp_optimizer.grad_source
-    dp_optimizer.grad_source = NoSamples()
     try:
-        optimizer.step()
+        with dp_optimizer.reading_from(NoSamples()):
+            optimizer.step()
     finally:
-        dp_optimizer.grad_source = source
         for p, grad in zip(params, grads):
             p.grad = grad
 

@@ -14,7 +14,8 @@ from opacus_dp.distributed.average import average_gradients
 from opacus_dp.distributed.checks import check_same_on_all_ranks, parameters_in_sync
 from opacus_dp.distributed.configure import (
     check_data_loader_world_size,
-    configure_optimizer,
+    connect_reducer,
+    make_reducer,
     find_distributed_wrapper,
     find_parallel_wrapper,
     validate_parallel_module,
@@ -39,7 +40,8 @@ __all__ = [
     "average_gradients",
     "check_data_loader_world_size",
     "check_same_on_all_ranks",
-    "configure_optimizer",
+    "connect_reducer",
+    "make_reducer",
     "find_distributed_wrapper",
     "find_parallel_wrapper",
     "install_local_gradients_hook",

@@ -1,15 +1,15 @@
 """How the PrivacyEngine wires distributed training: detection, reducer, comm hook, checks.
 
-The engine calls three functions and nothing else from this package:
+The engine calls these functions and nothing else from this package:
 
 * :func:`validate_parallel_module` when it receives the model (refuses an unwrapped model
   while a multi-process group is active),
 * :func:`world_size_of` to turn a per-process batch size into the global sample rate
   (classic API: ``q = batch_size · world_size / sample_size``),
 * :func:`check_data_loader_world_size` for a loader the modern API receives,
-* :func:`configure_optimizer` once the DP optimizer exists (installs the all-reduce
-  reducer with its step timeout, the no-op DDP comm hook, and checks that all ranks agree
-  on the parameters).
+* :func:`make_reducer` before the DP optimizer is built (its reducer: local, all-reduce with its
+  step timeout, or FSDP2 reduce-scatter), and :func:`connect_reducer` once it exists (checks that
+  all ranks agree on the settings, installs the no-op DDP comm hook or the FSDP2 rendezvous).
 """
 
 from typing import Optional, Union
@@ -22,9 +22,10 @@ from opacus_dp.distributed.checks import check_mean_divisor, check_same_on_all_r
 from opacus_dp.distributed.ddp_hooks import detach_ddp_synchronisation, install_local_gradients_hook
 from opacus_dp.distributed.dpddp import DifferentiallyPrivateDistributedDataParallel
 from opacus_dp.distributed.fsdp import is_fully_sharded
-from opacus_dp.distributed.fsdp_setup import configure_fsdp_optimizer, fsdp_world_size
+from opacus_dp.distributed.fsdp_setup import connect_fsdp, fsdp_reducer, fsdp_world_size
 from opacus_dp.distributed.reducers import AllReduceReducer
 from opacus_dp.distributed.step_wait import StepTimeout, timeout_seconds
+from opacus_dp.optim.reduction import LocalReducer, Reducer
 
 DistributedWrapper = Union[DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel]
 _MAX_UNWRAP_DEPTH = 8
@@ -121,27 +122,36 @@ def _process_group(wrapper: DistributedWrapper):
     return getattr(wrapper, "process_group", None)
 
 
-def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[float],
-                        step_timeout: StepTimeout = None) -> None:
-    """Make ``optimizer`` (a DPOptimizer) reduce over the processes of ``module``'s wrapper.
-
-    No-op for a local model. For DDP it also registers the comm hook that stops DDP's
-    own all-reduce of unclipped gradients. Before anything is installed, all ranks check
-    (collectively) that they agree on world size, sample rate and the optimizer's
-    ``settings_ranks_share()`` (σ, clipping bounds, expected batch size, loss reduction, ...);
-    a mismatch raises on every rank.
-    ``step_timeout`` (seconds or timedelta; default: the DPDDP wrapper's, else the process
-    group's timeout) bounds how long a step waits for the other ranks
-    (:mod:`~opacus_dp.distributed.step_wait`).
-    """
+def make_reducer(module: nn.Module, *, params, names, clipper, noise, step_timeout: StepTimeout = None) -> Reducer:
+    """The reducer of ``module``'s private steps (no collective yet): local for a model on one
+    process; the all-reduce of DDP/DPDDP (its step bounded by ``step_timeout``, seconds or
+    timedelta; default: the DPDDP wrapper's, else the process group's timeout,
+    :mod:`~opacus_dp.distributed.step_wait`); the FSDP2 reduce-scatter
+    (:func:`~opacus_dp.distributed.fsdp_setup.fsdp_reducer`, which also checks ``params``,
+    ``clipper`` and ``noise``)."""
     step_timeout = timeout_seconds(step_timeout)
     wrapper = find_distributed_wrapper(module)
     if wrapper is None:
         if is_fully_sharded(module):
-            configure_fsdp_optimizer(module, optimizer, sample_rate=sample_rate, step_timeout=step_timeout)
-        return
+            return fsdp_reducer(module, params=params, names=names, clipper=clipper, noise=noise,
+                                step_timeout=step_timeout)
+        return LocalReducer()
     if step_timeout is None:
         step_timeout = getattr(wrapper, "step_timeout", None)
+    return AllReduceReducer(process_group=_process_group(wrapper), step_timeout=step_timeout)
+
+
+def connect_reducer(module: nn.Module, optimizer, *, sample_rate: Optional[float]) -> None:
+    """Once the DP ``optimizer`` of ``module`` exists (its reducer from :func:`make_reducer`): all
+    ranks check, collectively, that they agree on world size, sample rate and the optimizer's
+    ``settings_ranks_share()`` (σ, clipping bounds, expected batch size, loss reduction, ...; a
+    mismatch raises on every rank); then DDP gets the comm hook that stops its own all-reduce of
+    unclipped gradients, an FSDP2 model its bounded rendezvous. No-op for a local model."""
+    wrapper = find_distributed_wrapper(module)
+    if wrapper is None:
+        if is_fully_sharded(module):
+            connect_fsdp(module, optimizer, sample_rate=sample_rate)
+        return
     group = _process_group(wrapper)
     check_same_on_all_ranks({"world_size": dist.get_world_size(group), "sample_rate": sample_rate,
                              **optimizer.settings_ranks_share()}, group)
@@ -149,4 +159,3 @@ def configure_optimizer(module: nn.Module, optimizer, *, sample_rate: Optional[f
     if isinstance(wrapper, DistributedDataParallel):
         install_local_gradients_hook(wrapper)
         detach_ddp_synchronisation(wrapper)
-    optimizer.reducer = AllReduceReducer(process_group=group, step_timeout=step_timeout)

@@ -1,12 +1,12 @@
 """Setting up a DP optimizer for a model sharded with FSDP2 (what ``make_private``/``attach`` call).
 
-:func:`configure_fsdp_optimizer` checks, collectively, that all ranks agree on the settings;
-refuses what the sharded step does not support (adaptive clipping, whose noisy count would need
+:func:`fsdp_reducer` refuses what the sharded step does not support (adaptive clipping, whose noisy count would need
 a rank to noise it alone, and correlated noise across steps) and every trainable tensor that
-is not one of FSDP2's ``Shard(0)`` shards; then installs the
+is not one of FSDP2's ``Shard(0)`` shards; then builds the
 :class:`~opacus_dp.distributed.reduce_scatter.ReduceScatterReducer` and gives the rank its own
-noise stream (:mod:`~opacus_dp.distributed.noise_streams`); every forward and backward pass of
-``module`` then first meets the other ranks, bounded by ``step_timeout``
+noise stream (:mod:`~opacus_dp.distributed.noise_streams`); once the optimizer exists,
+:func:`connect_fsdp` checks, collectively, that all ranks agree on the settings, and every forward
+and backward pass of ``module`` then first meets the other ranks, bounded by ``step_timeout``
 (:mod:`~opacus_dp.distributed.fsdp_rendezvous`).
 """
 
@@ -19,8 +19,7 @@ from opacus_dp.distributed.noise_streams import give_rank_its_stream
 from opacus_dp.distributed.reduce_scatter import ReduceScatterReducer
 from opacus_dp.distributed.step_wait import StepTimeout
 from opacus_dp.model_wrappers import parameter_names
-from opacus_dp.optim.adaptive_clipping import AdaptiveClipper
-from opacus_dp.optim.noise import GaussianNoise
+from opacus_dp.optim.dp_optimizer_parts import STEP_SETTINGS
 
 
 def fsdp_world_size(module: nn.Module) -> int:
@@ -31,27 +30,32 @@ def fsdp_world_size(module: nn.Module) -> int:
     return next(iter(group_of)).device_mesh.size()
 
 
-def _refuse_unsupported(optimizer) -> None:
-    if isinstance(optimizer.clipper, AdaptiveClipper):
+def _refuse_unsupported(clipper, noise) -> None:
+    if clipper.releases_statistic:
         raise ValueError("clipping='adaptive' is not available with FSDP2 (fully_shard): use "
                          "clipping='flat' or 'per_layer'")
-    if type(optimizer.noise) is not GaussianNoise:
+    if not noise.shards_alike:
         raise ValueError("correlated noise mechanisms are not available with FSDP2 (fully_shard): "
                          "use noise_mechanism='independent'")
 
 
-def configure_fsdp_optimizer(module: nn.Module, optimizer, *, sample_rate, step_timeout: StepTimeout = None) -> None:
-    """Make ``optimizer`` (a DPOptimizer) reduce-scatter into ``module``'s FSDP2 shards (module doc)."""
-    _refuse_unsupported(optimizer)
-    group_of = parameter_groups(module)
-    names = {**parameter_names(module), **optimizer.param_names}
-    check_sharded_parameters(optimizer.params, names, group_of)
-    reducer = ReduceScatterReducer(module, step_timeout=step_timeout,
-                                   settings=len(optimizer._step_settings()))
+def fsdp_reducer(module: nn.Module, *, params, names, clipper, noise, step_timeout: StepTimeout = None):
+    """The reduce-scatter reducer of ``module`` (module doc) for the trainable tensors ``params``
+    (named by ``names``) and the rank's own noise stream; refuses what the sharded step does
+    not support. No collective."""
+    _refuse_unsupported(clipper, noise)
+    check_sharded_parameters(params, {**parameter_names(module), **names}, parameter_groups(module))
+    reducer = ReduceScatterReducer(module, step_timeout=step_timeout, settings=len(STEP_SETTINGS))
+    give_rank_its_stream(noise, reducer.rank)
+    return reducer
+
+
+def connect_fsdp(module: nn.Module, optimizer, *, sample_rate) -> None:
+    """Once ``optimizer`` (a DPOptimizer with :func:`fsdp_reducer`'s reducer) exists: all ranks
+    agree on the settings (collectively), then every forward and backward pass meets the others."""
+    reducer = optimizer.reducer
     check_same_on_all_ranks({"world_size": reducer.world_size, "sample_rate": sample_rate,
                              "fully_shard modules": float(len(fsdp_modules(module))),
                              **optimizer.settings_ranks_share()}, reducer.process_group)
     check_mean_divisor(optimizer)
-    optimizer.reducer = reducer
     reducer.install_rendezvous(module)
-    give_rank_its_stream(optimizer.noise, reducer.rank)

@@ -31,6 +31,7 @@ from opacus_dp.distributed.fsdp import DTensor, fsdp_modules, parameter_groups, 
 from opacus_dp.distributed.fsdp_rendezvous import FsdpRendezvous
 from opacus_dp.distributed.step_clock import STEP, StepClock
 from opacus_dp.distributed.step_wait import BoundedStepWait, StepTimeout
+from opacus_dp.optim.reduction import StepRelease
 
 # torch >= 2.14 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -43,9 +44,9 @@ class ReduceScatterReducer(BoundedStepWait):
     collectives (the small agreement all-reduce is not counted).
     """
 
-    adds_noise = False  # no noise before the reduction ...
-    noises_shards = True  # ... each rank noises its shard after it
-    reduces_in_place = False
+    draws_noise = True  # each rank noises its own shard after the reduction
+    shards = True
+    reuses_input = False
     needs_equal_passes = True  # every forward/backward pass of a fully_shard model is a collective
 
     def __init__(self, model, *, step_timeout: StepTimeout = None, settings: int = 1):
@@ -72,12 +73,17 @@ class ReduceScatterReducer(BoundedStepWait):
         self.rendezvous.remove()
 
     @torch.no_grad()
-    def reduce(self, tensors: List[torch.Tensor], agreed: Optional[Dict[str, float]] = None,
-               refusal: Optional[int] = None, params: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:
-        """This rank's shard of ``Σ_ranks tensors[i]`` for each ``params[i]`` (new tensors, local
-        shard shape); raises on every rank first if a rank refused or the settings differ. The
-        entries of ``tensors`` are set to None as they are sent (at most one module's full-size
-        sums and send buffer are alive beside the shards)."""
+    def reduce(self, release: StepRelease) -> List[torch.Tensor]:
+        """This rank's shard of ``Σ_ranks sums[i]`` for each ``release.params[i]`` (new tensors,
+        local shard shape), noised; raises on every rank first if a rank refused or the settings
+        differ. The sums are dropped as they are sent (at most one module's full-size sums and
+        send buffer are alive beside the shards)."""
+        tensors, release.sums = release.bucket(noised=False), []
+        shards = self._reduce_scatter(tensors, release.agreed, release.refusal, release.params)
+        return shards if release.refusal is not None else release.noise(shards)
+
+    def _reduce_scatter(self, tensors: List[torch.Tensor], agreed: Optional[Dict[str, float]],
+                        refusal: Optional[int], params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         names = sorted(agreed or {})
         if names or refusal is not None:
             if len(names or ["refusal"]) != self.rendezvous.settings:

@@ -1,9 +1,9 @@
 """Reducers: how the DP optimizer combines the clipped gradient sums of several processes.
 
-The optimizer's reducer seam is ``reducer.world_size``, ``reducer.adds_noise`` and
-``reducer.reduce(tensors)``. At each (non-virtual) step the optimizer adds the Gaussian
-noise only where ``adds_noise`` is true, then calls ``reduce`` on the per-parameter sums,
-then divides by ``expected_batch_size · world_size`` (mean reduction).
+The reducer protocol is :class:`~opacus_dp.optim.reduction.Reducer`: at each (non-virtual) step
+the optimizer hands ``reduce`` its :class:`~opacus_dp.optim.reduction.StepRelease`; the noise is
+added where ``draws_noise`` is true (rank 0), the sums are all-reduced, and the optimizer then
+divides by ``expected_batch_size · world_size`` (mean reduction).
 
 :class:`AllReduceReducer` puts the noise on rank 0 only: with per-rank clipped sums
 ``S_r`` and ``N ~ 𝒩(0, σ²C²I)`` drawn once,
@@ -31,7 +31,7 @@ that skipped a batch outside the optimizer makes the step raise
 :class:`~opacus_dp.distributed.step_clock.RanksOutOfStepError` on every rank (nothing applied).
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from opacus_dp.distributed.agreement import agreement_rows, check_table
 from opacus_dp.distributed.checks import require_process_group
 from opacus_dp.distributed.step_clock import CLOCK_COLUMNS, STEP, StepClock
 from opacus_dp.distributed.step_wait import BoundedStepWait, StepTimeout
+from opacus_dp.optim.reduction import StepRelease
 
 NOISE_RANK = 0
 
@@ -57,9 +58,9 @@ class AllReduceReducer(BoundedStepWait):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.adds_noise = self.rank == NOISE_RANK
-        self.noises_shards = False
-        self.reduces_in_place = True
+        self.draws_noise = self.rank == NOISE_RANK
+        self.shards = False
+        self.reuses_input = not self.draws_noise  # rank 0 sends new (noised) tensors
         self.needs_equal_passes = False  # DDP's comm hook is a no-op: ranks may run more passes
         self.bytes_reduced = 0
         self.num_all_reduces = 0
@@ -67,14 +68,15 @@ class AllReduceReducer(BoundedStepWait):
         self.clock = StepClock()
 
     @torch.no_grad()
-    def reduce(self, tensors: List[torch.Tensor], agreed: Optional[Dict[str, float]] = None,
-               refusal: Optional[int] = None) -> List[torch.Tensor]:
-        """Replace every tensor, in place, by its sum over all ranks; return ``tensors``;
-        raise on every rank if a rank refused the step or the ranks disagree on ``agreed``
-        (module doc); ``refusal`` needs ``agreed`` (its rows carry it).
+    def reduce(self, release: StepRelease) -> List[torch.Tensor]:
+        """``Σ_r S_r + N`` (the noise from rank 0), summed in place in one all-reduce per
+        (dtype, device); raise on every rank if a rank refused the step or the ranks disagree on
+        ``release.agreed`` (module doc); a refusal needs ``agreed`` (its rows carry it).
 
         Every rank must pass tensors of the same shapes in the same order (the same model).
         """
+        tensors = release.bucket(noised=self.draws_noise and release.refusal is None)
+        agreed, refusal = release.agreed, release.refusal
         names = sorted(agreed or {})
         if refusal is not None and not names:
             raise ValueError("AllReduceReducer.reduce: a refusal travels in the rows of agreed")
@@ -107,8 +109,13 @@ class AllReduceReducer(BoundedStepWait):
     def __repr__(self) -> str:
         return (
             f"AllReduceReducer(world_size={self.world_size}, rank={self.rank}, "
-            f"adds_noise={self.adds_noise}, step_timeout={self.step_timeout})"
+            f"draws_noise={self.draws_noise}, step_timeout={self.step_timeout})"
         )
+
+
+def all_reduces(reducer) -> bool:
+    """Whether ``reducer`` is the all-reduce of this module (Opacus's ``DistributedDPOptimizer``)."""
+    return isinstance(reducer, AllReduceReducer)
 
 
 def _grouped(tensors: List[torch.Tensor]) -> Dict[Tuple, List[torch.Tensor]]:

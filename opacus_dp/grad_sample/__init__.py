@@ -5,7 +5,7 @@ optional libraries' layers (Hugging Face ``Conv1D``: :mod:`.hf_conv1d`) once the
 """
 
 from opacus_dp.grad_sample import conv, dp_layers, embedding, embedding_bag, hf_conv1d, hf_rms_norm, linear, norms  # noqa: F401
-from opacus_dp.grad_sample.functorch import functorch_grad_sample
+from opacus_dp.grad_sample.functorch_fallback import functorch_grad_sample
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.bookkeeping import norm_samplers  # noqa: F401,E402  (ghost / bk layer functions)
 from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule
@@ -31,4 +31,4 @@ __all__ = [
 from opacus_dp.submodules import submodule_getattr  # noqa: E402
 
 __getattr__ = submodule_getattr(__name__)  # sub-modules as attributes, as in Opacus
-from opacus_dp.grad_sample.utils import get_gsm_class, wrap_model  # noqa: E402  (Opacus's names here too)
+from opacus_dp.grad_sample.mode_wrappers import get_gsm_class, wrap_model  # noqa: E402  (Opacus's names here too)

@@ -7,7 +7,7 @@ gradient of sample ``i`` is the vector-Jacobian product
 
 formed for every ``i`` at once by ``vmap(grad(.))`` over the batch (exact when output row ``i``
 depends only on input row ``i``). opacus_dp's own fallback for layers without a grad sampler is
-:func:`~opacus_dp.grad_sample.functorch.functorch_grad_sample`; these three functions keep
+:func:`~opacus_dp.grad_sample.functorch_fallback.functorch_grad_sample`; these three functions keep
 Opacus's signatures: one positional input, all of the layer's parameters (recursively),
 and the callable stored on the layer as ``layer.ft_compute_sample_grad``.
 """

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from opacus_dp.distributed import data_parallel
 from opacus_dp.grad_sample.running_statistics import guard_running_statistics
-from opacus_dp.grad_sample.functorch import check_fallback_inputs, explained_fallback_error, functorch_grad_sample
+from opacus_dp.grad_sample.functorch_fallback import check_fallback_inputs, explained_fallback_error, functorch_grad_sample
 from opacus_dp.grad_sample.attachments import _HOOKED_BY, _Attachments, _owner, weakly
 from opacus_dp.grad_sample.broadcast_inputs import BroadcastInputs
 from opacus_dp.grad_sample.compiled_modules import prepare_for_compile

@@ -1,5 +1,5 @@
 """The one table of ``grad_sample_mode``s: which wrapper each builds, with which options, and
-what ``"auto"`` picks. ``make_private``, ``attach`` (:mod:`opacus_dp.engine_setup`) and Opacus's
+what ``"auto"`` picks. ``make_private``, ``attach`` (:mod:`opacus_dp.engine.model`) and Opacus's
 ``wrap_model`` / ``get_gsm_class`` (:mod:`opacus_dp.grad_sample.utils`) all read it.
 
 * ``"hooks"`` (and Opacus's ``"ew"``, ExpandedWeights: the same per-sample gradients):

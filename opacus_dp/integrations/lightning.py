@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from opacus_dp.errors import UnsupportedError
 from opacus_dp.integrations.lightning_state import (STATE_KEY, check_private_state, private_state,
                                                     restore_private_state)
-from opacus_dp.privacy_engine import PrivacyEngine
+from opacus_dp.engine.modern import PrivacyEngine
 
 try:
     import lightning.pytorch as pl

@@ -2,13 +2,13 @@
 checkpoint.
 
 Lightning saves the weights, the (inner) optimizer's state and its loops; the callback adds one entry,
-``checkpoint["opacus_dp_private_state"]``, with the fields :func:`opacus_dp.checkpoint.save` writes
+``checkpoint["opacus_dp_private_state"]``, with the fields :func:`opacus_dp.checkpoints.single_file.save` writes
 under the same names: the accountant's history, the private steps released, the noise generator,
 the adaptive clipping bound and the Poisson sampler's generator (the generators are not saved in
 secure mode). Every value is a tensor, number, string, list, tuple or dict, so ``weights_only=True``
 loads it.
 
-Restoring checks the fields first (:func:`~opacus_dp.checkpoint_consistency.check_history_agrees`: a
+Restoring checks the fields first (:func:`~opacus_dp.checkpoints.consistency.check_history_agrees`: a
 malformed field, or a history shorter than the steps released, is refused before anything changes).
 A checkpoint without the entry is refused: resuming from it would count ε from zero for a model that
 already used the data.
@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from opacus_dp.checkpoint_consistency import ACCOUNTANT_ENTRY, STEPS_ENTRY, check_history_agrees
+from opacus_dp.checkpoints.consistency import ACCOUNTANT_ENTRY, STEPS_ENTRY, check_history_agrees
 
 STATE_KEY = "opacus_dp_private_state"
 NOISE_ENTRY = "noise_generator_state"

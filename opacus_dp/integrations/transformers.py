@@ -42,14 +42,14 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from opacus_dp.budget_guard import BudgetGuard
+from opacus_dp.engine.budget_guard import BudgetGuard
 from opacus_dp.data import DPDataLoader
 from opacus_dp.distributed import DifferentiallyPrivateDistributedDataParallel
 from opacus_dp.errors import PrivacyBudgetExceededError
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.integrations.transformers_batches import PerExampleLoss, batch_size_of, piece_losses, pieces
 from opacus_dp.integrations.transformers_state import load_private_state, save_private_state
-from opacus_dp.privacy_engine import PrivacyEngine
+from opacus_dp.engine.modern import PrivacyEngine
 
 __all__ = ["DPTrainer", "PrivacyArguments"]
 

@@ -13,6 +13,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from opacus_dp.errors import NonFiniteNormError
 from opacus_dp.maths.float32_products import ieee_float32_products
 
 
@@ -31,7 +32,7 @@ def per_sample_norms(grads: torch.Tensor) -> torch.Tensor:
 def check_finite_norms(norms: torch.Tensor, name: str) -> torch.Tensor:
     """``norms`` if all are finite, else a ``ValueError`` naming the parameter ``name``."""
     if not bool(torch.isfinite(norms).all()):
-        raise ValueError(
+        raise NonFiniteNormError(
             f"non-finite (NaN or inf) per-sample gradient norm in parameter {name}: a NaN input or "
             f"loss, or an overflow — of float16 in the model's backward under a loss scale (use a "
             f"lower torch.amp.GradScaler init_scale) or of the squared norm in {norms.dtype} — check "

@@ -5,7 +5,7 @@ One JSON file per configuration, named by the SHA-256 of the canonical JSON of t
 user cache directory; ``$XDG_CACHE_HOME`` is honoured). A file that cannot be read, does not
 hold the same key (version included) or whose value is not a dict of lists of finite numbers
 counts as absent; a directory that cannot be written is skipped. What a value means is checked
-by its reader too (:func:`opacus_dp.mechanisms.strategies.defect`), so an entry is never
+by its reader too (:func:`opacus_dp.mechanisms.strategy_validation.defect`), so an entry is never
 trusted for being in the cache.
 """
 

@@ -2,8 +2,8 @@
 
 :func:`plan_mechanism` checks the request and computes the strategy for the run's steps;
 the plan then builds the loader whose sampling the analysis covers (:meth:`MechanismPlan.loader`,
-a cyclic Poisson loader, :mod:`~opacus_dp.data.cyclic_sampler`) and :func:`use_mechanism` puts
-the correlated noise into the optimizer and returns the accountant's step hook
+a cyclic Poisson loader, :mod:`~opacus_dp.data.cyclic_sampler`), :func:`correlated_noise` the
+noise the optimizer is built with, and :func:`connect_mechanism` returns the accountant's step hook
 (:mod:`~opacus_dp.mechanisms.accounting`). ``independent`` needs no plan (the engine is unchanged).
 
 * ``banded`` (``bands = b``): ``b`` groups, group rate ``q_g = b·q`` (the expected batch stays
@@ -29,6 +29,7 @@ from opacus_dp.data.samplers import distributed_world
 from opacus_dp.data.sampling_checks import check_batching, check_replaceable_sampler
 from opacus_dp.mechanisms.accounting import MechanismHooks, Reduction, hooks_for, noise_multiplier_for, reduction_for
 from opacus_dp.mechanisms.noise import CorrelatedNoise
+from opacus_dp.optim.noise import GaussianNoise
 from opacus_dp.mechanisms.strategies import KINDS, Strategy, make_strategy
 
 
@@ -67,7 +68,7 @@ class CyclicPoissonDataLoader(DPDataLoader):
 class MechanismPlan:
     """A checked request: ``strategy``, accounting ``reduction``, loader ``groups`` and rate,
     ``steps`` per pass and planned ``total_steps``; ``schedule``, the step index that loader,
-    noise and accountant share (connected to the optimizer by :func:`use_mechanism`)."""
+    noise and accountant share (connected to the optimizer by :func:`connect_mechanism`)."""
 
     strategy: Strategy
     reduction: Reduction
@@ -149,39 +150,34 @@ def _banded_plan(data_loader, bands, epochs, steps: int, momentum: float) -> Mec
                          bands, min(rate, 1.0), per_pass, total, len(data_loader.dataset))
 
 
-def use_mechanism(plan: Optional[MechanismPlan], dp_optimizer, accountant) -> Optional[MechanismHooks]:
-    """Give ``dp_optimizer`` the plan's correlated noise (drawn from its own generator) and the
-    mean's divisor of the cyclic loader (``⌊q_g·N/b⌋ / R``, where the engine computed it for
-    ``q_g``), connect the plan's schedule to its ``steps_taken`` (the counter the accountant's
-    hooks read), and return the accountant's and the budget guard's hooks; None (nothing
-    changed) without a plan."""
+def correlated_noise(plan: Optional[MechanismPlan], base: GaussianNoise):
+    """The noise of the run: ``base`` (independent) without a plan, else the plan's correlated
+    noise drawn from ``base`` and indexed by the plan's schedule (given to the optimizer)."""
+    return base if plan is None else CorrelatedNoise(plan.strategy, base=base, schedule=plan.schedule)
+
+
+def connect_mechanism(plan: Optional[MechanismPlan], dp_optimizer, accountant) -> Optional[MechanismHooks]:
+    """Connect the plan's schedule to ``dp_optimizer``'s released steps (``steps_taken``, the
+    counter the accountant's hooks read), refuse a step whose noise index is not the schedule's,
+    and return the accountant's and the budget guard's hooks; None (nothing changed) without a
+    plan."""
     if plan is None:
         return None
-    replicas = round(plan.expected_batch_size(plan.group_rate) / dp_optimizer.expected_batch_size)
-    dp_optimizer.expected_batch_size = plan.expected_batch_size() / max(replicas, 1)
     plan.schedule.follow(lambda: dp_optimizer.steps_taken)
-    noise = dp_optimizer.noise = CorrelatedNoise(plan.strategy, base=dp_optimizer.noise, schedule=plan.schedule)
-    dp_optimizer.attach_pre_step_hook(_schedule_check(noise))
+    dp_optimizer.attach_pre_step_hook(_schedule_check)
     return hooks_for(accountant, plan.reduction, dp_optimizer)
 
 
-def _schedule_check(noise: CorrelatedNoise):
+def _schedule_check(optimizer) -> None:
     """A pre-step hook refusing a step whose noise index is not the schedule's, where this
-    process adds the noise (so that with several processes every rank refuses that step)."""
-
-    def check(optimizer) -> None:
-        if optimizer.reducer.adds_noise or optimizer.reducer.noises_shards:
-            noise.check_schedule()
-
-    return check
+    process draws the noise (so that with several processes every rank refuses that step)."""
+    if optimizer.reducer.draws_noise:
+        optimizer.noise.check_schedule()
 
 
-def calibrated_noise_multiplier(noise_mechanism: str, *, data_loader, bands, epochs, accountant: str,
-                                target_epsilon: float, target_delta: float,
-                                epsilon_tolerance: float = 0.01, **epsilon_kwargs) -> float:
-    """σ of a correlated mechanism for ``epochs`` passes within ``target_epsilon``."""
-    plan = plan_mechanism(noise_mechanism, data_loader=data_loader, bands=bands, epochs=epochs,
-                          poisson_sampling=True)
+def calibrated_noise_multiplier(plan: MechanismPlan, *, accountant: str, target_epsilon: float,
+                                target_delta: float, epsilon_tolerance: float = 0.01, **epsilon_kwargs) -> float:
+    """σ of the planned correlated mechanism for its planned steps within ``target_epsilon``."""
     return noise_multiplier_for(plan.reduction, target_epsilon=target_epsilon, target_delta=target_delta,
                                 steps=plan.total_steps, accountant=accountant,
                                 epsilon_tolerance=epsilon_tolerance, **epsilon_kwargs)

@@ -3,15 +3,12 @@
 ``w_t`` are the i.i.d. Gaussian draws of :class:`~opacus_dp.optim.noise.GaussianNoise` (its
 generator, secure mode included) with std ``σ · C_clip · Δ`` (``Δ``: the strategy's
 sensitivity), one per step and trainable tensor; step ``t`` adds ``z_t`` to the summed clipped
-gradient instead of ``w_t``. Since ``C z = w`` with ``c₀ = 1``:
-
-* ``banded`` (``c_k = 0`` for ``k ≥ b``): ``z_t = w_t − Σ_{k=1}^{b−1} c_k z_{t−k}``, keeping
-  the last ``b − 1`` noise tensors;
-* ``blt`` (``c_k = Σ_i ω_i θ_iᵏ⁻¹``): ``z_t = w_t − Σ_i ω_i s_{i,t}`` with
-  ``s_{i,t+1} = θ_i s_{i,t} + z_t`` (Dvijotham et al. 2024): ``d`` buffers of model size;
-* ``tree``: ``z_t = w_t − Σ_{l<j} (open nodes of levels below j)``, ``j`` the trailing zeros
-  of ``t + 1`` (:mod:`~opacus_dp.mechanisms.tree`): at most ``⌊log₂ n⌋ + 1`` buffers;
-* ``C = I`` (``b = 1``): ``z_t = w_t``, the draws of DP-SGD bit for bit.
+gradient instead of ``w_t``. Since ``C z = w`` with ``c₀ = 1``, ``z_t`` is ``w_t`` corrected
+by what the earlier steps left, by the :class:`~opacus_dp.mechanisms.recursion.Recursion` of
+the strategy's kind (:data:`RECURSIONS`): banded (:mod:`~opacus_dp.mechanisms.banded_noise`,
+``b − 1`` noise tensors kept), BLT (:mod:`~opacus_dp.mechanisms.blt_noise`, ``d`` buffers of
+model size), tree (:mod:`~opacus_dp.mechanisms.tree_noise`, at most ``⌊log₂ n⌋ + 1``
+buffers); ``C = I`` (one band) gives ``z_t = w_t``, the draws of DP-SGD bit for bit.
 
 The buffers are committed at the start of the next step (:meth:`begin_step`), so a step refused
 after its noise was drawn (:meth:`discard_step`) leaves them as they were. They are part of
@@ -23,21 +20,38 @@ refused before anything is drawn. With several processes only the rank that adds
 (:mod:`~opacus_dp.distributed.reducers`) uses them.
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
 from opacus_dp.data.cyclic_sampler import StepSchedule
-from opacus_dp.mechanisms import tree
+from opacus_dp.mechanisms.banded_noise import BandedRecursion
+from opacus_dp.mechanisms.blt_noise import BltRecursion
+from opacus_dp.mechanisms.recursion import History, IndependentRecursion, Recursion
 from opacus_dp.mechanisms.strategies import Strategy
+from opacus_dp.mechanisms.tree_noise import TreeRecursion
 from opacus_dp.optim.noise import GaussianNoise
+
+RECURSIONS = {"independent": IndependentRecursion, "banded": BandedRecursion, "blt": BltRecursion,
+              "tree": TreeRecursion}
+
+
+def recursion_for(strategy: Strategy) -> Recursion:
+    """The recursion of ``strategy``'s kind; with one band (``C = I``) the draws pass through."""
+    recursion = RECURSIONS[strategy.kind]
+    if strategy.bands == 1:
+        return IndependentRecursion(limited_to_planned_steps=recursion.limited_to_planned_steps)
+    return recursion(strategy)
 
 
 class CorrelatedNoise:
     """Noise of ``strategy`` for the tensors of each step (module doc); draws from ``base``.
 
-    Within a step, :meth:`sample` is called once per tensor, in the same order every step.
+    A :class:`~opacus_dp.optim.noise_mechanism.NoiseMechanism`. Within a step, :meth:`sample` is
+    called once per tensor, in the same order every step.
     """
+
+    shards_alike = False  # a rank's noise depends on its earlier steps' noise of the same tensors
 
     def __init__(self, strategy: Strategy, base: Optional[GaussianNoise] = None,
                  schedule: Optional[StepSchedule] = None):
@@ -45,14 +59,12 @@ class CorrelatedNoise:
         self.base = base if base is not None else GaussianNoise()
         self.schedule = schedule
         self.step_index = -1  # index of the current (or last) step
-        # banded: the z's of the last b − 1 steps; blt: [θ-buffers per tensor]; tree: [open nodes per tensor]
-        self._history: List[List[torch.Tensor]] = []
-        self._pending: Dict[int, torch.Tensor] = {}  # this step's z per slot, committed by the next
+        self._recursion = recursion_for(strategy)
+        self._history: History = []  # the recursion's state, committed
+        self._pending: Dict[int, torch.Tensor] = {}  # what this step keeps per slot, committed by the next
         self._slot, self._open = 0, False
-        if strategy.kind == "blt":
-            self._theta, self._omega = (torch.tensor(v, dtype=torch.float64) for v in strategy.blt)
 
-    # the generator of the draws, as GaussianNoise (checkpoints, distributed refusal)
+    # the generator of the draws, as GaussianNoise (checkpoints, step refusal, streams)
     secure_mode = property(lambda self: self.base.secure_mode)
 
     @property
@@ -66,11 +78,17 @@ class CorrelatedNoise:
     def generator_for(self, device: torch.device) -> torch.Generator:
         return self.base.generator_for(device)
 
+    def stream_base(self) -> bytes:
+        return self.base.stream_base()
+
+    def reseed(self, seed: int) -> None:
+        self.base.reseed(seed)
+
     def begin_step(self, device: torch.device) -> None:
         """Commit the previous step's noise, then start a step."""
         self._commit()
         self.check_schedule()
-        if self.strategy.kind in ("blt", "tree") and self.step_index + 1 >= self.strategy.steps:
+        if self._recursion.limited_to_planned_steps and self.step_index + 1 >= self.strategy.steps:
             raise RuntimeError(
                 f"the {self.strategy.kind} noise was planned and accounted for {self.strategy.steps} steps: this "
                 "would be one more; plan the run with more epochs (make_private(..., epochs=))")
@@ -91,6 +109,15 @@ class CorrelatedNoise:
                 "Restore the noise state and the step count from the same checkpoint "
                 "(PrivacyEngine.load_checkpoint); nothing was released")
 
+    def snapshot(self):
+        """The draws' generator state before a step (:meth:`GaussianNoise.snapshot`)."""
+        return self.base.snapshot()
+
+    def restore(self, snapshot) -> None:
+        """Undo a refused step: its noise is forgotten and the generator is back to ``snapshot``."""
+        self.discard_step()
+        self.base.restore(snapshot)
+
     def discard_step(self) -> None:
         """Forget the noise drawn in the current step (it was not released)."""
         if self._open:
@@ -101,33 +128,9 @@ class CorrelatedNoise:
         """``z_t`` for the next tensor of this step (``std``: ``σ·C_clip``)."""
         slot, self._slot = self._slot, self._slot + 1
         w = self.base.sample(reference, std * self.strategy.sensitivity if std else 0.0)
-        if self.strategy.kind == "independent" or self.strategy.bands == 1:
-            return w
-        if self.strategy.kind == "tree":
-            self._pending[slot] = w
-            return self._tree(w, slot)
-        z = self._banded(w, slot) if self.strategy.kind == "banded" else self._blt(w, slot)
-        self._pending[slot] = z
-        return z.clone()
-
-    def _banded(self, w: torch.Tensor, slot: int) -> torch.Tensor:
-        z = w.clone()
-        for k, past in enumerate(reversed(self._history), start=1):
-            z.sub_(past[slot], alpha=self.strategy.coefficients[k])
-        return z
-
-    def _blt(self, w: torch.Tensor, slot: int) -> torch.Tensor:
-        z = w.clone()
-        if self._history:
-            buffers = self._history[0][slot]
-            z.sub_(torch.tensordot(self._omega.to(buffers), buffers, dims=1))
-        return z
-
-    def _tree(self, w: torch.Tensor, slot: int) -> torch.Tensor:
-        """``w − Σ`` the nodes that close (the lowest ``j`` open ones, stored by level)."""
-        z = w.clone()
-        for node in self._history[slot][:tree.trailing_zeros(self.step_index + 1)] if self._history else ():
-            z.sub_(node)
+        z, kept = self._recursion.correct(w, slot, self._history, self.step_index)
+        if kept is not None:
+            self._pending[slot] = kept
         return z
 
     def _commit(self) -> None:
@@ -135,22 +138,8 @@ class CorrelatedNoise:
         if not self._pending:
             return
         pending = [self._pending[i] for i in range(len(self._pending))]
-        if self.strategy.kind == "tree":
-            closing = tree.trailing_zeros(self.step_index + 1)
-            self._history = [[w] + (self._history[i][closing:] if self._history else []) for i, w in enumerate(pending)]
-        elif self.strategy.kind == "banded":
-            self._history.append(pending)
-            del self._history[:max(0, len(self._history) - (self.strategy.bands - 1))]
-        else:
-            self._history = [[self._updated_buffers(i, z) for i, z in enumerate(pending)]]
+        self._history = self._recursion.commit(self._history, pending, self.step_index)
         self._pending = {}
-
-    def _updated_buffers(self, slot: int, z: torch.Tensor) -> torch.Tensor:
-        """``s_i ← θ_i s_i + z`` for all ``i`` (stacked: ``d × shape``)."""
-        theta = self._theta.to(z).reshape(-1, *([1] * z.dim()))
-        if not self._history:
-            return z.unsqueeze(0).expand(len(self._theta), *z.shape).clone()
-        return self._history[0][slot].mul_(theta).add_(z)
 
     def _schedule_record(self) -> dict:
         strategy = self.strategy

@@ -6,7 +6,7 @@ Every dyadic block ``[m·2ˡ, (m+1)·2ˡ)`` inside the ``n`` steps is a node wit
 nodes of the binary decomposition of ``L`` (``popcount(L)`` nodes). In DP-SGD form step ``t``
 gets ``z_t = N_{t+1} − N_t = w_new − Σ_{l < j} w_l``, ``j`` the number of trailing zeros of
 ``t + 1``: the nodes of levels below ``j`` close and the new node of level ``j`` opens, so at most
-``⌊log₂ n⌋ + 1`` buffers are kept (:class:`~opacus_dp.mechanisms.noise.CorrelatedNoise`).
+``⌊log₂ n⌋ + 1`` buffers are kept (:mod:`~opacus_dp.mechanisms.tree_noise`).
 
 Sensitivity for an example taking part every ``period`` steps (cyclic, residue ``g``):
 ``Δ² = max_g Σ_nodes |{its steps in the node}|²`` (a sum of squares over the node vectors,

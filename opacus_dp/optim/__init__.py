@@ -1,6 +1,7 @@
 """Private optimization: :class:`DPOptimizer` and its strategies (clipping, noise, reduction)."""
 
-from opacus_dp.optim.clipping import Clipper, FlatClipper, PerLayerClipper, make_clipper
+from opacus_dp.optim.clipper_registry import make_clipper
+from opacus_dp.optim.clipping import Clipper, FlatClipper, PerLayerClipper
 from opacus_dp.optim.dp_optimizer import DPOptimizer
 from opacus_dp.optim.logical_batches import BatchingPolicy
 from opacus_dp.optim.noise import GaussianNoise, noise_std

@@ -25,13 +25,17 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from opacus_dp.accountants.validation import as_real
-from opacus_dp.optim.clipping import Clipper, check_max_grad_norm, flat_factors, total_norms
+from opacus_dp.optim.clipping import (  # SETTINGS: this module's name for them, as before
+    ADAPTIVE_SETTINGS as SETTINGS,
+    Clipper,
+    check_max_grad_norm,
+    flat_factors,
+    total_norms,
+)
 
 PAPER_TARGET_QUANTILE = 0.5  # clip to the median (the paper's recommendation)
 PAPER_LEARNING_RATE = 0.2    # geometric updates (the paper's recommendation)
 PAPER_COUNT_STD_FRACTION = 1 / 20  # σ_u = expected batch size / 20 (the paper's recommendation)
-SETTINGS = ("target_unclipped_quantile", "clipbound_learning_rate", "min_clipbound", "max_clipbound",
-            "unclipped_num_std")
 LOG_LARGEST_BOUND = math.log(sys.float_info.max)
 FINITE = sys.float_info.max
 
@@ -57,6 +61,15 @@ def gradient_noise_multiplier(noise_multiplier: float, unclipped_num_std: float)
             "count (Andrew et al. 2021, Theorem 1); raise unclipped_num_std (the paper suggests the "
             "expected batch size / 20) or lower noise_multiplier")
     return (noise_multiplier ** -2 - (2 * unclipped_num_std) ** -2) ** -0.5
+
+
+def refusal(name: str) -> ValueError:
+    """The error for setting ``optimizer.<name>`` (a bound) under adaptive clipping."""
+    return ValueError(
+        f"optimizer.{name} cannot be set with clipping='adaptive': the bound follows the "
+        "private estimate of the unclipped fraction at every step (a clipping-bound schedule "
+        "would fight it). Tune target_unclipped_quantile / clipbound_learning_rate, or use "
+        "clipping='flat' with a schedule")
 
 
 class AdaptiveClipper(Clipper):
@@ -135,6 +148,21 @@ class AdaptiveClipper(Clipper):
     def settings(self) -> Dict[str, float]:
         """The adaptation settings (every process of a distributed run must share them)."""
         return {name: getattr(self, name) for name in SETTINGS}
+
+    def shared_settings(self) -> Dict[str, Optional[float]]:
+        return {**super().shared_settings(),
+                **{f"adaptive clipping {name}": value for name, value in self.settings().items()}}
+
+    @property
+    def releases_statistic(self) -> bool:
+        """True: the noisy unclipped count is released with the gradient sum."""
+        return True
+
+    def with_bound(self, value) -> Clipper:
+        raise refusal("max_grad_norm")
+
+    def with_bounds(self, values: Sequence[float]) -> Clipper:
+        raise refusal("max_grad_norms")
 
     def state_dict(self) -> Dict[str, float]:
         return {"max_grad_norm": self.max_grad_norm, "last_unclipped_fraction": self.last_unclipped_fraction}

@@ -34,7 +34,8 @@ replaced. Clipped sums formed during the backward pass (per-layer clipping in ``
 the ``ghost`` two-pass ``loss.backward()``) used factors before ``s`` was known: refused.
 """
 
-from typing import List, Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 
@@ -110,3 +111,32 @@ class ScaledStep:
         record_found_inf(self.grad_scaler, optimizer,
                          torch.full((), float(found), dtype=torch.float32, device=device))
         return finite
+
+
+class ScalerBridge:
+    """The optimizer's side of ``torch.amp.GradScaler`` (module doc): the scale of the step that is
+    running (``None`` outside a scaled step) and the ceiling, the first scale of a scaled step."""
+
+    def __init__(self):
+        self.scale: Optional[float] = None
+        self.ceiling: Optional[float] = None
+
+    def begin(self, grad_scaler) -> Optional[ScaledStep]:
+        """The scaled step of ``grad_scaler`` (None without one)."""
+        return None if grad_scaler is None else ScaledStep(grad_scaler, self.ceiling)
+
+    @contextmanager
+    def scaling(self, scaled: Optional[ScaledStep]) -> Iterator[None]:
+        """Within: :attr:`scale` is the step's scale."""
+        self.scale = None if scaled is None else scaled.scale
+        try:
+            yield
+        finally:
+            self.scale = None
+
+    def finish(self, scaled: Optional[ScaledStep], optimizer, params, stepped: bool) -> bool:
+        """Give the scaler its ``found_inf``; whether the inner optimizer updates."""
+        if scaled is None:
+            return stepped
+        self.ceiling = scaled.ceiling
+        return scaled.give_back(optimizer, params, stepped) and stepped

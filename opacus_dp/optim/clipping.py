@@ -8,13 +8,19 @@ std is ``σ · sensitivity`` (computed in :mod:`opacus_dp.optim.noise` only).
 
 Both strategies here follow Abadi et al. 2016, "Deep Learning with Differential Privacy":
 ``f = min(1, C / (‖g‖ + 1e-6))``; the ``1e-6`` guards against division by zero. A bound that
-adapts during training is in :mod:`opacus_dp.optim.adaptive_clipping`.
+adapts during training is in :mod:`opacus_dp.optim.adaptive_clipping`; the normalising rules
+(automatic clipping, PSAC) are in :mod:`opacus_dp.optim.automatic_clipping` and
+:mod:`opacus_dp.optim.psac_clipping`; :mod:`opacus_dp.optim.clipper_registry` builds one by name.
+
+The optimizer never tests a clipper's type: it asks the capabilities of :class:`Clipper`
+(``per_tensor``, ``factor_of``, ``bounds``, ``with_bound``, ``with_bounds``, ``shared_settings``,
+``releases_statistic``), whose defaults here describe a fixed flat bound.
 """
 
 import abc
 import math
 import numbers
-from typing import Callable, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -27,6 +33,15 @@ from opacus_dp.maths.per_sample import (  # noqa: F401  (also this module's name
 )
 
 CLIP_EPSILON = 1e-6
+ADAPTIVE_SETTINGS = ("target_unclipped_quantile", "clipbound_learning_rate", "min_clipbound", "max_clipbound",
+                     "unclipped_num_std")
+AUTOMATIC_GAMMA_SETTING = "automatic clipping gamma"
+PSAC_R_SETTING = "psac clipping r"
+# the settings beyond σ and C that all ranks share: the same names for every clipper (None where a
+# clipper has no such setting), so every rank's agreement table has the same shape
+SHARED_SETTING_NAMES = tuple(f"adaptive clipping {name}" for name in ADAPTIVE_SETTINGS) + (
+    AUTOMATIC_GAMMA_SETTING, PSAC_R_SETTING)
+FLAT_ONLY = "max_grad_norm can only be changed for flat clipping; set max_grad_norms"
 
 
 def check_max_grad_norm(value, name: str = "max_grad_norm") -> float:
@@ -61,16 +76,21 @@ def total_norms(per_param_norms: Sequence[torch.Tensor]) -> torch.Tensor:
     return stacked.norm(2, dim=1)
 
 
+def copies_per_tensor(factor: torch.Tensor, per_param_norms: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """One copy of the per-sample ``factor`` for each tensor, on the device of its norms."""
+    return [factor.to(n.device) for n in per_param_norms]
+
+
 def flat_factors(per_param_norms: Sequence[torch.Tensor], bound: float) -> List[torch.Tensor]:
     """The flat factors ``min(1, C / (‖g_i‖ + 1e-6))``, one copy per tensor on its device."""
     if not per_param_norms:
         return []
-    factor = _factor(total_norms(per_param_norms), bound)
-    return [factor.to(n.device) for n in per_param_norms]
+    return copies_per_tensor(_factor(total_norms(per_param_norms), bound), per_param_norms)
 
 
 class Clipper(abc.ABC):
-    """Strategy interface: ``clip_factors(norms)`` and ``sensitivity``."""
+    """Strategy interface: ``clip_factors(norms)``, ``sensitivity`` and the capabilities the
+    optimizer asks (defaults: one flat bound, fixed during training)."""
 
     sensitivity: float
 
@@ -103,6 +123,44 @@ class Clipper(abc.ABC):
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`."""
 
+    # ------------------------------------------------------------------ capabilities
+    @property
+    def per_tensor(self) -> bool:
+        """Whether a tensor's factors depend only on its own norms (then :meth:`factor_of`
+        works and a tensor's clipped sum may be formed during the backward pass)."""
+        return False
+
+    def factor_of(self, index: int, norms: torch.Tensor) -> torch.Tensor:
+        """The ``(B,)`` factors of trainable tensor ``index`` from its own norms (per-tensor
+        clippers only)."""
+        raise TypeError(
+            f"{type(self).__name__} is not a per-tensor clipper (per_tensor is False): its factors "
+            "need the norms of every tensor; call clip_factors(per_param_norms)")
+
+    @property
+    def bounds(self) -> List[float]:
+        """One clipping bound per trainable tensor (per-layer), else ``[C]``."""
+        return [self.sensitivity]
+
+    def with_bound(self, value) -> "Clipper":
+        """This rule with the flat bound ``value`` (``optimizer.max_grad_norm = value``)."""
+        raise ValueError(FLAT_ONLY)
+
+    def with_bounds(self, values: Sequence[float]) -> "Clipper":
+        """Per-layer clipping to ``values`` (``optimizer.max_grad_norms = values``)."""
+        return PerLayerClipper(values)
+
+    def shared_settings(self) -> Dict[str, Optional[float]]:
+        """Settings beyond σ and C that every process of a distributed run must share; the same
+        names (:data:`SHARED_SETTING_NAMES`) for every clipper, ``None`` where unused."""
+        return dict.fromkeys(SHARED_SETTING_NAMES)
+
+    @property
+    def releases_statistic(self) -> bool:
+        """Whether the step releases a noisy statistic of the clipper's own
+        (:meth:`take_observation`) besides the gradient sum."""
+        return False
+
 
 class FlatClipper(Clipper):
     """Clip the whole per-sample gradient (all tensors concatenated) to norm ``C``.
@@ -119,6 +177,9 @@ class FlatClipper(Clipper):
 
     def clip_factors(self, per_param_norms):
         return flat_factors(per_param_norms, self.max_grad_norm)
+
+    def with_bound(self, value) -> "FlatClipper":
+        return FlatClipper(value)
 
     def __repr__(self):
         return f"FlatClipper(max_grad_norm={self.max_grad_norm})"
@@ -158,32 +219,21 @@ class PerLayerClipper(Clipper):
         self.check_num_params(len(per_param_norms))
         return [_factor(n, c) for n, c in zip(per_param_norms, self.max_grad_norms)]
 
-    def factor(self, index: int, norms: torch.Tensor) -> torch.Tensor:
-        """The factors of tensor ``index`` alone (they depend on its own norms only)."""
+    @property
+    def per_tensor(self) -> bool:
+        return True
+
+    def factor_of(self, index: int, norms: torch.Tensor) -> torch.Tensor:
+        """``min(1, C_index / (n_i + 1e-6))``: tensor ``index``'s factors from its own norms."""
         return _factor(norms, self.max_grad_norms[index])
+
+    def factor(self, index: int, norms: torch.Tensor) -> torch.Tensor:
+        """:meth:`factor_of` (the earlier name)."""
+        return self.factor_of(index, norms)
+
+    @property
+    def bounds(self) -> List[float]:
+        return list(self.max_grad_norms)
 
     def __repr__(self):
         return f"PerLayerClipper(max_grad_norms={self.max_grad_norms})"
-
-
-def make_clipper(clipping, max_grad_norm) -> Clipper:
-    """Build the clipper named by ``clipping`` ("flat" or "per_layer"); a :class:`Clipper`
-    instance (e.g. an :class:`~opacus_dp.optim.adaptive_clipping.AdaptiveClipper`) is used as
-    it is."""
-    if isinstance(clipping, Clipper):
-        return clipping
-    if clipping == "adaptive":
-        raise ValueError(
-            "clipping='adaptive' needs its settings: use PrivacyEngine.make_private(..., "
-            "clipping='adaptive') or opacus_dp.optimizers.AdaClipDPOptimizer, or pass "
-            "clipping=AdaptiveClipper(...)")
-    if clipping == "flat":
-        if isinstance(max_grad_norm, (list, tuple)):
-            raise ValueError(
-                "max_grad_norm is a list but clipping='flat': pass clipping='per_layer' "
-                "for one bound per trainable tensor, or a single number"
-            )
-        return FlatClipper(max_grad_norm)
-    if clipping == "per_layer":
-        return PerLayerClipper(max_grad_norm)
-    raise ValueError(f"clipping must be 'flat', 'per_layer' or 'adaptive', got {clipping!r}")

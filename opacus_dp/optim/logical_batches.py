@@ -7,8 +7,14 @@ batches of ``make_private`` only ``BatchMemoryManager`` may cut a batch (``signa
 and a step over more samples than ``max_batch_size`` per merged batch is refused.
 """
 
+from collections import deque
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from opacus_dp.errors import LogicalBatchOverflowError, PoissonBatchMergeError
+from opacus_dp.maths.per_sample import sum_dtype
 
 
 @dataclass(frozen=True)
@@ -37,48 +43,76 @@ class BatchingPolicy:
             raise ValueError(f"max_batch_size must be a positive int or None, got {size!r}")
 
 
-class LogicalBatchMixin:
-    """Virtual steps, skip signals and the size checks of a logical batch, for ``DPOptimizer``
-    (its :class:`BatchingPolicy` is ``self.batching``)."""
+class LogicalBatch:
+    """The pieces of the coming step (one per optimizer, under its :class:`BatchingPolicy`): the
+    clipped sums ``S_l`` accumulated so far and their sample count, the queued skip signals, the
+    backward passes merged into the step, and an earlier piece's failure (distributed runs)."""
+
+    def __init__(self, policy: BatchingPolicy):
+        self.policy = policy
+        self.sums: Dict[torch.Tensor, torch.Tensor] = {}
+        self.num_samples = 0  # accumulated since the last step
+        self.last_num_samples = 0  # those of the last step
+        self.iterations = 1  # k: the batches merged into the coming step
+        self.failed_piece: Optional[Exception] = None
+        self._skip_signals = deque()
+
+    # --------------------------------------------------------------- pieces
+    def add(self, params: Sequence[torch.Tensor], clipped_sums, num_samples: int) -> None:
+        """``S_l += clipped_l`` (in :func:`~opacus_dp.maths.per_sample.sum_dtype`) for one piece."""
+        for p, clipped in zip(params, clipped_sums):
+            if clipped is not None:
+                clipped = clipped.to(sum_dtype(p.dtype))
+                self.sums[p] = self.sums[p] + clipped if p in self.sums else clipped
+        self.num_samples += num_samples
+
+    def take(self, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The sums of the step, one per tensor of ``params`` (zeros, full shape, where no sample
+        reached it); the batch is empty afterwards."""
+        sums = [self.sums[p] if p in self.sums else torch.zeros(p.shape, dtype=sum_dtype(p.dtype), device=p.device)
+                for p in params]
+        self.sums = {}
+        self.last_num_samples, self.num_samples = self.num_samples, 0
+        return sums
+
+    def drop(self) -> int:
+        """Forget the sums of an unfinished logical batch; the number of samples dropped."""
+        dropped = self.num_samples
+        self.sums, self.num_samples = {}, 0
+        return dropped
 
     @property
-    def count_iterations(self) -> bool:
-        return self.batching.count_iterations
+    def unfinished(self) -> bool:
+        """Whether pieces wait for their step."""
+        return bool(self.sums or self.num_samples)
 
-    @property
-    def max_batch_size(self) -> Optional[int]:
-        return self.batching.max_batch_size
+    def mark_failed(self, error: Exception) -> None:
+        """Remember the first failed piece (distributed runs refuse the batch's step everywhere)."""
+        if self.failed_piece is None:
+            self.failed_piece = error
 
-    @property
-    def poisson_batches(self) -> bool:
-        return self.batching.poisson_batches
+    def take_failed_piece(self) -> Optional[Exception]:
+        failed, self.failed_piece = self.failed_piece, None
+        return failed
 
-    def virtual_step(self) -> None:
-        """Clip and accumulate the current per-sample gradients; no parameter update.
-
-        Everything accumulated until the next ``step()`` is ONE logical batch for the
-        accountant (one record): use it to cut a logical batch into physical pieces, never
-        to merge several sampled batches (that under-reports ε; draw larger batches instead).
-        With the Poisson batches of ``make_private`` it is refused (pieces of one batch and of two
-        look alike here): ``BatchMemoryManager`` splits those batches.
-        """
-        self._refuse_merging_poisson_batches("optimizer.virtual_step()")
-        self._accumulate_piece()
-
-    def signal_skip_step(self, do_skip: bool = True) -> None:
-        """Queue whether the next ``step()`` only accumulates (``True``) or steps (``False``);
-        ``True`` is refused with Poisson batches (as :meth:`virtual_step`)."""
-        if do_skip:
-            self._refuse_merging_poisson_batches("optimizer.signal_skip_step(True)")
+    # --------------------------------------------------------------- skip signals
+    def signal(self, do_skip: bool) -> None:
         self._skip_signals.append(bool(do_skip))
 
-    def signal_chunk_step(self, do_skip: bool) -> None:
-        """:meth:`signal_skip_step` for the pieces of one sampled batch (``BatchMemoryManager``)."""
-        self._skip_signals.append(bool(do_skip))
+    def skip_next(self) -> bool:
+        """Whether the coming ``step()`` only accumulates (consumes one signal)."""
+        return bool(self._skip_signals) and self._skip_signals.popleft()
 
-    def _refuse_merging_poisson_batches(self, call: str) -> None:
-        if self.poisson_batches:
-            raise ValueError(
+    def take_signals(self) -> List[bool]:
+        signals = list(self._skip_signals)
+        self._skip_signals.clear()
+        return signals
+
+    # --------------------------------------------------------------- checks
+    def refuse_merging_poisson_batches(self, call: str) -> None:
+        """PoissonBatchMergeError for ``call`` with Poisson batches."""
+        if self.policy.poisson_batches:
+            raise PoissonBatchMergeError(
                 f"{call} with Poisson sampling: the optimizer cannot tell the pieces of one sampled "
                 "batch from two batches, and two batches merged into one step would be recorded as "
                 "one batch of rate q (a sample drawn in both counting twice). Call optimizer.step() "
@@ -86,37 +120,22 @@ class LogicalBatchMixin:
                 "iterate BatchMemoryManager(data_loader=..., max_physical_batch_size=..., "
                 "optimizer=...); for larger batches raise the loader's batch size. No update was made")
 
-    def take_unconsumed_skip_signals(self) -> List[bool]:
-        """The signals of :meth:`signal_skip_step` that no ``step()`` consumed (now dropped)."""
-        signals = list(self._skip_signals)
-        self._skip_signals.clear()
-        return signals
+    def count_iterations(self, pending_passes: Callable[[], int]) -> None:
+        """``k``: the backward passes merged into the coming step (``pending_passes()``; 1 if not
+        counted); refused above 1 with Poisson batches."""
+        self.iterations = max(1, int(pending_passes())) if self.policy.count_iterations else 1
+        if self.iterations > 1:
+            self.refuse_merging_poisson_batches(f"one step over {self.iterations} backward passes")
 
-    def discard_unfinished_batch(self) -> int:
-        """Drop what a logical batch that never reached its step left behind: the clipped sums
-        of its earlier pieces, the per-sample state of a backward pass not yet clipped, queued
-        skip signals. Nothing of it was released (no noise, no accountant record). Returns
-        the number of samples whose clipped gradients were dropped."""
-        dropped = self._num_accumulated
-        self._drop_accumulated()
-        self._skip_signals.clear()
-        self.grad_source.clear(self.params)
-        return dropped
-
-    def _check_max_batch_size(self) -> None:
-        if self.max_batch_size is None:
+    def check_size(self) -> None:
+        """LogicalBatchOverflowError if the step holds more samples than ``k`` fixed batches."""
+        if self.policy.max_batch_size is None:
             return
-        limit = self.max_batch_size * self.accumulated_iterations
-        if self._num_accumulated > limit:
-            raise ValueError(
-                f"this step combines {self._num_accumulated} samples, more than one logical batch "
+        limit = self.policy.max_batch_size * self.iterations
+        if self.num_samples > limit:
+            raise LogicalBatchOverflowError(
+                f"this step combines {self.num_samples} samples, more than one logical batch "
                 f"(batch_size={limit}): the accountant would record one batch where several were "
                 "used. Make batch_size the logical batch (physical size x accumulation steps) and "
                 "split it with virtual_step()/BatchMemoryManager; nothing was updated"
             )
-
-    def _pending_iterations(self) -> int:
-        """Batches merged into the coming step by several backward passes (1 if not counted)."""
-        if not self.count_iterations:
-            return 1
-        return max(1, int(self.grad_source.pending_passes()))

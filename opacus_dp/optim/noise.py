@@ -23,7 +23,7 @@ Two sources of randomness:
 import math
 import secrets
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -62,7 +62,12 @@ def seed_from_global_rng() -> int:
 
 
 class GaussianNoise:
-    """Draws ``N(0, std²)`` tensors from an owned generator, or securely (see module doc)."""
+    """Draws ``N(0, std²)`` tensors from an owned generator, or securely (see module doc).
+
+    A :class:`~opacus_dp.optim.noise_mechanism.NoiseMechanism`; ``shards_alike``: the draws keep
+    no state across steps, so each rank may noise its own shard with its own stream."""
+
+    shards_alike = True
 
     def __init__(self, generator: Optional[torch.Generator] = None, secure_mode: bool = False):
         if secure_mode and generator is not None:
@@ -106,6 +111,21 @@ class GaussianNoise:
     def discard_step(self) -> None:
         """Nothing to forget for independent noise (a refused step's generator state is
         restored by its caller; correlated noise also drops its uncommitted buffers)."""
+
+    def snapshot(self) -> Tuple[Optional[torch.Generator], Optional[torch.Tensor]]:
+        """The generator and its state before a step's draws (restored if the step is refused)."""
+        generator = self.generator
+        return generator, None if generator is None else generator.get_state()
+
+    def restore(self, snapshot) -> None:
+        """Undo the draws of a refused step: back to :meth:`snapshot`."""
+        self.discard_step()
+        self.generator, state = snapshot
+        if state is not None:
+            self.generator.set_state(state)
+
+    def check_schedule(self) -> None:
+        """Nothing to check: independent draws do not depend on the step index."""
 
     def sample(self, reference: torch.Tensor, std: float) -> torch.Tensor:
         """A tensor like ``reference`` with i.i.d. ``N(0, std²)`` entries (zeros if std=0)."""

@@ -1,9 +1,20 @@
 """The ``torch.optim.Optimizer`` interface of a wrapper, delegated to the optimizer it wraps."""
 
+from torch.optim import Optimizer
 
-class WrappedOptimizerMixin:
+
+class WrappedOptimizer(Optimizer):
     """``param_groups``, ``state``, ``defaults``, ``add_param_group`` and the state dict are the
-    wrapped ``self.original_optimizer``'s, so LR schedulers and checkpoints see the plain optimizer."""
+    wrapped ``original_optimizer``'s, so LR schedulers and checkpoints see the plain optimizer."""
+
+    def __init__(self, optimizer: Optimizer):  # noqa: super().__init__ would replace param_groups
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, WrappedOptimizer):
+            raise ValueError("optimizer is already a DPOptimizer: wrap the original optimizer")
+        self.original_optimizer = optimizer
+        self._inner_step = optimizer.step
+        self._inner_zero_grad = optimizer.zero_grad
 
     @property
     def param_groups(self):

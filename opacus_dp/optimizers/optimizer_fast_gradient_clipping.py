@@ -1,4 +1,5 @@
-"""Opacus 1.x path `opacus.optimizers.optimizer_fast_gradient_clipping` (compatibility): :class:`DPOptimizerFastGradientClipping`."""
+"""Opacus 1.x path `opacus.optimizers.optimizer_fast_gradient_clipping` (compatibility):
+:class:`DPOptimizerFastGradientClipping`."""
 
 from opacus_dp.optimizers import DPOptimizerFastGradientClipping
 

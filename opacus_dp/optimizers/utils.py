@@ -1,14 +1,5 @@
-"""Opacus 1.x ``opacus.optimizers.utils``."""
+"""Opacus 1.x's import path ``opacus.optimizers.utils`` (re-exports only)."""
 
-from typing import List
-
-import torch.nn as nn
-from torch.optim import Optimizer
-
-
-def params(optimizer: Optimizer) -> List[nn.Parameter]:
-    """The parameters of ``optimizer`` (all its param groups) that require a gradient."""
-    return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-
+from opacus_dp.compat.optimizer_utils import params
 
 __all__ = ["params"]

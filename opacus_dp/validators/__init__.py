@@ -1,6 +1,7 @@
 """Model validation for DP-SGD: ``ModuleValidator.validate`` / ``fix`` (Opacus 1.x API)."""
 
-from opacus_dp.validators.errors import (
+from opacus_dp.validators.fixers import default_num_groups
+from opacus_dp.validators.module_errors import (
     IllegalModuleConfigurationError,
     IncompatibleModuleException,
     NotYetSupportedModuleError,
@@ -9,9 +10,8 @@ from opacus_dp.validators.errors import (
     UnsupportedError,
     UnsupportedModuleError,
 )
-from opacus_dp.validators.fixers import default_num_groups
 from opacus_dp.validators.module_validator import ModuleValidator
-from opacus_dp.validators.utils import register_module_fixer, register_module_validator
+from opacus_dp.validators.registration import register_module_fixer, register_module_validator
 
 __all__ = [
     "IllegalModuleConfigurationError",

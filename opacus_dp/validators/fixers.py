@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from opacus_dp.validators.errors import NotYetSupportedModuleError
+from opacus_dp.validators.module_errors import NotYetSupportedModuleError
 
 MAX_GROUPS = 32  # Wu & He 2018, "Group Normalization": G = 32 is their default group count.
 _INSTANCE_NORMS = {

@@ -19,7 +19,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from opacus_dp.grad_sample.running_statistics import needs_replacement
 from opacus_dp.module_parameters import has_trainable_parameters, trains_anything
 from opacus_dp.validators import fixers
-from opacus_dp.validators.errors import UnsupportedModuleError, combined_error
+from opacus_dp.validators.module_errors import UnsupportedModuleError, combined_error
 from opacus_dp.validators.rules import (
     MODULE_RULES,
     RNN_REPLACEMENTS,

@@ -10,7 +10,7 @@ from typing import List
 
 import torch.nn as nn
 
-from opacus_dp.validators.errors import UnsupportedModuleError
+from opacus_dp.validators.module_errors import UnsupportedModuleError
 from opacus_dp.validators.fixers import recurrent_to_dp
 from opacus_dp.validators.module_validator import ROOT_NAME
 from opacus_dp.validators.rules import check_recurrent

@@ -17,7 +17,7 @@ from torch.nn.parameter import UninitializedParameter
 from opacus_dp.grad_sample.running_statistics import needs_replacement
 from opacus_dp.grad_sample.support import PARAMETRIZATION_CAUSE, PARAMETRIZATION_FIX, is_parametrization
 from opacus_dp.module_parameters import has_trainable_parameters, trains_anything
-from opacus_dp.validators.errors import (
+from opacus_dp.validators.module_errors import (
     IllegalModuleConfigurationError,
     ShouldReplaceModuleError,
     UnsupportedModuleError,

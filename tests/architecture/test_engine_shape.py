@@ -7,11 +7,11 @@ import torch
 import torch.nn as nn
 
 from opacus_dp import PrivacyEngine
-from opacus_dp.engine_setup import wrap_module
+from opacus_dp.engine.model import wrap_module
 from opacus_dp.grad_sample import GradSampleModule
 from opacus_dp.grad_sample.mode_selection import MODE_NAMES, MODES, mode_of, wrap_for_engine
 from opacus_dp.grad_sample.utils import get_gsm_class, wrap_model
-from opacus_dp.privacy_engine_classic import ClassicPrivacyEngine
+from opacus_dp.engine.classic import ClassicPrivacyEngine
 
 
 def model():

@@ -171,7 +171,7 @@ def test_a_sampler_created_after_attach_is_not_seen_and_says_so():
 
 def test_several_processes_are_left_as_they_are():
     """With several processes one rank's sampler says nothing of the others': not recognised."""
-    from opacus_dp.privacy_engine_classic_setup import recognised_0x_sampler
+    from opacus_dp.engine.classic_arguments import recognised_0x_sampler
 
     sampler = _sampler(8, 0.25, 0)
     given = dict(poisson=False, batch_size=None, sample_size=None, sample_rate=0.25)

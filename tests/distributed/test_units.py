@@ -8,12 +8,16 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from opacus_dp.optim.clipping import FlatClipper
+from opacus_dp.optim.noise import GaussianNoise
+from opacus_dp.optim.reduction import StepRelease
 from opacus_dp.distributed import (
     AllReduceReducer,
     DifferentiallyPrivateDistributedDataParallel,
     check_data_loader_world_size,
     check_same_on_all_ranks,
-    configure_optimizer,
+    connect_reducer,
+    make_reducer,
     find_distributed_wrapper,
     find_parallel_wrapper,
     install_local_gradients_hook,
@@ -52,11 +56,11 @@ def test_reducer_flattens_every_dtype_into_one_bucket(group):
     reducer = AllReduceReducer()
     tensors = [torch.randn(3, 2), torch.randn(5), torch.randn(2, dtype=torch.float64)]
     copies = [t.clone() for t in tensors]
-    out = reducer.reduce(tensors)
-    assert out is tensors and all(torch.equal(a, b) for a, b in zip(out, copies))
+    out = reducer.reduce(StepRelease(tensors))  # no noise given: the sum over the one rank
+    assert all(o is t for o, t in zip(out, tensors)) and all(torch.equal(a, b) for a, b in zip(out, copies))
     assert reducer.num_all_reduces == 2  # one per dtype
     assert reducer.bytes_reduced == 11 * 4 + 2 * 8
-    assert reducer.world_size == 1 and reducer.adds_noise  # rank 0 adds the noise
+    assert reducer.world_size == 1 and reducer.draws_noise  # rank 0 adds the noise
 
 
 def test_comm_hook_is_installed_once_and_a_foreign_hook_is_refused(group):
@@ -87,26 +91,32 @@ def test_consistency_checks_pass_on_one_rank(group):
     assert parameters_in_sync(nn.Linear(3, 2))
 
 
-def _Optimizer(expected_batch_size):
-    return DPOptimizer(torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1), noise_multiplier=1.0,
-                       max_grad_norm=1.0, expected_batch_size=expected_batch_size)
+def _Optimizer(module, expected_batch_size):
+    """A DPOptimizer of ``module`` built with the reducer make_reducer chose for it."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    params = [p for p in module.parameters()]
+    clipper, noise = FlatClipper(1.0), GaussianNoise()
+    reducer = make_reducer(module, params=params, names={}, clipper=clipper, noise=noise)
+    return DPOptimizer(optimizer, noise_multiplier=1.0, max_grad_norm=1.0, clipping=clipper, noise=noise,
+                       expected_batch_size=expected_batch_size, reducer=reducer)
 
 
-def test_configure_optimizer_installs_reducer_and_hook(group):
+def test_the_reducer_is_chosen_before_the_optimizer_and_connected_after(group):
     ddp = DistributedDataParallel(nn.Linear(3, 2))
-    optimizer = _Optimizer(expected_batch_size=4)
-    configure_optimizer(ddp, optimizer, sample_rate=0.1)
-    assert isinstance(optimizer.reducer, AllReduceReducer)
+    optimizer = _Optimizer(ddp, expected_batch_size=4)
+    assert isinstance(optimizer.reducer, AllReduceReducer) and not ddp._comm_hooks
+    connect_reducer(ddp, optimizer, sample_rate=0.1)
     assert [h for h, _ in ddp._comm_hooks] == [local_gradients_hook]
-    local = _Optimizer(expected_batch_size=4)
-    configure_optimizer(nn.Linear(3, 2), local, sample_rate=0.1)
-    assert isinstance(local.reducer, LocalReducer)
+    local = nn.Linear(3, 2)
+    local_optimizer = _Optimizer(local, expected_batch_size=4)
+    connect_reducer(local, local_optimizer, sample_rate=0.1)
+    assert isinstance(local_optimizer.reducer, LocalReducer)
 
 
 def test_mean_over_the_actual_batch_is_refused_under_ddp(group):
+    module = DifferentiallyPrivateDistributedDataParallel(nn.Linear(3, 2))
     with pytest.raises(ValueError, match="expected batch size"):
-        configure_optimizer(DifferentiallyPrivateDistributedDataParallel(nn.Linear(3, 2)),
-                            _Optimizer(expected_batch_size=None), sample_rate=0.1)
+        connect_reducer(module, _Optimizer(module, expected_batch_size=None), sample_rate=0.1)
 
 
 def test_loader_sharding_must_match_the_world():

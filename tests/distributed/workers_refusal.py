@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from opacus_dp import PrivacyEngine
-from opacus_dp.budget_guard import BudgetGuard
+from opacus_dp.engine.budget_guard import BudgetGuard
 from opacus_dp.distributed import StepCollectiveError, StepRefusedError
 from opacus_dp.errors import PrivacyBudgetExceededError
 from tests.distributed.workers import FLAT_C, LR, N_SAMPLES, dataset, make_model, params_of, wrap

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
-from opacus_dp.privacy_engine_classic import PrivacyEngine as ClassicPrivacyEngine
+from opacus_dp.engine.classic import PrivacyEngine as ClassicPrivacyEngine
 from tests.engine.helpers import sample_std, small_loader, small_model, std_tolerance
 
 

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from opacus_dp import PrivacyEngine
 from opacus_dp.accountants import create_accountant
-from opacus_dp.budget_guard import BudgetGuard, steps_added, with_extra_steps
+from opacus_dp.engine.budget_guard import BudgetGuard, steps_added, with_extra_steps
 from opacus_dp.errors import PrivacyBudgetExceededError
 from tests.engine.helpers import small_loader, small_model
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from opacus_dp.accountants import create_accountant
-from opacus_dp.checkpoint_consistency import LoadInsideLogicalBatchError
-from opacus_dp.checkpoint_file import SIGNED_FORMAT, SIGNED_MAGIC, CheckpointIntegrityError
+from opacus_dp.checkpoints.consistency import LoadInsideLogicalBatchError
+from opacus_dp.checkpoints.file_format import SIGNED_FORMAT, SIGNED_MAGIC, CheckpointIntegrityError
 from opacus_dp.data.batch_memory_manager import BatchMemoryManager
 
 from tests.review.helpers import loss_of, make_private, tiny_model, train

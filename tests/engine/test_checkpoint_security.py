@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp import PrivacyEngine
-from opacus_dp.checkpoint_file import SIGNED_MAGIC, CheckpointIntegrityError
+from opacus_dp.checkpoints.file_format import SIGNED_MAGIC, CheckpointIntegrityError
 
 from tests.review.helpers import make_private, tiny_model, train
 

@@ -42,10 +42,10 @@ def test_one_samples_clipped_contribution_stays_within_the_bound(dtype, mode, cl
         optimizer.zero_grad()
         criterion(model(x).float().mean(dim=1), y).backward()
         optimizer.clip_and_accumulate()
-        sums = list(optimizer._summed.values())
+        sums = list(optimizer.logical_batch.sums.values())
         assert sums and all(s.dtype == torch.float32 for s in sums)
         worst = max(worst, torch.sqrt(sum(s.double().pow(2).sum() for s in sums)).item())
-        optimizer._summed = {}
+        optimizer.logical_batch.drop()
     assert 0.9 < worst <= 1.0 + 1e-6  # the gradients are large: clipping is active
 
 
@@ -95,5 +95,5 @@ def test_autocast_with_a_layer_called_twice_stays_within_the_bound(mode, clippin
         criterion = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
         criterion(out[0](x), y).backward()
         out[1].clip_and_accumulate()
-        worst = max(worst, torch.sqrt(sum(s.double().pow(2).sum() for s in out[1]._summed.values())).item())
+        worst = max(worst, torch.sqrt(sum(s.double().pow(2).sum() for s in out[1].logical_batch.sums.values())).item())
     assert 0.9e-3 < worst <= 1e-3 * (1.0 + 1e-6)

@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from opacus_dp import PrivacyEngine
-from opacus_dp.engine_wiring import SecureModeNotice
+from opacus_dp.engine.private_step import SecureModeNotice
 
 
 def _notices(**engine_kwargs):

@@ -159,7 +159,7 @@ def test_half_precision_chunked_contribution_stays_within_the_bound(dtype):
         nn.functional.cross_entropy(gsm(x).float(), y).backward()
         assert gsm.layer_modes()["fc1 (Linear)"] == "chunked"
         optimizer.clip_and_accumulate()
-        sums = list(optimizer._summed.values())
+        sums = list(optimizer.logical_batch.sums.values())
         assert all(s.dtype == torch.float32 for s in sums)
         worst = max(worst, torch.sqrt(sum(s.double().pow(2).sum() for s in sums)).item())
     assert 0.9e-2 < worst <= 1e-2 * (1 + 1e-6)
@@ -183,7 +183,7 @@ def test_autocast_chunked_sums_equal_the_ghost_path(monkeypatch):
         nn.functional.cross_entropy(out.float(), y).backward()
         assert gsm.layer_modes()["fc2 (Linear)"] == ("chunked" if chunked else "ghost")
         optimizer.clip_and_accumulate()
-        results.append([s.clone() for s in optimizer._summed.values()])
+        results.append([s.clone() for s in optimizer.logical_batch.sums.values()])
     for a, b in zip(*results):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -143,7 +143,7 @@ def _clipped_sum(mode, a, weights):
     else:
         expected, _ = _clip_by_hand(exact_w, weights.double().sum(dim=1), bound)
     optimizer.clip_and_accumulate()
-    return [optimizer._summed[p] for p in (model.weight, model.bias)], expected
+    return [optimizer.logical_batch.sums[p] for p in (model.weight, model.bias)], expected
 
 
 def _worst_relative_error(mode):
@@ -184,6 +184,6 @@ def test_a_cancelling_samples_contribution_stays_within_the_bound_under_reduced_
         optimizer.zero_grad()
         criterion(model(a), y).backward()
         optimizer.clip_and_accumulate()
-        contribution = torch.sqrt(sum(s.double().pow(2).sum() for s in optimizer._summed.values()))
+        contribution = torch.sqrt(sum(s.double().pow(2).sum() for s in optimizer.logical_batch.sums.values()))
         worst = max(worst, contribution.item() / bound)
     assert 0.5 < worst <= 1.0 + 1e-6

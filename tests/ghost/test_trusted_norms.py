@@ -210,7 +210,7 @@ def test_a_cancelling_samples_clipped_contribution_stays_within_the_bound(mode, 
         optimizer.zero_grad()
         criterion(model(a), y).backward()
         optimizer.clip_and_accumulate()
-        sums = list(optimizer._summed.values())
+        sums = list(optimizer.logical_batch.sums.values())
         contribution = torch.sqrt(sum(s.double().pow(2).sum() for s in sums)).item()
         worst = max(worst, contribution / bound)
     assert 0.5 < worst <= 1.0 + 1e-6

@@ -337,7 +337,7 @@ def test_transformers_model_with_dropout_in_training_mode_is_accepted():
 
 @pytest.mark.parametrize("check", [True, False])
 def test_classic_engine_checks_and_opts_out(check):
-    from opacus_dp.privacy_engine_classic import PrivacyEngine as ClassicPrivacyEngine
+    from opacus_dp.engine.classic import PrivacyEngine as ClassicPrivacyEngine
 
     torch.manual_seed(0)
     model = Mix()

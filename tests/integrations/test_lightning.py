@@ -17,7 +17,7 @@ import torch
 pl = pytest.importorskip("lightning.pytorch", reason="the Lightning integration needs the 'lightning' package")
 
 from opacus_dp.accountants import create_accountant  # noqa: E402
-from opacus_dp.checkpoint_file import CheckpointIntegrityError  # noqa: E402
+from opacus_dp.checkpoints.file_format import CheckpointIntegrityError  # noqa: E402
 from opacus_dp.integrations.lightning import (DPCallback, PrivateDataLoader,  # noqa: E402
                                               UnsupportedLightningSetupError)
 from opacus_dp.integrations.lightning_state import STATE_KEY  # noqa: E402

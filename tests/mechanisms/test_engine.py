@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
-from opacus_dp.budget_guard import BudgetGuard
+from opacus_dp.engine.budget_guard import BudgetGuard
 from opacus_dp.data import BatchMemoryManager
 from opacus_dp.errors import PrivacyBudgetExceededError
 from opacus_dp.data.cyclic_sampler import CyclicPoissonSampler

@@ -5,8 +5,9 @@ import itertools
 import pytest
 import torch
 
-from opacus_dp.mechanisms import cache, strategies, toeplitz
-from opacus_dp.mechanisms.strategies import blt_column, make_strategy, sqrt_prefix_column
+from opacus_dp.mechanisms import cache, strategy_search, toeplitz
+from opacus_dp.mechanisms.strategies import make_strategy
+from opacus_dp.mechanisms.strategy_search import blt_column, sqrt_prefix_column
 
 
 def workload(n, momentum=0.0):
@@ -96,7 +97,7 @@ def test_results_are_cached_by_configuration(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("not cached")
 
-    monkeypatch.setattr(strategies, "optimise_banded", fail)
+    monkeypatch.setattr(strategy_search, "optimise_banded", fail)
     assert make_strategy("banded", steps=50, bands=3, cache_dir=tmp_path) == first
     with pytest.raises(AssertionError):
         make_strategy("banded", steps=50, bands=2, cache_dir=tmp_path)

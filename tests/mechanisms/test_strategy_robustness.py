@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
-from opacus_dp.mechanisms import cache, strategies, toeplitz
+from opacus_dp.mechanisms import cache, strategy_search, strategy_validation, toeplitz
 from opacus_dp.mechanisms.strategies import make_strategy
 
 STEPS = (10, 100, 400, 480, 2000, 3200)
@@ -123,13 +123,13 @@ def test_minimise_returns_the_best_point_it_evaluated():
     one = torch.ones(1, dtype=torch.float64)
 
     def loss_of(t):
-        value = strategies._loss(torch.cat([one, t]), n, n, 0.0)
+        value = strategy_search.strategy_loss(torch.cat([one, t]), n, n, 0.0)
         seen.append(float(value.detach()))
         return value
 
-    point = strategies._minimise(torch.tensor([0.5], dtype=torch.float64), loss_of, 200)
+    point = strategy_search._minimise(torch.tensor([0.5], dtype=torch.float64), loss_of, 200)
     finite = [v for v in seen if math.isfinite(v)]
-    result = float(strategies._loss(torch.cat([one, point]), n, n, 0.0))
+    result = float(strategy_search.strategy_loss(torch.cat([one, point]), n, n, 0.0))
     assert math.isfinite(result) and result == pytest.approx(min(finite), rel=1e-12)
 
 
@@ -138,7 +138,7 @@ def test_minimise_backs_off_from_a_non_finite_region():
     def loss_of(x):
         return torch.where(x < 1.01, (x - 1) ** 2 + 1, torch.full_like(x, math.nan)).sum()
 
-    point = strategies._minimise(torch.tensor([-30.0], dtype=torch.float64), loss_of, 100)
+    point = strategy_search._minimise(torch.tensor([-30.0], dtype=torch.float64), loss_of, 100)
     assert float(point) == pytest.approx(1.0, abs=1e-4)
 
 
@@ -190,7 +190,7 @@ def test_entries_of_the_first_cache_version_are_not_read(tmp_path):
 
 def test_an_invalid_optimum_falls_back_to_identity_with_a_warning(tmp_path, monkeypatch):
     for bad in ([1.0, float("nan"), 0.1], [1.0, -0.99, 0.0]):  # non-finite; worse than C = I
-        monkeypatch.setattr(strategies, "optimise_banded", lambda *args, bad=bad: bad)
+        monkeypatch.setattr(strategy_search, "optimise_banded", lambda *args, bad=bad: bad)
         with pytest.warns(RuntimeWarning, match=r"steps=50, bands=3.*C = I"):
             s = make_strategy("banded", steps=50, bands=3, cache_dir=tmp_path)
         assert s.coefficients == (1.0, 0.0, 0.0) and s.mse_ratio == pytest.approx(1.0)
@@ -199,10 +199,12 @@ def test_an_invalid_optimum_falls_back_to_identity_with_a_warning(tmp_path, monk
 
 
 def test_no_valid_strategy_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(strategies, "defect", lambda *args, **kwargs: strategies.Defect.NOT_FINITE)
-    with pytest.raises(strategies.StrategyError, match=r"steps=100, buffers=4, period=20.*'independent'") as info:
+    refused = strategy_validation.Defect.NOT_FINITE
+    monkeypatch.setattr(strategy_validation, "defect", lambda *args, **kwargs: refused)
+    with pytest.raises(strategy_validation.StrategyError,
+                       match=r"steps=100, buffers=4, period=20.*'independent'") as info:
         make_strategy("blt", steps=100, period=20, cache_dir=tmp_path)
-    assert info.value.defect is strategies.Defect.NOT_FINITE
+    assert info.value.defect is refused
 
 
 def train(mechanism, samples, batch, epochs, **options):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import opacus_dp
-from opacus_dp.grad_sample.functorch import functorch_grad_sample
+from opacus_dp.grad_sample.functorch_fallback import functorch_grad_sample
 
 pytestmark = [pytest.mark.filterwarnings("ignore:GradScaler is going to stop"),
               pytest.mark.filterwarnings("ignore:secure_mode"),

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence
 
-from opacus_dp.utils.per_sample_gradients_utils import (compute_microbatch_grad_sample, compute_opacus_grad_sample,
+from opacus_dp.testing.per_sample_gradients import (compute_microbatch_grad_sample, compute_opacus_grad_sample,
                                                         is_batch_empty)
 
 GradSamples = Dict[str, torch.Tensor]

@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-from opacus_dp import checkpoint_file
+from opacus_dp.checkpoints import file_format
 from opacus_dp.accountants import RDPAccountant
-from opacus_dp.distributed import checkpoint_directory
-from opacus_dp.distributed.checkpoint_agreement import RankStatus, Refusal, agree
-from opacus_dp.distributed.fsdp_checkpoint import (
+from opacus_dp.checkpoints import directory as sharded_directory
+from opacus_dp.checkpoints.agreement import RankStatus, Refusal, agree
+from opacus_dp.checkpoints.sharded import (
     ShardedCheckpointError,
     ShardedCheckpointIntegrityError,
     check_rank_file,
@@ -33,7 +33,7 @@ def write_rank_file(directory, file_rank=0, *, recorded=3, key=KEY, **changes):
     state = {"privacy_accountant_state_dict": history(recorded), "dp_optimizer_steps": 3,
              "world_size": 2, "rank": file_rank}
     state.update(changes)
-    checkpoint_file.write(state, os.path.join(directory, f"private_rank{file_rank}.pt"), signing_key=key)
+    file_format.write(state, os.path.join(directory, f"private_rank{file_rank}.pt"), signing_key=key)
 
 
 def check(directory, rank=0, world_size=2, key=KEY):
@@ -75,7 +75,7 @@ def test_missing_damaged_and_unsigned_files(tmp_path):
     assert check(tmp_path)[0].reason in (Refusal.UNREADABLE, Refusal.SIGNATURE)
     write_rank_file(tmp_path, 0, key=None)
     status, _, error = check(tmp_path)
-    assert status.reason is Refusal.SIGNATURE and isinstance(error, checkpoint_file.CheckpointIntegrityError)
+    assert status.reason is Refusal.SIGNATURE and isinstance(error, file_format.CheckpointIntegrityError)
     assert check(tmp_path, key=None)[0].reason is None
 
 
@@ -86,7 +86,7 @@ def test_every_rank_raises_the_verdict_of_the_table(group, tmp_path):
     assert "private_rank0.pt was written by a run of 4 processes, not the 1 running now" in str(raised.value)
     with pytest.raises(ShardedCheckpointIntegrityError) as raised:
         agree(tmp_path, RankStatus(Refusal.SIGNATURE), action="load", rank=0, world_size=1)
-    assert isinstance(raised.value, checkpoint_file.CheckpointIntegrityError)
+    assert isinstance(raised.value, file_format.CheckpointIntegrityError)
     assert [s.steps for s in agree(tmp_path, RankStatus(steps=7), action="load", rank=0, world_size=1)] == [7]
 
 
@@ -98,10 +98,10 @@ def test_the_swap_replaces_the_directory_only_when_complete(tmp_path):
     path = tmp_path / "ckpt"
     path.mkdir()
     (path / "private_rank0.pt").write_text("old")
-    staging = checkpoint_directory.prepare(path)
+    staging = sharded_directory.prepare(path)
     assert os.listdir(staging) == [] and _tree(path) == {"private_rank0.pt": "old"}
     (tmp_path / ".ckpt.saving" / "private_rank0.pt").write_text("new")
-    checkpoint_directory.swap_into_place(path)
+    sharded_directory.swap_into_place(path)
     assert _tree(path) == {"private_rank0.pt": "new"} and sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
@@ -110,27 +110,27 @@ def test_a_save_interrupted_anywhere_leaves_one_whole_checkpoint(tmp_path, crash
     path = tmp_path / "ckpt"
     path.mkdir()
     (path / "private_rank0.pt").write_text("old")
-    checkpoint_directory.prepare(path)
+    sharded_directory.prepare(path)
     (tmp_path / ".ckpt.saving" / "private_rank0.pt").write_text("new")
     if crash_after in ("first_rename", "second_rename"):
         os.rename(path, tmp_path / ".ckpt.previous")
     if crash_after == "second_rename":
         os.rename(tmp_path / ".ckpt.saving", path)
-    checkpoint_directory.prepare(path)  # the next save starts by tidying up
+    sharded_directory.prepare(path)  # the next save starts by tidying up
     assert _tree(path) == {"private_rank0.pt": "new" if crash_after == "second_rename" else "old"}
     assert sorted(os.listdir(tmp_path)) == [".ckpt.saving", "ckpt"]
 
 
 def test_a_path_holding_anything_else_is_refused_before_anything_is_written(tmp_path):
     (tmp_path / "ckpt").write_text("a single-file checkpoint")
-    with pytest.raises(checkpoint_directory.PathInUseError, match="choose another path"):
-        checkpoint_directory.prepare(tmp_path / "ckpt")
+    with pytest.raises(sharded_directory.PathInUseError, match="choose another path"):
+        sharded_directory.prepare(tmp_path / "ckpt")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
-    with pytest.raises(checkpoint_directory.PathInUseError, match=r"\(notes.txt\).*directory of its own"):
-        checkpoint_directory.prepare(tmp_path / "run")
+    with pytest.raises(sharded_directory.PathInUseError, match=r"\(notes.txt\).*directory of its own"):
+        sharded_directory.prepare(tmp_path / "run")
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "run"]
     for name in ("sharded", "private_rank0.pt", "private_rank12.pt", ".private_rank1.pt.x1y2.tmp"):
         (tmp_path / "ours").mkdir(exist_ok=True)
         (tmp_path / "ours" / name).write_text("")
-    checkpoint_directory.prepare(tmp_path / "ours")  # an empty directory or a checkpoint: replaced
+    sharded_directory.prepare(tmp_path / "ours")  # an empty directory or a checkpoint: replaced

@@ -11,13 +11,14 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from opacus_dp.budget_guard import BudgetGuard
+from opacus_dp.engine.budget_guard import BudgetGuard
 from opacus_dp.distributed import (
     check_data_loader_world_size,
-    configure_optimizer,
+    connect_reducer,
     validate_parallel_module,
     world_size_of,
 )
+from opacus_dp.mechanisms.engine import MechanismPlan, connect_mechanism
 from opacus_dp.distributed.fsdp import FsdpOption, fsdp_options, rebind_optimizer, shard_model
 
 SECURE_MODE_NOTICE = ("secure_mode is off: fine for experiments; train the final model with "
@@ -67,21 +68,21 @@ def check_distributed_loader(data_loader: DataLoader, world_size: int, poisson_s
 
 
 def connect_private_step(module: nn.Module, dp_optimizer, *, accountant, sample_rate: float,
-                         step_timeout=None, max_epsilon: Optional[float] = None,
-                         max_epsilon_delta: Optional[float] = None,
-                         epsilon_of: Optional[Callable] = None,
-                         mechanism=None) -> None:
-    """Distributed reduction of ``dp_optimizer``'s steps (all ranks agree from here on), the
-    budget guard (a pre-step hook, if ``max_epsilon``: ε at ``max_epsilon_delta``, measured by
-    ``epsilon_of(accountant)`` if given) and
-    the accountant (a step hook recording each step's event, σ and ``min(1, k·q)``). A noise
-    ``mechanism``'s hooks (:class:`~opacus_dp.mechanisms.accounting.MechanismHooks`) replace the
+                         max_epsilon: Optional[float] = None, max_epsilon_delta: Optional[float] = None,
+                         epsilon_of: Optional[Callable] = None, mechanism: Optional[MechanismPlan] = None) -> None:
+    """Connect the private step of ``dp_optimizer`` (built by
+    :func:`~opacus_dp.engine.optimizer.make_dp_optimizer`): its reducer to the other processes (all
+    ranks agree from here on), a correlated ``mechanism``'s schedule, the budget guard (a pre-step
+    hook, if ``max_epsilon``: ε at ``max_epsilon_delta``, measured by ``epsilon_of(accountant)`` if
+    given) and the accountant (a step hook recording each step's event, σ and ``min(1, k·q)``). A
+    mechanism's hooks (:class:`~opacus_dp.mechanisms.accounting.MechanismHooks`) replace the
     recorded event and the rate the guard charges."""
-    configure_optimizer(module, dp_optimizer, sample_rate=sample_rate, step_timeout=step_timeout)
+    hooks = connect_mechanism(mechanism, dp_optimizer, accountant)
+    connect_reducer(module, dp_optimizer, sample_rate=sample_rate)
     if max_epsilon is not None:
         dp_optimizer.attach_pre_step_hook(BudgetGuard(
             accountant, max_epsilon=max_epsilon, delta=max_epsilon_delta,
-            sample_rate=sample_rate if mechanism is None else mechanism.next_rate,
+            sample_rate=sample_rate if hooks is None else hooks.next_rate,
             epsilon_of=epsilon_of))
-    dp_optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate) if mechanism is None
-                                  else mechanism.record_step)
+    dp_optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate) if hooks is None
+                                  else hooks.record_step)

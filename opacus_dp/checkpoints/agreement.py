@@ -1,6 +1,6 @@
 """The ranks' agreement on a sharded checkpoint: one verdict, raised alike on every rank.
 
-Saving or loading an FSDP2 checkpoint directory (:mod:`~opacus_dp.distributed.fsdp_checkpoint`)
+Saving or loading an FSDP2 checkpoint directory (:mod:`~opacus_dp.checkpoints.sharded`)
 is collective, but most of its checks are not: rank ``r`` alone reads (or writes)
 ``private_rank{r}.pt``. A rank that refused alone would leave the others inside a collective of
 torch's distributed checkpoint (DCP) until the process group's timeout, or report a save that
@@ -24,8 +24,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from opacus_dp.checkpoint_file import CheckpointIntegrityError
-from opacus_dp.distributed.checkpoint_directory import previous_path
+from opacus_dp.checkpoints.file_format import CheckpointIntegrityError
+from opacus_dp.checkpoints.directory import previous_path
 from opacus_dp.distributed.checks import collective_device
 from opacus_dp.distributed.step_wait import StepCollectiveError, absent_ranks, step_bounds, wait_for_step
 

@@ -1,15 +1,15 @@
-"""Opacus 0.x ``opacus.scripts.compute_dp_sgd_privacy``: ε of a DP-SGD run by RDP accounting.
+"""Opacus 0.x's script ``opacus.scripts.compute_dp_sgd_privacy``: ε of a DP-SGD run by RDP accounting.
 
 ``python -m opacus_dp.scripts.compute_dp_sgd_privacy -r 0.004 -n 1.1 -e 60 -d 1e-5`` (0.x's flags);
 the richer calculator is ``python -m opacus_dp.cli``. ε is converted from RDP with Balle et al.
-(2020), tighter than 0.x's conversion (see :mod:`opacus_dp.privacy_analysis`).
+(2020), tighter than 0.x's conversion (see :mod:`opacus_dp.accountants.analysis.rdp`).
 """
 
 import argparse
 import math
 from typing import List, Optional, Sequence, Tuple
 
-from opacus_dp.privacy_analysis import DEFAULT_ALPHAS, compute_rdp, get_privacy_spent
+from opacus_dp.accountants.analysis.rdp import DEFAULT_ALPHAS, compute_rdp, get_privacy_spent
 
 
 def _report(sample_rate: float, noise_multiplier: float, steps: int, alphas, delta: float, eps, best) -> None:
@@ -47,7 +47,3 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("-a", "--alphas", type=float, nargs="+", default=DEFAULT_ALPHAS, help="RDP orders")
     args = parser.parse_args(argv)
     compute_dp_sgd_privacy(args.sample_rate, args.noise_multiplier, args.epochs, args.delta, args.alphas)
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,7 @@
   previous checkpoint in place, loadable on every rank and equal to what was saved (the oracle:
   the state the saving run had, and its parameters one step later).
 
-Two spawned jobs (``workers_fsdp_checkpoint``), each under a timeout shorter than the process
+Two spawned jobs (``workers_sharded_checkpoint``), each under a timeout shorter than the process
 group's.
 """
 
@@ -19,11 +19,11 @@ import torch
 
 from opacus_dp.accountants import RDPAccountant
 from tests.distributed.workers_fsdp import DELTA
-from tests.distributed.workers_fsdp_checkpoint import crash_job, refusal_job, run_job
+from tests.distributed.workers_sharded_checkpoint import crash_job, refusal_job, run_job
 
 pytestmark = pytest.mark.distributed
 WORLD = 2
-JOB_TIMEOUT_S = 120  # below the jobs' process-group timeout (workers_fsdp_checkpoint.GROUP_TIMEOUT_S)
+JOB_TIMEOUT_S = 120  # below the jobs' process-group timeout (workers_sharded_checkpoint.GROUP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import numbers
 import warnings
 
 from opacus_dp.accountants.validation import MAX_STEPS
-from opacus_dp.checkpoint_file import CheckpointIntegrityError
+from opacus_dp.checkpoints.file_format import CheckpointIntegrityError
 from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
 STEPS_ENTRY = "dp_optimizer_steps"
@@ -44,11 +44,11 @@ def refuse_unfinished_logical_batch(optimizer) -> None:
     """Raise :class:`LoadInsideLogicalBatchError` if ``optimizer``'s DP optimizer holds clipped
     sums of a logical batch not yet stepped (they would merge into the first resumed step)."""
     dp_optimizer = dp_optimizer_behind(optimizer)
-    if dp_optimizer is None or not (dp_optimizer._summed or dp_optimizer._num_accumulated):
+    if dp_optimizer is None or not dp_optimizer.logical_batch.unfinished:
         return
     raise LoadInsideLogicalBatchError(
         f"load_checkpoint was called inside a logical batch: the optimizer holds the clipped gradients "
-        f"of {dp_optimizer._num_accumulated} samples (pieces of a BatchMemoryManager batch or virtual "
+        f"of {dp_optimizer.logical_batch.num_samples} samples (pieces of a BatchMemoryManager batch or virtual "
         "steps) whose step was not taken yet, and they would join the first resumed step. Nothing was "
         "loaded; load between steps (before the loop, or after the optimizer.step() that ends a "
         "logical batch)")

@@ -16,9 +16,9 @@ Saved entries (a dict written with ``torch.save``):
   every batch (the noise generator is reseeded every step anyway);
 * ``<name>_state_dict`` for the optional schedulers;
 * ``dp_optimizer_steps`` — the private steps the optimizer released, compared with the history on
-  loading (:mod:`~opacus_dp.checkpoint_consistency`).
+  loading (:mod:`~opacus_dp.checkpoints.consistency`).
 
-The file is written and read by :mod:`~opacus_dp.checkpoint_file`: written atomically (a save
+The file is written and read by :mod:`~opacus_dp.checkpoints.file_format`: written atomically (a save
 that dies part-way leaves the previous file), only entries torch's safe loader reads (checked
 before writing), loaded with ``weights_only=True`` by default (a pickled object that would run
 code is refused, not called), optionally signed with an HMAC (``signing_key``, verified on the raw
@@ -28,7 +28,7 @@ bytes before anything is unpickled), and a damaged file is reported as such. See
 Loading is refused inside a logical batch (clipped pieces not yet stepped), and checks the
 integrity fields (typed and ranged) and the accountant entry (present, and loadable into the
 given accountant; a history of another built-in accountant type is converted with a warning) before
-anything is changed (:mod:`~opacus_dp.checkpoint_consistency`); it undoes everything if a later
+anything is changed (:mod:`~opacus_dp.checkpoints.consistency`); it undoes everything if a later
 part fails (model, accountant, optimizer, sampling generator, schedulers): a refused checkpoint
 changes nothing (never trained weights with a fresh privacy history).
 """
@@ -40,8 +40,8 @@ from typing import Dict, Optional
 import torch
 import torch.nn as nn
 
-from opacus_dp import checkpoint_file
-from opacus_dp.checkpoint_consistency import (ACCOUNTANT_ENTRY, BUILT_IN_ACCOUNTANTS, STEPS_ENTRY,
+from opacus_dp.checkpoints import file_format
+from opacus_dp.checkpoints.consistency import (ACCOUNTANT_ENTRY, BUILT_IN_ACCOUNTANTS, STEPS_ENTRY,
                                               check_accountant_fields, check_history_agrees,
                                               refuse_unfinished_logical_batch)
 from opacus_dp.model_wrappers import unwrap_model
@@ -95,7 +95,7 @@ def save(path, *, module: nn.Module, optimizer=None, accountant=None, data_loade
     for name, scheduler in (schedulers or {}).items():
         if scheduler is not None:
             state[f"{name}_state_dict"] = scheduler.state_dict()
-    checkpoint_file.write(state, path, signing_key=signing_key, torch_save_kwargs=torch_save_kwargs)
+    file_format.write(state, path, signing_key=signing_key, torch_save_kwargs=torch_save_kwargs)
     return state
 
 
@@ -107,7 +107,7 @@ def load(path, *, module: nn.Module, optimizer=None, accountant=None, data_loade
     read safely (``torch_load_kwargs={"weights_only": False}`` opts out, for trusted old files) and
     verified with ``signing_key`` if given; a history that contradicts the step count is refused."""
     refuse_unfinished_logical_batch(optimizer)
-    state = checkpoint_file.read(path, signing_key=signing_key, map_location=map_location,
+    state = file_format.read(path, signing_key=signing_key, map_location=map_location,
                                  torch_load_kwargs=torch_load_kwargs)
     _check_accountant_entry(path, state, accountant)
     check_history_agrees(path, state, require_steps=accountant is not None and "optimizer_state_dict" in state

@@ -7,15 +7,15 @@ writes the directory ``path``:
   ``get_state_dict(model, optimizer)`` of :mod:`torch.distributed.checkpoint.state_dict` (each
   rank writes its own shards; the state loads into any FSDP2 or plain model with DCP's tools);
 * ``private_rank{r}.pt`` — what rank ``r`` alone knows, as one safe checkpoint file
-  (:mod:`~opacus_dp.checkpoint_file`: ``weights_only`` loading, optional HMAC signature): the
+  (:mod:`~opacus_dp.checkpoints.file_format`: ``weights_only`` loading, optional HMAC signature): the
   privacy history (identical on every rank), the steps the optimizer released, **this rank's
   noise stream** (each rank noises its own shard from its own generator,
   :mod:`~opacus_dp.distributed.noise_streams`), the Poisson sampler's generator (shared by the
   ranks) and the schedulers' states. In secure mode neither generator is saved (as in
-  :mod:`~opacus_dp.checkpoint`).
+  :mod:`~opacus_dp.checkpoints.single_file`).
 
 Every rank runs its own checks before any collective of DCP, then the ranks agree in one bounded
-all-reduce (:mod:`~opacus_dp.distributed.checkpoint_agreement`), so a refusal is raised alike on
+all-reduce (:mod:`~opacus_dp.checkpoints.agreement`), so a refusal is raised alike on
 every rank as a :class:`ShardedCheckpointError` naming the failing ranks, their files and the
 reasons (``error.refusals``). Loading checks rank ``r``'s file: present, readable, signature
 (with ``signing_key``), integrity fields (``world_size``, ``rank``, ``dp_optimizer_steps``:
@@ -24,7 +24,7 @@ with the step count; and across ranks, the same steps and privacy history. Only 
 anything change. Resuming needs the same world size: the noise streams and the sampler's shares
 are per rank.
 
-Saving is atomic at the directory level (:mod:`~opacus_dp.distributed.checkpoint_directory`):
+Saving is atomic at the directory level (:mod:`~opacus_dp.checkpoints.directory`):
 every rank writes into a staging sibling directory, the ranks agree that every part was written,
 and only then does rank 0 swap it into place by rename; a failed or interrupted save leaves the
 previous checkpoint at ``path`` loadable, and raises on every rank.
@@ -38,12 +38,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from opacus_dp import checkpoint_file
-from opacus_dp.checkpoint import _check_accountant_entry, _clipping_state, _load_clipping_state, _sampler_generator
-from opacus_dp.checkpoint_consistency import STEPS_ENTRY, check_history_agrees
-from opacus_dp.checkpoint_file import CheckpointIntegrityError
-from opacus_dp.distributed import checkpoint_directory
-from opacus_dp.distributed.checkpoint_agreement import (  # noqa: F401  (ShardedCheckpoint*Error: public here)
+from opacus_dp.checkpoints import directory, file_format
+from opacus_dp.checkpoints.agreement import (  # noqa: F401  (ShardedCheckpoint*Error: public here)
     Refusal,
     RankStatus,
     ShardedCheckpointError,
@@ -51,6 +47,10 @@ from opacus_dp.distributed.checkpoint_agreement import (  # noqa: F401  (Sharded
     agree,
     rank_file_name,
 )
+from opacus_dp.checkpoints.consistency import STEPS_ENTRY, check_history_agrees
+from opacus_dp.checkpoints.file_format import CheckpointIntegrityError
+from opacus_dp.checkpoints.single_file import (_check_accountant_entry, _clipping_state, _load_clipping_state,
+                                               _sampler_generator)
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
@@ -80,10 +80,10 @@ def _attempt(reason: Refusal, action: Callable[[], object]) -> Tuple[RankStatus,
 
 # ----------------------------------------------------------------------------- saving
 def _prepare(path) -> Tuple[RankStatus, Optional[Exception]]:
-    """Rank 0: the staging directory (:func:`checkpoint_directory.prepare`), as a status."""
+    """Rank 0: the staging directory (:func:`directory.prepare`), as a status."""
     try:
-        checkpoint_directory.prepare(path)
-    except checkpoint_directory.PathInUseError as error:
+        directory.prepare(path)
+    except directory.PathInUseError as error:
         return RankStatus(Refusal.PATH_IN_USE), error
     except OSError as error:
         return RankStatus(Refusal.RENAME_FAILED), error
@@ -117,12 +117,12 @@ def save(path, *, module: nn.Module, optimizer, accountant, rank: int, world_siz
     Three agreements: every rank's entries are safe and rank 0 prepared the staging directory;
     every rank wrote its part; rank 0 moved it into place (so no rank returns before that)."""
     model, dp_optimizer, inner = _parts(module, optimizer)
-    state, staging = {}, checkpoint_directory.staging_path(path)
+    state, staging = {}, directory.staging_path(path)
 
     def gather() -> None:
         state.update(_private_state(dp_optimizer, accountant, rank=rank, world_size=world_size, data_loader=data_loader,
                                     schedulers=schedulers, checkpoint_dict=checkpoint_dict, secure_mode=secure_mode))
-        checkpoint_file.check_safe_entries(state)
+        file_format.check_safe_entries(state)
 
     status, error = _attempt(Refusal.UNSAVABLE_STATE, gather)
     if status.reason is None and rank == 0:
@@ -132,16 +132,16 @@ def save(path, *, module: nn.Module, optimizer, accountant, rank: int, world_siz
         model_state, optimizer_state = get_state_dict(model, inner)
         dcp.save({"model": model_state, "optimizer": optimizer_state},
                  checkpoint_id=os.path.join(staging, SHARDED_DIR))
-        status, error = _attempt(Refusal.WRITE_FAILED, lambda: checkpoint_file.write(
+        status, error = _attempt(Refusal.WRITE_FAILED, lambda: file_format.write(
             state, _rank_file(staging, rank), signing_key=signing_key))
         agree(path, status, action="save", rank=rank, world_size=world_size, cause=error)
     except Exception:
         if rank == 0:
-            checkpoint_directory.discard_staging(path)
+            directory.discard_staging(path)
         raise
     status, error = RankStatus(), None
     if rank == 0:
-        status, error = _attempt(Refusal.RENAME_FAILED, lambda: checkpoint_directory.swap_into_place(path))
+        status, error = _attempt(Refusal.RENAME_FAILED, lambda: directory.swap_into_place(path))
     agree(path, status, action="save", rank=rank, world_size=world_size, cause=error, written=True)
 
 
@@ -163,7 +163,7 @@ def _read_rank_file(path, rank: int, signing_key) -> Tuple[RankStatus, Optional[
     if not os.path.isfile(_rank_file(path, rank)):
         return RankStatus(Refusal.MISSING_FILE), None, None
     try:
-        return RankStatus(), checkpoint_file.read(_rank_file(path, rank), signing_key=signing_key), None
+        return RankStatus(), file_format.read(_rank_file(path, rank), signing_key=signing_key), None
     except CheckpointIntegrityError as error:
         return RankStatus(Refusal.SIGNATURE), None, error
     except Exception as error:  # damaged, truncated, or refused by the safe loader

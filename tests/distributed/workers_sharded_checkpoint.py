@@ -1,4 +1,4 @@
-"""Jobs run on 2 gloo processes for the FSDP2 checkpoint tests (``test_fsdp_checkpoint_agreement.py``).
+"""Jobs run on 2 gloo processes for the FSDP2 checkpoint tests (``test_sharded_checkpoint_agreement.py``).
 
 ``run_job`` spawns the ranks like :mod:`tests.distributed.spawn`, but tolerates a rank that dies on
 purpose (a crash mid-save) and uses a process-group timeout of ``GROUP_TIMEOUT_S``, longer than
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from opacus_dp import checkpoint_file
+from opacus_dp.checkpoints import file_format
 from tests.conftest import free_port
 from tests.distributed.workers_fsdp import DELTA, _train_steps, full_params, make_model, private
 
@@ -130,10 +130,10 @@ def _try(action) -> dict:
 
 
 class _FailingWrite:
-    """``checkpoint_file.write`` that fails on one rank (a full disk) or kills it part-way."""
+    """``file_format.write`` that fails on one rank (a full disk) or kills it part-way."""
 
     def __init__(self, rank: int, failing_rank: int, die: bool = False):
-        self.rank, self.failing_rank, self.die, self.original = rank, failing_rank, die, checkpoint_file.write
+        self.rank, self.failing_rank, self.die, self.original = rank, failing_rank, die, file_format.write
 
     def __call__(self, state, path, **kwargs):
         if self.rank != self.failing_rank:
@@ -145,11 +145,11 @@ class _FailingWrite:
         raise OSError(28, "No space left on device", path)
 
     def __enter__(self):
-        checkpoint_file.write = self
+        file_format.write = self
         return self
 
     def __exit__(self, *exc):
-        checkpoint_file.write = self.original
+        file_format.write = self.original
         return False
 
 

@@ -20,38 +20,32 @@ from opacus_dp.accountants import RDPAccountant
 from opacus_dp.accountants.analysis.rdp import compute_rdp
 from opacus_dp.accountants.validation import warn_if_delta_not_small
 from opacus_dp.data.empty_draw_steps import follow_empty_draws
-from opacus_dp.engine_setup import (
-    check_choice,
-    check_optimizer_params,
-    check_privacy_arguments,
-    make_dp_optimizer,
-    validate_module,
-    wrap_module,
-)
-from opacus_dp.engine_wiring import (check_distributed, connect_private_step, rebind_if_sharded, shard_if_asked,
-                                     warn_if_not_secure)
-from opacus_dp.grad_sample.mode_selection import MODE_NAMES
-from opacus_dp.optim.logical_batches import BatchingPolicy
-from opacus_dp.privacy_engine_classic_setup import (
-    check_misc_settings,
+from opacus_dp.engine.arguments import check_optimizer_params
+from opacus_dp.engine.classic_arguments import (
     DEFAULT_ALPHAS,
-    PATCHED_ATTRIBUTES,
-    calibrate_noise_multiplier,
-    classic_sampling,
-    patch_optimizer,
-    recognised_0x_sampler,
-    restore_optimizer,
     SamplerFeed,
+    calibrate_noise_multiplier,
+    check_misc_settings,
+    classic_sampling,
+    recognised_0x_sampler,
     warn_fixed_size_batches,
 )
+from opacus_dp.engine.classic_patching import PATCHED_ATTRIBUTES, patch_optimizer, restore_optimizer
+from opacus_dp.engine.model import validate_module, wrap_module
+from opacus_dp.engine.optimizer import make_dp_optimizer
+from opacus_dp.engine.plan import PrivatePlan
+from opacus_dp.engine.private_step import (check_distributed, connect_private_step, rebind_if_sharded, shard_if_asked,
+                                           warn_if_not_secure)
+from opacus_dp.optim.clipper_registry import make_clipper
+from opacus_dp.optim.logical_batches import BatchingPolicy
 from opacus_dp.state_views import OPACUS_0X
-from opacus_dp.validators.errors import IncompatibleModuleException
+from opacus_dp.validators.module_errors import IncompatibleModuleException
 
 
 class ClassicPrivacyEngine:
     """Opacus 0.9–0.15 ``PrivacyEngine``; created by ``PrivacyEngine(model, ...)`` (an instance
-    of :class:`~opacus_dp.privacy_engine.PrivacyEngine` for ``isinstance``; it composes the wiring
-    of :mod:`opacus_dp.engine_wiring` with the modern engine instead of inheriting from it).
+    of :class:`~opacus_dp.engine.modern.PrivacyEngine` for ``isinstance``; it composes the wiring
+    of :mod:`opacus_dp.engine.private_step` with the modern engine instead of inheriting from it).
 
     Args (as in Opacus 0.x): ``module``; ``batch_size`` and ``sample_size`` (q = B/N) or
     ``sample_rate``; ``alphas`` (RDP orders); ``noise_multiplier`` (σ; or ``target_epsilon``
@@ -60,7 +54,7 @@ class ClassicPrivacyEngine:
     data loader samples Poisson batches, possibly empty: each is a real step);
     ``clip_per_layer``; ``max_epsilon`` (budget guard at ``target_delta``); Opacus 0.x's
     ``enable_stat``, ``experimental`` and its clipping settings (see :func:`check_misc_settings`
-    in :mod:`~opacus_dp.privacy_engine_classic_setup`). Beyond Opacus 0.x:
+    in :mod:`~opacus_dp.engine.classic_arguments`). Beyond Opacus 0.x:
     ``grad_sample_mode`` ("hooks", "functorch", "ghost", "bk", "auto"; see
     :mod:`opacus_dp.grad_sample.mode_selection`) and its ``skip_weight_grads``; ``fsdp=True`` (or a
     dict of ``fully_shard`` options) shards the model with FSDP2 here and ``attach`` points the
@@ -110,15 +104,11 @@ class ClassicPrivacyEngine:
                 target_epsilon=target_epsilon, target_delta=target_delta,
                 sample_rate=self.sample_rate, epochs=epochs, alphas=self.alphas)
         self._noise_multiplier = noise_multiplier
-        check_privacy_arguments(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                                loss_reduction=loss_reduction, clipping=self.clipping)
-        if noise_generator is not None and secure_rng:
-            raise ValueError("noise_generator must be None when secure_rng=True")
         self.max_epsilon, self.max_epsilon_delta = max_epsilon, target_delta
         self.noise_generator = noise_generator
-        self.grad_sample_mode = check_choice(grad_sample_mode, MODE_NAMES, "grad_sample_mode")
-        self.skip_weight_grads = skip_weight_grads
+        self.grad_sample_mode, self.skip_weight_grads = grad_sample_mode, skip_weight_grads
         self._model_checks = (check_sample_independence, public_buffers)
+        self.plan()  # every setting checked now
         self.device = None
         self.optimizer = None
         self.grad_sample_module = None
@@ -136,7 +126,7 @@ class ClassicPrivacyEngine:
         Given ``sample_rate`` without ``poisson``/``batch_size``, a live
         ``UniformWithReplacementSampler`` of that rate created before ``attach`` (Opacus 0.14's
         loop) makes the engine run as ``poisson=True, sample_size=sampler.num_samples`` until
-        ``detach`` (:func:`~opacus_dp.privacy_engine_classic_setup.recognised_0x_sampler`)."""
+        ``detach`` (:func:`~opacus_dp.engine.classic_arguments.recognised_0x_sampler`)."""
         owner = getattr(optimizer, "privacy_engine", None)
         if owner is not None:
             if owner is self:
@@ -163,15 +153,14 @@ class ClassicPrivacyEngine:
 
     def _wire(self, optimizer) -> None:
         """Hooks on the model, the private step on ``optimizer``, the accountant behind it."""
-        gsm = wrap_module(self.module, grad_sample_mode=self.grad_sample_mode, batch_first=self.batch_first,
-                          loss_reduction=self.loss_reduction, skip_weight_grads=self.skip_weight_grads)
+        plan = self.plan()
+        gsm = wrap_module(self.module, grad_sample_mode=plan.grad_sample_mode, batch_first=plan.batch_first,
+                          loss_reduction=plan.loss_reduction, skip_weight_grads=plan.skip_weight_grads)
         try:
-            gsm.configure_model_checks(*self._model_checks)
+            gsm.configure_model_checks(plan.check_sample_independence, plan.public_buffers)
             dp_optimizer = make_dp_optimizer(
-                optimizer, grad_sample_module=gsm, noise_multiplier=self._noise_multiplier,
-                max_grad_norm=self._max_grad_norm, expected_batch_size=self.expected_batch_size,
-                loss_reduction=self.loss_reduction, clipping=self.clipping,
-                generator=self.noise_generator, secure_mode=self.secure_mode,
+                plan, optimizer, module=self.module, grad_sample_module=gsm,
+                clipper=make_clipper(plan.clipping, plan.max_grad_norm), expected_batch_size=self.expected_batch_size,
                 batching=self._limit_logical_batches(gsm), state_views=OPACUS_0X)
             connect_private_step(self.module, dp_optimizer, accountant=self.accountant,
                                  sample_rate=self.sample_rate, max_epsilon=self.max_epsilon,
@@ -185,6 +174,17 @@ class ClassicPrivacyEngine:
             self._pending_noise_state = None
         self._saved_attributes = patch_optimizer(optimizer, self)
         self.optimizer = optimizer
+
+    def plan(self) -> PrivatePlan:
+        """The :class:`~opacus_dp.engine.plan.PrivatePlan` of this engine's settings (the record
+        ``make_private`` builds; its sampling stays the classic one: ``sample_rate``,
+        ``expected_batch_size``)."""
+        return PrivatePlan(
+            noise_multiplier=self._noise_multiplier, max_grad_norm=self._max_grad_norm, clipping=self.clipping,
+            noise_generator=self.noise_generator, secure_mode=self.secure_mode, poisson_sampling=bool(self.poisson),
+            loss_reduction=self.loss_reduction, batch_first=self.batch_first, grad_sample_mode=self.grad_sample_mode,
+            skip_weight_grads=self.skip_weight_grads, check_sample_independence=self._model_checks[0],
+            public_buffers=self._model_checks[1])
 
     def _take_0x_sampler(self):
         """Opacus 0.14's loop (:func:`recognised_0x_sampler`): run as ``poisson=True,
@@ -256,8 +256,7 @@ class ClassicPrivacyEngine:
 
     @noise_multiplier.setter
     def noise_multiplier(self, value: float) -> None:
-        check_privacy_arguments(noise_multiplier=value, max_grad_norm=self._max_grad_norm,
-                                loss_reduction=self.loss_reduction, clipping=self.clipping)
+        self.plan().calibrated(value)  # checked as a plan
         self._noise_multiplier = float(value)
         if self._dp_optimizer is not None:
             self._dp_optimizer.noise_multiplier = float(value)
@@ -283,7 +282,7 @@ class ClassicPrivacyEngine:
             raise ValueError("_set_seed is not allowed with secure_rng=True")
         self.noise_generator = torch.Generator().manual_seed(int(seed))
         if self._dp_optimizer is not None:
-            self._dp_optimizer.noise.generator = self.noise_generator
+            self._dp_optimizer.noise.reseed(int(seed))
 
     def to(self, device) -> "ClassicPrivacyEngine":
         """Record the device of the model (noise is drawn on the parameters' device)."""
