@@ -69,11 +69,16 @@ def mnist(root: str, *, download: bool, train: bool = True, transform: Optional[
         return MNIST(root, train=train, transform=transform or to_unit_range(1), download=download)
 
 
+def _has_entries(folder: str) -> bool:
+    with os.scandir(folder) as entries:
+        return any(entries)
+
+
 def image_folder(root: str, *, transform: Callable):
     """``torchvision.datasets.ImageFolder`` (``root/<class>/<image>``)."""
     from torchvision.datasets import ImageFolder
 
-    if not os.path.isdir(root) or not any(os.scandir(root)):
+    if not os.path.isdir(root) or not _has_entries(root):
         raise missing_dataset("image folder", [os.path.join(_absolute(root), "<class>", "<image>")],
                               "Pass --data-root, a folder with one sub-folder of images per class.")
     return ImageFolder(root, transform=transform)

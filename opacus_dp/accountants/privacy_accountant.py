@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 from opacus_dp.accountants.events import StepEvent, step_event
+from opacus_dp.accountants.group_privacy import user_level_epsilon
 from opacus_dp.accountants.validation import check_noise_multiplier, check_sample_rate, check_steps
 
 HistoryEntry = Tuple[float, float, int]  # (noise_multiplier, sample_rate, num_steps)
@@ -66,6 +67,13 @@ class PrivacyAccountant(abc.ABC):
     def get_privacy_spent(self, *, delta: float) -> Tuple[float, Optional[float]]:
         """``(ε, None)``; the RDP accountant returns ``(ε, best_order)`` instead."""
         return self.get_epsilon(delta), None
+
+    def get_user_level_epsilon(self, delta: float, max_examples_per_user: int, **epsilon_kwargs) -> Tuple[float, float]:
+        """``(ε_user, δ')``: the guarantee at ``delta`` for users with at most ``max_examples_per_user``
+        examples, by group privacy from this accountant's ε at the example-level δ' (``epsilon_kwargs``
+        go to :meth:`get_epsilon`; :func:`~opacus_dp.accountants.group_privacy.user_level_epsilon`)."""
+        return user_level_epsilon(lambda delta_example: self.get_epsilon(delta_example, **epsilon_kwargs),
+                                  delta, max_examples_per_user)
 
     def __len__(self) -> int:
         """Total number of recorded steps."""

@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from opacus_dp.accountants import create_accountant
+from opacus_dp.accountants.group_privacy import epsilon_for_privacy_unit
 from opacus_dp.accountants.registry import available_accountants
 from opacus_dp.checkpoints import sharded, single_file
 from opacus_dp.distributed.fsdp import is_fully_sharded
@@ -94,7 +95,8 @@ class PrivacyEngine(metaclass=_EngineType):
                      unclipped_num_std: Optional[float] = None, step_timeout=None,
                      skip_weight_grads: Optional[bool] = None, noise_mechanism: str = "independent",
                      bands: Optional[int] = None, epochs: Optional[float] = None, fsdp=False,
-                     check_sample_independence: bool = True, public_buffers: Sequence[str] = ()):
+                     check_sample_independence: bool = True, public_buffers: Sequence[str] = (),
+                     fast_noise: bool = False):
         """Return ``(GradSampleModule, DPOptimizer, DataLoader)`` ready for private training.
 
         With ``poisson_sampling`` the loader is replaced by a ``DPDataLoader`` with
@@ -138,6 +140,8 @@ class PrivacyEngine(metaclass=_EngineType):
         into the shards; ``fsdp=True`` (or a dict of ``fully_shard`` options and ``blocks``) shards an
         unsharded model for the user and points ``optimizer`` at the shards (``docs/distributed.md``).
         ``check_sample_independence``, ``public_buffers``: :mod:`opacus_dp.grad_sample.model_checks`.
+        ``fast_noise=True`` draws the noise on CPU by several threads (another stream of the same
+        distribution: :mod:`opacus_dp.optim.parallel_noise`).
         """
         plan = PrivatePlan.of(locals(), secure_mode=self.secure_mode)
         return self._make_private(plan, module, optimizer, data_loader)
@@ -158,7 +162,8 @@ class PrivacyEngine(metaclass=_EngineType):
                                   unclipped_num_std: Optional[float] = None, step_timeout=None,
                                   skip_weight_grads: Optional[bool] = None, noise_mechanism: str = "independent",
                                   bands: Optional[int] = None, fsdp=False, check_sample_independence: bool = True,
-                                  public_buffers: Sequence[str] = (), **epsilon_kwargs):
+                                  public_buffers: Sequence[str] = (), fast_noise: bool = False,
+                                  **epsilon_kwargs):
         """:meth:`make_private` with σ calibrated so that ``epochs`` passes spend ≤ target ε;
         ``epsilon_kwargs`` go to the accountant's ``get_epsilon`` during the calibration (as in
         Opacus: ``alphas`` for RDP, ``eps_error`` for PRV). With ``clipping="adaptive"`` the
@@ -198,9 +203,11 @@ class PrivacyEngine(metaclass=_EngineType):
         return float(accountant.get_epsilon(self.max_epsilon_delta))
 
     # ------------------------------------------------------------------ reporting
-    def get_epsilon(self, delta: float) -> float:
-        """ε spent so far at ``delta``, according to the accountant."""
-        return float(self.accountant.get_epsilon(delta))
+    def get_epsilon(self, delta: float, privacy_unit: str = "example",
+                    max_examples_per_user: Optional[int] = None) -> float:
+        """ε spent so far at ``delta`` per example (the accountant's), or with ``privacy_unit="user"`` per
+        user with at most ``max_examples_per_user`` examples (group privacy, ``docs/user_level.md``)."""
+        return float(epsilon_for_privacy_unit(self.accountant.get_epsilon, delta, privacy_unit, max_examples_per_user))
 
     # ------------------------------------------------------------------ compatibility
     def is_compatible(self, *, module: nn.Module, optimizer=None, data_loader=None) -> bool:

@@ -1,7 +1,6 @@
 """The optimizer of a private run: the :class:`DPOptimizer` around the user's optimizer, its
 secure generator, and the criterion of ghost mode."""
 
-import secrets
 from typing import List, Optional
 
 import torch
@@ -14,13 +13,15 @@ from opacus_dp.mechanisms.engine import MechanismPlan, correlated_noise
 from opacus_dp.model_wrappers import parameter_names
 from opacus_dp.optim import BatchingPolicy, DPOptimizer, grad_source_for
 from opacus_dp.optim.clipping import Clipper
+from opacus_dp.optim.keyed_generators import os_seeded_generator
 from opacus_dp.optim.noise import GaussianNoise
+from opacus_dp.optim.parallel_noise import ParallelGaussianNoise
 from opacus_dp.state_views import OPACUS_1X, StateViews
 
 
 def secure_generator() -> torch.Generator:
-    """A CPU generator seeded with 63 bits from the operating system's CSPRNG."""
-    return torch.Generator().manual_seed(secrets.randbits(63))
+    """A CPU generator whose whole state comes from the operating system's CSPRNG (secure sampling)."""
+    return os_seeded_generator("cpu")
 
 
 def trainable_params(optimizer) -> List[torch.Tensor]:
@@ -39,7 +40,8 @@ def make_dp_optimizer(plan: PrivatePlan, optimizer, *, module: nn.Module, grad_s
     ``attach``). No collective: :func:`~opacus_dp.engine.private_step.connect_private_step` follows."""
     grad_sample_module.use_state_views(state_views)
     names = parameter_names(grad_sample_module)
-    noise = correlated_noise(mechanism, GaussianNoise(generator=plan.noise_generator, secure_mode=plan.secure_mode))
+    draws = ParallelGaussianNoise if plan.fast_noise else GaussianNoise
+    noise = correlated_noise(mechanism, draws(generator=plan.noise_generator, secure_mode=plan.secure_mode))
     reducer = make_reducer(module, params=trainable_params(optimizer), names=names, clipper=clipper, noise=noise,
                            step_timeout=plan.step_timeout)
     return DPOptimizer(

@@ -2,12 +2,13 @@
 
 Two pieces, both needed:
 
-* ``train_dataloader()`` returns ``PrivateDataLoader(DataLoader(dataset, batch_size=B, ...))``.
-  Once training starts it yields **Poisson batches**: at each step every example is in the batch
-  independently with probability ``q = 1/len(DataLoader(...))`` (≈ B/N), and an epoch has that many
-  steps. Under DDP the ranks draw disjoint parts of one global sample, so ``B`` is the expected
-  batch of all processes together. Iterating it without :class:`DPCallback` raises, so a run cannot
-  silently train without privacy.
+* ``train_dataloader()`` returns ``PrivateDataLoader(DataLoader(dataset, batch_size=B, ...))``
+  (:mod:`~opacus_dp.integrations.lightning_loader`). Once training starts it yields **Poisson
+  batches**: at each step every example is in the batch independently with probability
+  ``q = 1/len(DataLoader(...))`` (≈ B/N), and an epoch has that many steps. Under DDP the ranks
+  draw disjoint parts of one global sample, so ``B`` is the expected batch of all processes
+  together. Iterating it without :class:`DPCallback` raises, so a run cannot silently train
+  without privacy.
 * ``Trainer(callbacks=[DPCallback(...)])``: when training starts (``on_train_start``) the callback
   makes the model Lightning trains (the ``LightningModule``, or Lightning's DDP wrapper of it), its
   one optimizer and the loader private (:meth:`PrivacyEngine.make_private`), and the Trainer then
@@ -18,27 +19,35 @@ Two pieces, both needed:
   where ``ℓ_i`` are the per-example losses whose mean ``training_step`` returns. Under DDP the
   clipped sums of all ranks are added in one all-reduce and the noise is added once.
 
-``epsilon`` (at ``target_delta``) is logged with ``pl_module.log`` after every step. The accountant,
-step count, noise and sampler generators travel in Lightning checkpoints
-(:mod:`~opacus_dp.integrations.lightning_state`); ``trainer.fit(..., ckpt_path=...)`` from a checkpoint
-written at the end of an epoch continues a seeded run exactly as if it had not stopped.
+``epsilon`` (at ``target_delta``) is logged with ``pl_module.log`` after every step. With
+``max_epsilon`` (default ``target_epsilon``) the callback sets ``trainer.should_stop`` after the
+last step that keeps ε ≤ ``max_epsilon`` (and before the first step if none fits); the engine's
+budget guard refuses such a step in any case. Model checks as in ``make_private``
+(:mod:`~opacus_dp.integrations.lightning_checks`). The accountant, step count, noise and sampler
+generators travel in Lightning checkpoints (:mod:`~opacus_dp.integrations.lightning_state`), the
+loader's place in its epoch too: ``trainer.fit(..., ckpt_path=...)`` from a checkpoint written at
+the end of an epoch or of a training batch continues a seeded run exactly as if it had not stopped.
 
 Refused up front (:class:`UnsupportedLightningSetupError`): several optimizers, manual optimization,
-``accumulate_grad_batches > 1``, ``gradient_clip_val`` (clipping is per example here), a train loader
-that is not a :class:`PrivateDataLoader`, correlated noise mechanisms (Lightning fetches the next batch
-before the step, which their schedule forbids).
+``training_step(dataloader_iter)``, ``accumulate_grad_batches > 1``, ``gradient_clip_val``
+(clipping is per example here), ``min_epochs``/``min_steps`` with a budget (they override the
+stop), a train loader that is not a :class:`PrivateDataLoader`, correlated noise mechanisms
+(Lightning fetches the next batch before the step, which their schedule forbids).
 """
 
+import inspect
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
-from torch.utils.data import DataLoader
 
-from opacus_dp.errors import UnsupportedError
+from opacus_dp.engine.budget_guard import BudgetGuard
+from opacus_dp.engine.modern import PrivacyEngine
+from opacus_dp.errors import PrivacyBudgetExceededError, UnsupportedError
+from opacus_dp.integrations.lightning_checks import LightningModelChecks
+from opacus_dp.integrations.lightning_loader import PrivateDataLoader
 from opacus_dp.integrations.lightning_state import (STATE_KEY, check_private_state, private_state,
                                                     restore_private_state)
-from opacus_dp.engine.modern import PrivacyEngine
 
 try:
     import lightning.pytorch as pl
@@ -52,35 +61,6 @@ class UnsupportedLightningSetupError(UnsupportedError):
     """The Trainer or LightningModule is set up in a way DPCallback cannot train privately."""
 
 
-class PrivateDataLoader:
-    """The train loader of a private run: wraps ``data_loader`` (a map-style ``DataLoader``) and,
-    once :class:`DPCallback` has made it private, iterates Poisson batches (module doc).
-
-    ``len()`` is the number of steps per epoch, ``len(data_loader)``. It is deliberately not a
-    ``DataLoader``, so Lightning leaves its sampler alone (no ``DistributedSampler`` is injected)."""
-
-    def __init__(self, data_loader: DataLoader):
-        if not isinstance(data_loader, DataLoader):
-            raise TypeError("PrivateDataLoader: data_loader must be a torch.utils.data.DataLoader over a "
-                            f"map-style dataset, got {type(data_loader).__name__}")
-        self.data_loader = data_loader
-        self.private_loader: Optional[DataLoader] = None  # the Poisson loader, set by DPCallback
-
-    def __len__(self) -> int:
-        return len(self.private_loader if self.private_loader is not None else self.data_loader)
-
-    def __iter__(self):
-        # a generator: Lightning may call iter() to check the loader; nothing is drawn until next()
-        if self.private_loader is None:
-            raise RuntimeError("PrivateDataLoader: training has not been made private; pass "
-                               "Trainer(callbacks=[DPCallback(...)]) (opacus_dp.integrations.lightning)")
-        yield from self.private_loader
-
-    @property
-    def dataset(self):
-        return self.data_loader.dataset
-
-
 class DPCallback(pl.Callback):
     """Makes a Lightning training run private (module doc).
 
@@ -90,18 +70,27 @@ class DPCallback(pl.Callback):
         noise_multiplier: σ; give it or ``target_epsilon`` (with ``epochs``).
         target_epsilon: σ is calibrated so that ``epochs`` epochs spend at most this ε.
         epochs: the planned epochs for ``target_epsilon``.
+        max_epsilon: stop before a step would take ε (at ``target_delta``) above it (default
+            ``target_epsilon``; None with ``noise_multiplier``: no stop).
         grad_sample_mode: "bk" (default), "hooks", "functorch" or "auto" ("ghost" needs its own loss
             object, which ``training_step`` does not use: "bk" computes the same norms in one pass).
         accountant: "prv" (default), "rdp" or "gdp".
         secure_mode: sampling and noise seeded by the OS (generator states are then not saved).
         noise_mechanism: only "independent" (DP-SGD) is supported here.
+        check_sample_independence: refuse a model whose samples mix, or that writes a buffer during
+            a training step (:mod:`~opacus_dp.integrations.lightning_checks`); True as in ``make_private``.
+        public_buffers: names (as in ``pl_module.named_buffers()``) of buffers that may be written.
     """
 
     def __init__(self, *, target_delta: float, max_grad_norm: float, noise_multiplier: Optional[float] = None,
                  target_epsilon: Optional[float] = None, epochs: Optional[float] = None,
-                 grad_sample_mode: str = "bk", accountant: str = "prv", secure_mode: bool = False,
-                 noise_mechanism: str = "independent"):
+                 max_epsilon: Optional[float] = None, grad_sample_mode: str = "bk", accountant: str = "prv",
+                 secure_mode: bool = False, noise_mechanism: str = "independent",
+                 check_sample_independence: bool = True, public_buffers: Sequence[str] = ()):
         _check_arguments(target_delta, noise_multiplier, target_epsilon, epochs, grad_sample_mode, noise_mechanism)
+        self.max_epsilon = _checked_budget(target_epsilon if max_epsilon is None else max_epsilon)
+        self.check_sample_independence, self.public_buffers = _checked_model_checks(check_sample_independence,
+                                                                                    public_buffers)
         self.target_delta = float(target_delta)
         self.max_grad_norm = max_grad_norm
         self.noise_multiplier = noise_multiplier
@@ -109,10 +98,14 @@ class DPCallback(pl.Callback):
         self.epochs = epochs
         self.grad_sample_mode = grad_sample_mode
         self.secure_mode = bool(secure_mode)
-        self.privacy_engine = PrivacyEngine(accountant=accountant, secure_mode=secure_mode)
+        self.privacy_engine = PrivacyEngine(
+            accountant=accountant, secure_mode=secure_mode, max_epsilon=self.max_epsilon,
+            max_epsilon_delta=None if self.max_epsilon is None else self.target_delta)
         self.optimizer = None  # the DPOptimizer, once training started
         self.loader: Optional[PrivateDataLoader] = None
         self._module = None  # the per-sample wrapper, closed at teardown
+        self._checks: Optional[LightningModelChecks] = None
+        self._budget: Optional[BudgetGuard] = None
         self._resumed_state: Optional[dict] = None
 
     # ------------------------------------------------------------------ making the run private
@@ -121,11 +114,28 @@ class DPCallback(pl.Callback):
             raise UnsupportedLightningSetupError(
                 "DPCallback: this callback already trained a run; use a new DPCallback for each Trainer.fit "
                 "(resume with trainer.fit(..., ckpt_path=...) to continue the privacy accounting)")
-        _refuse_unsupported(trainer, pl_module)
+        _refuse_unsupported(trainer, pl_module, budget=self.max_epsilon is not None)
         self.loader = _private_loader_of(trainer)
+        self._checks = LightningModelChecks(pl_module, enabled=self.check_sample_independence,
+                                            public_buffers=self.public_buffers)
+        self._make_private(trainer)
+        if self._resumed_state is not None:
+            restore_private_state(self._resumed_state, optimizer=self.optimizer,
+                                  accountant=self.privacy_engine.accountant,
+                                  sampler_generator=self.loader.private_loader.generator, secure_mode=self.secure_mode)
+            self._resumed_state = None
+        if self.max_epsilon is not None:
+            self._budget = BudgetGuard(self.privacy_engine.accountant, max_epsilon=self.max_epsilon,
+                                       delta=self.target_delta, sample_rate=self.loader.private_loader.sample_rate)
+            self._stop_if_budget_spent(trainer)
+
+    def _make_private(self, trainer: "pl.Trainer") -> None:
+        # make_private's own model checks would hook the model Lightning trains, whose forward under DDP
+        # runs training_step (with the user's side effects) and on one process is never called:
+        # LightningModelChecks runs them where the batch enters modules instead.
         common = dict(module=trainer.model, optimizer=trainer.optimizers[0], data_loader=self.loader.data_loader,
                       max_grad_norm=self.max_grad_norm, grad_sample_mode=self.grad_sample_mode,
-                      check_sample_independence=_SAMPLES_ALONE)
+                      check_sample_independence=False)
         if self.target_epsilon is None:
             module, optimizer, loader = self.privacy_engine.make_private(
                 noise_multiplier=self.noise_multiplier, **common)
@@ -133,19 +143,41 @@ class DPCallback(pl.Callback):
             module, optimizer, loader = self.privacy_engine.make_private_with_epsilon(
                 target_epsilon=self.target_epsilon, target_delta=self.target_delta, epochs=self.epochs, **common)
         self._module, self.optimizer = module, optimizer
-        self.loader.private_loader = loader
+        self.loader.use_private_loader(loader, keep_generator_states=not self.secure_mode)
         trainer.optimizers = [optimizer]  # the Trainer steps the private optimizer from now on
-        if self._resumed_state is not None:
-            restore_private_state(self._resumed_state, optimizer=optimizer,
-                                  accountant=self.privacy_engine.accountant,
-                                  sampler_generator=loader.generator, secure_mode=self.secure_mode)
-            self._resumed_state = None
+
+    # ------------------------------------------------------------------ each step
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """Refuse a batch that is not the loader's next one (the sample stream would differ from
+        the saved run's), and note the buffers' versions."""
+        if batch_idx != self.loader.position - 1:
+            raise UnsupportedLightningSetupError(
+                f"DPCallback: Lightning runs batch {batch_idx} of the epoch, but the private loader has handed "
+                f"out {self.loader.position} batches of it, so the Poisson batches (and the noise) would not "
+                "continue the saved run's. Resume from a checkpoint written at the end of a training batch or "
+                "of an epoch (ModelCheckpoint(every_n_train_steps=...) or its default)")
+        self._checks.batch_starts()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._checks.before_backward()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.log("epsilon", self.get_epsilon(), on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+        self._stop_if_budget_spent(trainer)
+
+    def _stop_if_budget_spent(self, trainer: "pl.Trainer") -> None:
+        """``trainer.should_stop`` if one more step would take ε above ``max_epsilon``."""
+        if self._budget is None:
+            return
+        try:
+            self._budget.check(float(self.optimizer.noise_multiplier), self._budget.sample_rate())
+        except PrivacyBudgetExceededError:
+            trainer.should_stop = True
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        """Remove the per-sample hooks once fitting ends (the model then runs as a plain module)."""
+        """Remove the per-sample and check hooks once fitting ends (the model then runs as a plain module)."""
+        if self._checks is not None:
+            self._checks.remove()
         if self._module is not None and hasattr(self._module, "close") and self._module is not trainer.model:
             self._module.close()
         self._module = None
@@ -169,13 +201,6 @@ class DPCallback(pl.Callback):
         self._resumed_state = check_private_state(checkpoint)
 
 
-# The model check that runs single samples through ``forward`` (make_private's
-# check_sample_independence) would call ``training_step`` under Lightning's DDP wrapper, with the user's
-# side effects, and never runs on one process (Lightning calls training_step, not forward); it is off,
-# so layers that mix samples are refused by ModuleValidator only (BatchNorm, ...), on 1 and R processes.
-_SAMPLES_ALONE = False
-
-
 def _check_arguments(target_delta, noise_multiplier, target_epsilon, epochs, grad_sample_mode,
                      noise_mechanism) -> None:
     if (noise_multiplier is None) == (target_epsilon is None):
@@ -197,19 +222,38 @@ def _check_arguments(target_delta, noise_multiplier, target_epsilon, epochs, gra
             "noise_mechanism='independent', or make_private in your own training loop")
 
 
+def _checked_budget(max_epsilon) -> Optional[float]:
+    if max_epsilon is not None and not (_real(max_epsilon) and max_epsilon > 0):
+        raise ValueError(f"DPCallback: max_epsilon must be a finite number > 0 (or None: no stop), got {max_epsilon!r}")
+    return None if max_epsilon is None else float(max_epsilon)
+
+
+def _checked_model_checks(check_sample_independence, public_buffers):
+    if not isinstance(check_sample_independence, bool):
+        raise TypeError(f"DPCallback: check_sample_independence must be a bool, got {check_sample_independence!r}")
+    if isinstance(public_buffers, str) or not all(isinstance(n, str) for n in public_buffers):
+        raise TypeError("DPCallback: public_buffers must be a list of buffer names (as in "
+                        f"pl_module.named_buffers(), e.g. ['net.stats']), got {public_buffers!r}")
+    return check_sample_independence, tuple(public_buffers)
+
+
 def _real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _refuse_unsupported(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+def _refuse_unsupported(trainer: "pl.Trainer", pl_module: "pl.LightningModule", budget: bool) -> None:
     optimizers = trainer.optimizers
     refusals = {
         f"{len(optimizers)} optimizers from configure_optimizers (one is needed)": len(optimizers) != 1,
         "manual optimization (automatic_optimization=False)": not pl_module.automatic_optimization,
+        "training_step(dataloader_iter) (each step takes one Poisson batch)":
+            "dataloader_iter" in inspect.signature(pl_module.training_step).parameters,
         f"accumulate_grad_batches={trainer.accumulate_grad_batches} (each step is one Poisson batch; "
         "raise the batch size instead)": trainer.accumulate_grad_batches != 1,
         f"gradient_clip_val={trainer.gradient_clip_val} (clipping is per example, max_grad_norm)":
             trainer.gradient_clip_val is not None,
+        "min_epochs or min_steps with max_epsilon (they would keep training past the budget stop)":
+            budget and bool(trainer.fit_loop.min_epochs or trainer.fit_loop.min_steps),
     }
     found = [name for name, present in refusals.items() if present]
     if found:

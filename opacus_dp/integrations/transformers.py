@@ -20,6 +20,11 @@ callbacks, logging, checkpoints) with these changes:
   ``epsilon`` is added to every log (console, TensorBoard, W&B ...). Training stops before the
   step that would take ε above ``max_epsilon`` (default: ``target_epsilon``); the engine's budget
   guard refuses such a step in any case.
+* **Optimizer.** The ``Trainer``'s (``optim=...``) or the user's (``optimizers=(optimizer,
+  scheduler)``) is made private: its own update runs on the private gradient once per logical
+  batch, and the learning-rate scheduler steps once per logical batch. Optimizers that update
+  during the backward pass or have ``train()``/``eval()`` modes are refused
+  (:mod:`~opacus_dp.integrations.transformers_checks`).
 * **Checkpoints.** The accountant, noise and sampler states are saved in each ``checkpoint-N/``
   (:mod:`~opacus_dp.integrations.transformers_state`) and restored by
   ``train(resume_from_checkpoint=...)``: a resumed seeded run is identical to an uninterrupted one.
@@ -30,7 +35,7 @@ callbacks, logging, checkpoints) with these changes:
 Several processes (``torchrun``): the model is wrapped in DPDDP (one all-reduce of the clipped
 sums per step, noise added once); each rank draws its part of the global Poisson sample. Not
 supported (refused up front): ``nn.DataParallel`` (several GPUs in one process), DeepSpeed, FSDP,
-``auto_find_batch_size``, iterable datasets.
+``auto_find_batch_size``, iterable datasets, LOMO, layer-wise and schedule-free optimizers.
 """
 
 import copy
@@ -39,7 +44,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from opacus_dp.engine.budget_guard import BudgetGuard
@@ -48,6 +52,7 @@ from opacus_dp.distributed import DifferentiallyPrivateDistributedDataParallel
 from opacus_dp.errors import PrivacyBudgetExceededError
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.integrations.transformers_batches import PerExampleLoss, batch_size_of, piece_losses, pieces
+from opacus_dp.integrations.transformers_checks import check_optimizer, refuse_unsupported
 from opacus_dp.integrations.transformers_state import load_private_state, save_private_state
 from opacus_dp.engine.modern import PrivacyEngine
 
@@ -135,7 +140,7 @@ class DPTrainer(Trainer):
                             f"(e.g. PrivacyArguments(target_delta=1e-5, noise_multiplier=1.0)), got {privacy_args!r}")
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"DPTrainer: args must be a TrainingArguments, got {type(args).__name__}")
-        _refuse_unsupported(args)
+        refuse_unsupported(args)
         self.privacy_args = privacy_args
         self.physical_batch_size = int(args.per_device_train_batch_size)
         self.accumulation_steps = int(args.gradient_accumulation_steps)
@@ -149,6 +154,8 @@ class DPTrainer(Trainer):
         self._budget = None
         self._placeholder = None
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if self.optimizer is not None:  # the user's, from optimizers=(optimizer, scheduler)
+            check_optimizer(self.optimizer, self.model)
         self.add_callback(_BudgetStop(self))
 
     # ------------------------------------------------------------------ building the private parts
@@ -177,7 +184,8 @@ class DPTrainer(Trainer):
             return
         if self.train_dataset is None:
             raise ValueError("DPTrainer: training requires a train_dataset")
-        optimizer = super().create_optimizer()
+        optimizer = super().create_optimizer()  # the user's, or built from TrainingArguments.optim
+        check_optimizer(optimizer, self.model)
         module = self._distributed_model()
         p = self.privacy_args
         self.privacy_engine = PrivacyEngine(accountant=p.accountant, secure_mode=p.secure_mode,
@@ -333,21 +341,3 @@ def _is_causal_lm(model) -> bool:
 
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     return type(base).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-
-
-def _refuse_unsupported(args: TrainingArguments) -> None:
-    refusals = {
-        "several GPUs in one process (nn.DataParallel)": args.n_gpu > 1,
-        "DeepSpeed": bool(args.deepspeed),
-        "FSDP": bool(args.fsdp),
-        "auto_find_batch_size": bool(args.auto_find_batch_size),
-    }
-    found = [name for name, present in refusals.items() if present]
-    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if processes != args.world_size:
-        raise ValueError(f"DPTrainer: torch.distributed runs {processes} processes but TrainingArguments sees "
-                         f"world_size={args.world_size}, so each process would train alone; on CPUs pass "
-                         "TrainingArguments(use_cpu=True) under torchrun")
-    if found:
-        raise ValueError(f"DPTrainer does not support {', '.join(found)}: train on one device per process "
-                         "(CUDA_VISIBLE_DEVICES=0, or torchrun for several), with auto_find_batch_size=False")

@@ -9,8 +9,9 @@ Two sources of randomness:
 * default: a ``torch.Generator`` owned by the optimizer/engine. Seed it (or pass your own)
   for reproducible runs. It never re-seeds the global torch RNG; when no generator is given
   its seed is drawn once from the global RNG, so ``torch.manual_seed`` makes runs repeatable.
-* ``secure_mode=True``: every step a fresh generator is seeded with 63 bits from the
-  operating system's CSPRNG (:mod:`secrets`), and each coordinate is the sum of four
+* ``secure_mode=True``: every step a fresh generator takes its whole state from the operating
+  system's CSPRNG (:mod:`secrets`; on CPU all 624 words of the Mersenne Twister, since torch's
+  ``manual_seed`` keeps only 32 bits of a seed: :func:`~opacus_dp.optim.keyed_generators.os_seeded_generator`), and each coordinate is the sum of four
   independent Gaussians of std ``s`` divided by two (std ``s`` again), following Holohan &
   Braun 2021, "Secure Random Sampling in Differential Privacy". Cost: four draws instead of
   one per coordinate and one OS call per step. Caveats: floating-point Gaussian samplers
@@ -21,13 +22,13 @@ Two sources of randomness:
 """
 
 import math
-import secrets
 import warnings
 from typing import Optional, Tuple
 
 import torch
 
 from opacus_dp.accountants import validation
+from opacus_dp.optim.keyed_generators import os_seeded_generator
 from opacus_dp.optim.clipping import Clipper
 
 SECURE_NUM_DRAWS = 4  # sum of 4 N(0, s²) divided by 2 is N(0, s²)
@@ -106,7 +107,7 @@ class GaussianNoise:
     def begin_step(self, device: torch.device) -> None:
         """In secure mode, reseed a fresh generator from the OS for the coming step."""
         if self.secure_mode:
-            self.generator = torch.Generator(device=device).manual_seed(secrets.randbits(63))
+            self.generator = os_seeded_generator(device)
 
     def discard_step(self) -> None:
         """Nothing to forget for independent noise (a refused step's generator state is

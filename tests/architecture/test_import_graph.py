@@ -17,7 +17,7 @@ import pytest
 
 PACKAGE = "opacus_dp"
 ROOT = pathlib.Path(__file__).resolve().parents[2] / PACKAGE
-MAX_FILE_LINES = 400
+MAX_FILE_LINES = 375  # below the 400 of the design guide: headroom, not files packed to the limit
 MAX_FUNCTION_LINES = 50
 
 

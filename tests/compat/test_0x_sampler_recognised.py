@@ -23,6 +23,8 @@ from opacus_dp.data import SamplingWarning
 from opacus_dp.utils.uniform_sampler import UniformWithReplacementSampler
 
 ALPHAS = [1.5, 2, 4, 8, 16, 32, 64]
+# 0.x scripts leave secure_mode off (its reminder is tested in tests/engine/test_secure_mode_notice.py)
+pytestmark = pytest.mark.filterwarnings("ignore::opacus_dp.engine.private_step.SecureModeNotice")
 
 
 @pytest.fixture(autouse=True)

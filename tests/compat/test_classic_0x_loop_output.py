@@ -22,6 +22,8 @@ from opacus_dp.data import SamplingWarning
 from opacus_dp.utils.uniform_sampler import UniformWithReplacementSampler
 
 N, BATCH, SIGMA, DELTA = 256, 32, 1.1, 1e-5
+# 0.x scripts leave secure_mode off (its reminder is tested in tests/engine/test_secure_mode_notice.py)
+pytestmark = pytest.mark.filterwarnings("ignore::opacus_dp.engine.private_step.SecureModeNotice")
 ALPHAS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))  # Opacus 0.14's example orders
 
 

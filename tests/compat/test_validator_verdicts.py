@@ -60,7 +60,8 @@ def test_0x_running_stats_verdicts_and_the_privacy_exception():
 
 def test_0x_unsupported_layer_verdict():
     model = nn.Sequential(nn.Linear(8, 16), nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1,
-                                                           num_decoder_layers=1, dim_feedforward=8))
+                                                           num_decoder_layers=1, dim_feedforward=8,
+                                                           batch_first=True))  # (torch warns without it)
     assert classic(model) is False
 
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
-from opacus_dp.data import DPDataLoader, UniformWithReplacementSampler, switch_generator
+from opacus_dp.data import DPDataLoader, SamplingWarning, UniformWithReplacementSampler, switch_generator
 from opacus_dp.data.collate import EmptyBatchCollate, empty_like_batch
 from opacus_dp.data_loader import DPDataLoader as CompatDPDataLoader
 
@@ -358,7 +358,8 @@ def test_loaders_without_batches_or_length_are_refused(poisson_sampling):
 
 def test_secure_mode_with_a_sequential_loader_names_the_way_out():
     with pytest.raises(ValueError, match=r"secure_mode=True.*SequentialSampler.*poisson_sampling=True"):
-        _make_private(DataLoader(rows(), batch_size=4), poisson_sampling=False, secure_mode=True)
+        with pytest.warns(SamplingWarning, match="fixed-size batches"):
+            _make_private(DataLoader(rows(), batch_size=4), poisson_sampling=False, secure_mode=True)
 
 
 def test_constant_metadata_lists_of_a_collate_are_emptied():

@@ -33,7 +33,15 @@ COMMAND_DOCS = [*SNIPPET_DOCS, ROOT / "examples" / "README.md"]
 LANGUAGES = {"python", "bash", "text"}
 README_MAX_LINES = 200
 
-pytestmark = pytest.mark.filterwarnings("ignore:secure_mode")  # the snippets train without it
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:secure_mode"),  # the snippets train without it
+    # the classic-API snippets show Opacus 0.x loops over fixed-size batches, which the engine warns
+    # about as it should (tests/compat and tests/engine check that warning)
+    pytest.mark.filterwarnings("ignore::opacus_dp.data.SamplingWarning"),
+    # docs/lightning.md resumes from the first run's checkpoint in a Trainer without checkpointing,
+    # so Lightning points out that its ModelCheckpoint callback is not given again
+    pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create"),
+]
 
 FENCE = re.compile(r"^\s*```(.*)$")
 DIRECTIVE = re.compile(r"^\s*<!--\s*snippet:\s*(.*?)\s*-->\s*$")

@@ -112,6 +112,7 @@ def test_batch_memory_manager_counts_the_whole_logical_batch():
     assert bounds == pytest.approx(expected_bounds, rel=1e-12)
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")  # Opacus's hooks (the reference)
 def test_same_bounds_and_updates_as_opacus_adaclip_on_fixed_batches():
     """Opacus divides by the sampled batch size and counts without centring; with fixed-size
     batches and no noise both coincide with ours (Opacus keeps the bound in float32)."""

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
+from opacus_dp.data import SamplingWarning
 from opacus_dp.engine.classic import PrivacyEngine as ClassicPrivacyEngine
 from tests.engine.helpers import sample_std, small_loader, small_model, std_tolerance
 
@@ -27,9 +28,10 @@ def private(noise_multiplier=1.0, n=24):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = PrivacyEngine(accountant="rdp")
-    return engine, *engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=small_loader(n=n),
-        noise_multiplier=noise_multiplier, max_grad_norm=1.0, poisson_sampling=False)
+    with pytest.warns(SamplingWarning, match="fixed-size batches"):
+        return engine, *engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=small_loader(n=n),
+            noise_multiplier=noise_multiplier, max_grad_norm=1.0, poisson_sampling=False)
 
 
 @pytest.mark.parametrize("bad", [0, -2, float("nan"), "8"])
@@ -42,7 +44,7 @@ def test_expected_batch_size_set_after_make_private_is_checked(bad):
 @pytest.mark.parametrize("delta, warns", [(0.05, True), (1 / 24, True), (1e-5, False)])
 def test_delta_not_below_one_over_n_warns_in_make_private_with_epsilon(delta, warns):
     model = small_model()
-    engine = PrivacyEngine(accountant="rdp")
+    engine = PrivacyEngine(accountant="rdp", secure_mode=True)  # no step is taken
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine.make_private_with_epsilon(
@@ -53,9 +55,9 @@ def test_delta_not_below_one_over_n_warns_in_make_private_with_epsilon(delta, wa
 
 
 def test_delta_not_below_one_over_n_warns_in_the_classic_calibration():
-    with pytest.warns(UserWarning, match="target_delta=0.5 is not below 1/N = 1/100"):
+    with pytest.warns(UserWarning, match="target_delta=0.1 is not below 1/N = 1/100"):
         ClassicPrivacyEngine(nn.Linear(4, 2), batch_size=10, sample_size=100, target_epsilon=1.0,
-                             epochs=1, target_delta=0.5, max_grad_norm=1.0)
+                             epochs=1, target_delta=0.1, max_grad_norm=1.0, secure_rng=True)  # no step is taken
 
 
 def test_numpy_noise_multiplier_is_accepted_and_noises_by_its_value():
@@ -67,10 +69,11 @@ def test_numpy_noise_multiplier_is_accepted_and_noises_by_its_value():
         warnings.simplefilter("ignore")
         engine = PrivacyEngine(accountant="rdp")
     data = TensorDataset(torch.zeros(8, 400), torch.zeros(8, 50))
-    module, optimizer, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        data_loader=DataLoader(data, batch_size=8), noise_multiplier=np.float32(0.5), max_grad_norm=2.0,
-        poisson_sampling=False)
+    with pytest.warns(SamplingWarning, match="fixed-size batches"):
+        module, optimizer, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(data, batch_size=8), noise_multiplier=np.float32(0.5), max_grad_norm=2.0,
+            poisson_sampling=False)
     before = model.weight.detach().clone()
     x, y = next(iter(loader))
     ((module(x) - y) ** 2).sum().backward()

@@ -88,6 +88,8 @@ def test_a_process_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, 
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
     _assert_loads_as(path, oracle, KEY if signed else None)
 

@@ -101,6 +101,7 @@ def test_the_explicit_opt_out_reads_a_trusted_old_file_and_warns(tmp_path):
     assert engine2.accountant.history == engine.accountant.history
 
 
+@pytest.mark.filterwarnings("ignore::opacus_dp.engine.private_step.SecureModeNotice")
 def test_a_full_checkpoint_round_trips_through_the_safe_loader(tmp_path):
     """Adam, adaptive clipping, a scheduler, the sampler's and the noise generator's states."""
     model = tiny_model()

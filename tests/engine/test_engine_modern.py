@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
 from opacus_dp.accountants import create_accountant
+from opacus_dp.data import SamplingWarning
 from opacus_dp.utils.batch_memory_manager import BatchMemoryManager
 from tests.engine.helpers import small_data, small_loader, small_model, train_plain
 
@@ -328,10 +329,11 @@ def test_opacus_wrap_model_and_rand_on_empty_flags():
         model = small_model()
         before = [p.detach().clone() for p in model.parameters()]
         x, y = small_data()
-        gsm, optimizer, _ = PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            data_loader=DataLoader(TensorDataset(x, y), batch_size=len(x)), noise_multiplier=0.0,
-            max_grad_norm=0.1, poisson_sampling=False, wrap_model=wrap)
+        with pytest.warns(SamplingWarning, match="fixed-size batches"):
+            gsm, optimizer, _ = PrivacyEngine().make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                data_loader=DataLoader(TensorDataset(x, y), batch_size=len(x)), noise_multiplier=0.0,
+                max_grad_norm=0.1, poisson_sampling=False, wrap_model=wrap)
         nn.functional.cross_entropy((gsm if wrap else model)(x), y).backward()
         optimizer.step()
         updates.append([b - p.detach() for b, p in zip(before, model.parameters())])

@@ -27,7 +27,9 @@ def _restore_precision():
     saved = [s.fp32_precision for s in settings]
     generic = getattr(torch.backends, "fp32_precision", None)
     legacy = None if settings else float32_products._legacy_state()
+    matmul = torch.get_float32_matmul_precision()  # a flag of its own, not derived from the settings
     yield
+    torch.set_float32_matmul_precision(matmul)  # first: it rewrites the per-backend settings
     for s, value in zip(settings, saved):
         s.fp32_precision = value
     if generic is not None:

@@ -54,6 +54,7 @@ def test_linear_with_frozen_bias_returns_only_weight():
     assert not hasattr(layer.bias, "grad_sample")
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")  # Opacus's hooks (the reference)
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
 def test_linear_matches_opacus(loss_reduction):
     import opacus

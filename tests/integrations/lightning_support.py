@@ -23,11 +23,13 @@ def data(seed: int = 0):
 class Recorder(pl.LightningModule):
     """A small classifier that records, at each training step, its parameters and the batch it got."""
 
-    def __init__(self, x, y, optimizers: int = 1, manual: bool = False, private_loader: bool = True):
+    def __init__(self, x, y, optimizers: int = 1, manual: bool = False, private_loader: bool = True,
+                 num_workers: int = 0, batch_size: int = BATCH):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, CLASSES))
         self.x, self.y = x, y
         self.n_optimizers, self.private_loader = optimizers, private_loader
+        self.num_workers, self.batch_size = num_workers, batch_size
         self.automatic_optimization = not manual
         self.records = []  # (parameters before the step, x, y)
 
@@ -40,7 +42,7 @@ class Recorder(pl.LightningModule):
         return [torch.optim.SGD(self.parameters(), lr=LR) for _ in range(self.n_optimizers)]
 
     def train_dataloader(self):
-        loader = DataLoader(TensorDataset(self.x, self.y), batch_size=BATCH)
+        loader = DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size, num_workers=self.num_workers)
         return PrivateDataLoader(loader) if self.private_loader else loader
 
 

@@ -18,6 +18,10 @@ from opacus_dp.integrations import (OpacusAlreadyImportedError, install_as_opacu
                                     uninstall_as_opacus)
 from opacus_dp.integrations.opacus_paths import ABSENT, OPACUS_PATHS
 
+# the engines these tests build never take a step that needs secure noise
+pytestmark = [pytest.mark.filterwarnings("ignore::opacus_dp.engine.private_step.SecureModeNotice"),
+              pytest.mark.filterwarnings("ignore:Secure RNG turned off")]
+
 
 def _opacus_entries():
     return {name: mod for name, mod in sys.modules.items() if name == "opacus" or name.startswith("opacus.")}

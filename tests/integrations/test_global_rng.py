@@ -1,11 +1,16 @@
-"""Same seed, same run as Opacus: building the private run leaves torch's global RNG where
-Opacus 1.6 leaves it (Opacus draws nothing from it in ``make_private``)."""
+"""torch's global RNG: Opacus 1.6 draws nothing from it in ``make_private`` and draws batches and
+noise from it as training goes; opacus_dp draws two seeds at ``make_private`` and nothing after
+(its loader and noise have their own, checkpointable generators: docs/migration.md)."""
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
+
+# the engines these tests build never take a step that needs secure noise
+pytestmark = [pytest.mark.filterwarnings("ignore::opacus_dp.engine.private_step.SecureModeNotice"),
+              pytest.mark.filterwarnings("ignore:Secure RNG turned off")]
 
 
 def _rng_state_moved_by_make_private(engine_class):
@@ -26,9 +31,25 @@ def test_opacus_reference_draws_nothing_in_make_private():
     assert not _rng_state_moved_by_make_private(opacus.PrivacyEngine)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "make_private seeds the Poisson loader's generator (opacus_dp/data/samplers.py "
-    "generator_from_global_rng) and the optimizer's noise generator (opacus_dp/optim/noise.py "
-    "seed_from_global_rng) from torch's global RNG: two draws Opacus 1.6 does not make"))
-def test_make_private_leaves_the_global_rng_as_opacus_does():
-    assert not _rng_state_moved_by_make_private(PrivacyEngine)
+def test_make_private_draws_exactly_two_seeds_from_the_global_rng_and_nothing_per_step():
+    """The documented difference (docs/migration.md): the Poisson loader's generator, then the
+    noise generator, are seeded from two draws of the global RNG at ``make_private``; training then
+    draws nothing from it (Opacus instead draws every batch and every noise tensor from it)."""
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=4)
+    before = torch.random.get_rng_state()
+    engine = PrivacyEngine(accountant="rdp")
+    private, optimizer, private_loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0)
+    after_setup = torch.random.get_rng_state()
+    torch.random.set_rng_state(before)
+    torch.empty((), dtype=torch.int64).random_()  # the loader's seed (data/samplers.py)
+    torch.randint(0, 2**62, (1,))  # the noise's seed (optim/noise.py)
+    assert torch.equal(torch.random.get_rng_state(), after_setup)
+    for x, y in private_loader:
+        torch.nn.functional.cross_entropy(private(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert torch.equal(torch.random.get_rng_state(), after_setup)

@@ -14,6 +14,9 @@ from opacus_dp.errors import PrivacyBudgetExceededError
 from opacus_dp.data.cyclic_sampler import CyclicPoissonSampler
 from opacus_dp.mechanisms.noise import CorrelatedNoise
 
+# engines without secure_mode (a reminder tested in tests/engine/test_secure_mode_notice.py)
+pytestmark = pytest.mark.filterwarnings("ignore::opacus_dp.engine.private_step.SecureModeNotice")
+
 
 def test_cyclic_sampler_partitions_and_samples_the_group_of_the_step():
     sampler = CyclicPoissonSampler(103, groups=4, group_rate=0.5, generator=torch.Generator().manual_seed(0), steps=10)

@@ -25,6 +25,8 @@ from opacus_dp.data.cyclic_sampler import CyclicPoissonSampler, OutOfScheduleErr
 
 DELTA = 1e-5
 SIGMA = 1.0
+# engines without secure_mode (a reminder tested in tests/engine/test_secure_mode_notice.py)
+pytestmark = pytest.mark.filterwarnings("ignore::opacus_dp.engine.private_step.SecureModeNotice")
 
 
 def indexed_data(n: int = 64) -> TensorDataset:

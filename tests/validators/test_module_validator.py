@@ -257,6 +257,7 @@ def _parametrized(kind):
     return nn.Sequential(make(layer), nn.Tanh(), nn.Linear(4, 2))
 
 
+@pytest.mark.filterwarnings("ignore::opacus_dp.engine.private_step.SecureModeNotice")
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
 def test_parametrized_weights_are_refused_by_validation_and_make_private(kind):
     """A parametrization computes the weight from its originals without a batch: the fallback
