@@ -63,6 +63,20 @@ def get_noise_multiplier(
     engine's accountant).
     Raises ``ValueError`` when even σ = 10⁶ exceeds the budget.
     """
+    target, delta, q, count = calibration_inputs(target_epsilon=target_epsilon, target_delta=target_delta,
+                                                 sample_rate=sample_rate, epochs=epochs, steps=steps,
+                                                 accountant=accountant, epsilon_tolerance=epsilon_tolerance)
+
+    def eps(sigma: float) -> float:
+        return _epsilon_at(accountant, sigma, q, count, delta, epsilon_kwargs)
+
+    return search_sigma(eps, target, epsilon_tolerance * min(1.0, target) / 2)
+
+
+def calibration_inputs(*, target_epsilon, target_delta, sample_rate, epochs, steps, accountant: str,
+                       epsilon_tolerance: float):
+    """``(target ε, δ, q, steps)`` of a calibration, each checked (named errors; q > 0; a known
+    accountant; the tolerance in (0, 1))."""
     target = check_target_epsilon(target_epsilon)
     delta = check_delta(target_delta, "target_delta")
     q = check_sample_rate(sample_rate)
@@ -72,14 +86,10 @@ def get_noise_multiplier(
         raise ValueError(f"epsilon_tolerance must lie in (0, 1), got {epsilon_tolerance!r}")
     count = planned_steps(sample_rate=q, epochs=epochs, steps=steps)
     create_accountant(accountant)  # fail early on an unknown name
-
-    def eps(sigma: float) -> float:
-        return _epsilon_at(accountant, sigma, q, count, delta, epsilon_kwargs)
-
-    return _search_sigma(eps, target, epsilon_tolerance * min(1.0, target) / 2)
+    return target, delta, q, count
 
 
-def _search_sigma(eps, target: float, tolerance: float) -> float:
+def search_sigma(eps, target: float, tolerance: float) -> float:
     """Largest-known σ with target − tolerance < eps(σ) ≤ target, for decreasing ``eps``."""
     sigma_low, sigma_high = 0.0, 1.0
     eps_low, eps_high = math.inf, eps(sigma_high)

@@ -10,10 +10,9 @@ than the user-level budget (for the chosen accountant).
 
 from typing import Optional
 
-from opacus_dp.accountants.calibration import _search_sigma, planned_steps
+from opacus_dp.accountants.calibration import calibration_inputs, search_sigma
 from opacus_dp.accountants.group_privacy import check_group_size
 from opacus_dp.accountants.registry import create_accountant
-from opacus_dp.accountants.validation import check_delta, check_sample_rate, check_target_epsilon
 
 
 def user_level_epsilon_of_run(*, noise_multiplier: float, sample_rate: float, steps: int, delta: float,
@@ -41,19 +40,13 @@ def get_user_level_noise_multiplier(
     most ``max_examples_per_user`` examples, ``tol = epsilon_tolerance × min(1, target_epsilon)``
     (the tolerance of :func:`~opacus_dp.accountants.calibration.get_noise_multiplier`, which this
     equals for k = 1). Raises ``ValueError`` when even σ = 10⁶ exceeds the budget."""
-    target = check_target_epsilon(target_epsilon)
-    delta = check_delta(target_delta, "target_delta")
+    target, delta, q, count = calibration_inputs(target_epsilon=target_epsilon, target_delta=target_delta,
+                                                 sample_rate=sample_rate, epochs=epochs, steps=steps,
+                                                 accountant=accountant, epsilon_tolerance=epsilon_tolerance)
     k = check_group_size(max_examples_per_user)
-    q = check_sample_rate(sample_rate)
-    if q == 0:
-        raise ValueError("sample_rate must be > 0 to calibrate noise (q = 0 uses no data and costs no privacy)")
-    if not 0 < epsilon_tolerance < 1:
-        raise ValueError(f"epsilon_tolerance must lie in (0, 1), got {epsilon_tolerance!r}")
-    count = planned_steps(sample_rate=q, epochs=epochs, steps=steps)
-    create_accountant(accountant)  # fail early on an unknown name
 
     def eps(sigma: float) -> float:
         return user_level_epsilon_of_run(noise_multiplier=sigma, sample_rate=q, steps=count, delta=delta,
                                          max_examples_per_user=k, accountant=accountant, **epsilon_kwargs)[0]
 
-    return _search_sigma(eps, target, epsilon_tolerance * min(1.0, target) / 2)
+    return search_sigma(eps, target, epsilon_tolerance * min(1.0, target) / 2)
