@@ -2,12 +2,12 @@
 
 ``PrivacyEngine.make_private(..., noise_mechanism="banded", bands=b, epochs=E)`` (or "blt",
 "tree") wires everything (:mod:`~opacus_dp.mechanisms.engine`; guide: ``docs/mechanisms.md``).
-A :class:`~opacus_dp.optim.DPOptimizer` built by hand takes the noise as
-``optimizer.noise = CorrelatedNoise(make_strategy(...), base=optimizer.noise, schedule=schedule)``
+A :class:`~opacus_dp.optim.DPOptimizer` built by hand takes the noise in its constructor,
+``DPOptimizer(..., noise=CorrelatedNoise(make_strategy(...), base=GaussianNoise(), schedule=schedule))``,
 and its accountant the hook :func:`~opacus_dp.mechanisms.accounting.step_hook`; with
-``schedule = StepSchedule(lambda: optimizer.steps_taken)`` passed to the
-:class:`~opacus_dp.data.cyclic_sampler.CyclicPoissonSampler` too, sampling, noise and
-accounting share one step index (as ``make_private`` wires them).
+``schedule = StepSchedule()`` passed to the :class:`~opacus_dp.data.cyclic_sampler.CyclicPoissonSampler`
+too and ``schedule.follow(lambda: optimizer.steps_taken)`` once the optimizer exists, sampling,
+noise and accounting share one step index (as ``make_private`` wires them).
 """
 
 from opacus_dp.mechanisms.noise import CorrelatedNoise
