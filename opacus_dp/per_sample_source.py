@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, runtime_c
 import torch
 
 from opacus_dp.maths.per_sample import per_sample_norms, sum_dtype, weighted_sum
+from opacus_dp.maths.unit_groups import UnitGroups
 from opacus_dp.module_parameters import local_part
 from opacus_dp.state_views import is_consumed, mark_consumed
 
@@ -120,6 +121,11 @@ class _MaterialisedSource(abc.ABC):
 
     def __init__(self):
         self._held: Dict[torch.Tensor, torch.Tensor] = {}
+        self._groups: Optional[UnitGroups] = None
+
+    def _unit_groups(self, num_rows: int, passes: int) -> Optional[UnitGroups]:
+        """The privacy units of the rows taken (None: every row is its own unit)."""
+        return None
 
     @abc.abstractmethod
     def _take(self, params: Sequence[torch.Tensor]) -> Dict[torch.Tensor, torch.Tensor]:
@@ -130,17 +136,25 @@ class _MaterialisedSource(abc.ABC):
         """Drop the per-sample gradients of ``params`` not taken yet."""
 
     def per_sample_norms(self, params, name_of: Optional[NameOf] = None) -> List[torch.Tensor]:
-        self._held = {}
+        self._held, self._groups = {}, None
+        passes = self.pending_passes()
         grads = self._take(params)
         if params and not grads:
             raise RuntimeError(NO_GRADS)
         batch_size = check_grad_samples(params, grads, name_of or _shape_name)
-        self._held = grads
+        groups = self._unit_groups(batch_size, passes)
+        self._held, self._groups = grads, groups
+        if groups is not None:  # ‖Σ_{i∈u} w_i g_i‖ per unit (maths/unit_groups.py)
+            return [groups.sq_norms(grads[p].to(sum_dtype(p.dtype))).sqrt() if p in grads else
+                    torch.zeros(groups.num_units, device=p.device, dtype=sum_dtype(p.dtype)) for p in params]
         return [per_sample_norms(grads[p]) if p in grads else
                 torch.zeros(batch_size, device=p.device, dtype=sum_dtype(p.dtype)) for p in params]
 
     def clipped_sums(self, params, factors) -> List[Optional[torch.Tensor]]:
         held, self._held = self._held, {}
+        groups, self._groups = self._groups, None
+        if groups is not None:  # unit factors f_u -> row factors f_{u(i)} w_i
+            factors = [groups.row_factors(f) for f in factors]
         sums = []
         for p, factor in zip(params, factors):
             g = held.pop(p, None)  # each one freed once summed
@@ -151,7 +165,7 @@ class _MaterialisedSource(abc.ABC):
         """Nothing to do: the sums are formed at the step, from the held gradients."""
 
     def clear(self, params) -> None:
-        self._held = {}
+        self._held, self._groups = {}, None
         self._forget(params)
 
 
@@ -196,6 +210,10 @@ class ModuleGradSource(_MaterialisedSource):
 
     def _forget(self, params) -> None:
         self.module.zero_grad_sample()
+
+    def _unit_groups(self, num_rows: int, passes: int) -> Optional[UnitGroups]:
+        channel = self.module.unit_channel
+        return None if channel is None else channel.take_rows(num_rows, passes)
 
     def pending_passes(self) -> int:
         """Backward passes (batches) held by the module, concatenated for the next step."""

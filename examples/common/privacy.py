@@ -109,6 +109,13 @@ def clipping_bounds(args: argparse.Namespace, model: nn.Module):
     return "per_layer", [args.max_grad_norm / math.sqrt(n)] * n
 
 
+def unit_options(args: argparse.Namespace) -> dict:
+    """Options of ``make_private`` for the privacy unit: ``augmentation_multiplicity=K`` when the
+    example's ``--augmult`` K > 1 (an example's K augmentations clipped as one), else none."""
+    k = getattr(args, "augmult", 1)
+    return {"augmentation_multiplicity": k} if k > 1 else {}
+
+
 def _modern(args, model, optimizer, loader, sigma: Optional[float], budget_delta, device):
     from opacus_dp import PrivacyEngine
 
@@ -117,7 +124,7 @@ def _modern(args, model, optimizer, loader, sigma: Optional[float], budget_delta
     clipping, bound = clipping_bounds(args, model)
     common = dict(module=model, optimizer=optimizer, data_loader=loader, clipping=clipping,
                   max_grad_norm=bound, noise_generator=_noise_generator(args, device),
-                  grad_sample_mode=args.grad_sample_mode)
+                  grad_sample_mode=args.grad_sample_mode, **unit_options(args))
     if sigma is None and args.target_epsilon is not None:
         model, optimizer, loader = engine.make_private_with_epsilon(
             target_epsilon=args.target_epsilon, target_delta=args.delta, epochs=args.epochs, **common)

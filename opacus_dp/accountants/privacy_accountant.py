@@ -37,10 +37,24 @@ def validate_history(history) -> List[HistoryEntry]:
 
 
 class PrivacyAccountant(abc.ABC):
-    """Records (σ, q) per step and converts the history into an (ε, δ) guarantee."""
+    """Records (σ, q) per step and converts the history into an (ε, δ) guarantee.
+
+    ``privacy_unit``: what one record's q samples and ε protects, ``"example"`` (default) or
+    ``"user"`` (a run sampled by users); one history never mixes the two."""
+
+    privacy_unit = "example"
 
     def __init__(self) -> None:
         self.history: List[HistoryEntry] = []
+
+    def use_privacy_unit(self, privacy_unit: str) -> None:
+        """Record the steps of a run whose unit is ``privacy_unit`` from now on; refused if the
+        history already holds steps of another unit (their ε would not compose)."""
+        if privacy_unit != self.privacy_unit and self.history:
+            raise ValueError(
+                f"this accountant's history holds steps per {self.privacy_unit}; a run per {privacy_unit} "
+                "cannot add to it (ε of different privacy units do not compose): use a new PrivacyEngine")
+        self.privacy_unit = privacy_unit
 
     def step(self, *, noise_multiplier: float, sample_rate: float) -> None:
         """Record one step of the sampled Gaussian mechanism with noise σ and sample rate q."""
@@ -89,6 +103,8 @@ class PrivacyAccountant(abc.ABC):
         destination = OrderedDict() if destination is None else destination
         destination["history"] = [tuple(entry) for entry in self.history]
         destination["mechanism"] = self.mechanism()
+        if self.privacy_unit != "example":
+            destination["privacy_unit"] = self.privacy_unit
         return destination
 
     def load_state_dict(self, state_dict: T_state_dict) -> None:
@@ -107,6 +123,12 @@ class PrivacyAccountant(abc.ABC):
                 f"{self.mechanism()!r} accountant: load it into create_accountant("
                 f"{state_dict['mechanism']!r}), or, to recompute its steps with {self.mechanism()!r}, "
                 "set accountant.history = list(state_dict['history'])")
+        saved = state_dict.get("privacy_unit", "example")
+        if saved != self.privacy_unit:
+            raise ValueError(
+                f"state_dict holds a privacy history per {saved!r}, but this accountant records steps per "
+                f"{self.privacy_unit!r} (make_private(privacy_unit=...)): one history cannot mix privacy units; "
+                f"resume with make_private(..., privacy_unit={saved!r}) before loading")
         self.history = validate_history(state_dict["history"])
 
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:

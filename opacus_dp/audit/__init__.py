@@ -6,6 +6,8 @@
 GDP-based and (ε, δ) bounds from Clopper–Pearson limits on the membership test's error
 rates, and the one-run bound of Steinke, Nasr & Jagielski 2023 ("Privacy Auditing with One
 (1) Training Run"). A lower bound above the accountant's ε refutes the privacy claim.
+``AuditConfig(privacy_unit="user", ...)`` audits a user-level claim with canary users
+(:mod:`~opacus_dp.audit.user_canaries`).
 Command line: ``python -m opacus_dp.audit --help``. What this does and does not prove:
 ``docs/auditing.md``.
 """
@@ -25,6 +27,7 @@ from opacus_dp.audit.statistics import (
     plain_epsilon_lower_bound,
 )
 from opacus_dp.audit.threshold_test import ErrorRateBound, threshold_audit
+from opacus_dp.audit.user_canaries import UserCanaryDataset, user_canary_dataset
 from opacus_dp.audit.white_box import AuditReport, analyse, run_audit
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "ErrorRateBound",
     "OneRunBound",
     "RunRecord",
+    "UserCanaryDataset",
     "analyse",
     "canary_dataset",
     "canary_model",
@@ -52,6 +56,7 @@ __all__ = [
     "run_audit",
     "run_with_canaries",
     "threshold_audit",
+    "user_canary_dataset",
 ]
 
 from opacus_dp.submodules import submodule_getattr  # noqa: E402

@@ -6,6 +6,7 @@ from typing import Optional
 
 from opacus_dp.audit.canaries import CanaryLayout
 from opacus_dp.audit.statistics import check_confidence, check_delta
+from opacus_dp.audit.user_canaries import check_user_settings
 
 APIS = ("modern", "classic")
 ACCOUNTANTS = ("prv", "rdp", "gdp")
@@ -45,6 +46,10 @@ class AuditConfig:
     logical batch with ``BatchMemoryManager`` (virtual steps). ``grad_sample_mode`` is passed
     to ``make_private`` (modern API only), as are ``noise_mechanism`` and ``bands`` (the run is
     planned for ``steps``; scores: :mod:`~opacus_dp.audit.correlated`).
+    ``privacy_unit`` "user" audits the user-level guarantee with canary users of
+    ``canary_examples_per_user`` examples each (``max_examples_per_user``, ``unit_gradient`` go to
+    ``make_private``; ``user_mechanism`` "per_example" is a broken variant for detection tests):
+    :mod:`~opacus_dp.audit.user_canaries`. ``sample_rate`` is then the users' rate.
     """
 
     noise_multiplier: float
@@ -67,6 +72,11 @@ class AuditConfig:
     seed: int = 0
     noise_mechanism: str = "independent"
     bands: Optional[int] = None
+    privacy_unit: str = "example"
+    canary_examples_per_user: int = 1
+    max_examples_per_user: Optional[int] = None
+    unit_gradient: str = "mean"
+    user_mechanism: str = "uls"
 
     def __post_init__(self):
         _check_number(self.noise_multiplier, "noise_multiplier", low=0.0, low_inclusive=True)
@@ -92,6 +102,7 @@ class AuditConfig:
         if self.noise_mechanism != "independent" and (self.api != "modern" or self.noise_multiplier == 0):
             raise ValueError("a correlated noise_mechanism is audited through make_private (api='modern') "
                              "with noise_multiplier > 0")
+        check_user_settings(self)
         self.layout()  # validates the canary sizes
 
     def layout(self) -> CanaryLayout:

@@ -4,6 +4,7 @@ import dataclasses
 import math
 from typing import Any, Dict
 
+from opacus_dp.audit.user_canaries import describe_units
 from opacus_dp.audit.white_box import AuditReport
 
 _METHOD_NAMES = {
@@ -22,10 +23,11 @@ def _describe_setup(report: AuditReport) -> str:
     c = report.config
     mode = c.grad_sample_mode if c.api == "modern" else "hooks, classic API"
     virtual = "" if c.max_physical_batch_size is None else f", physical batches ≤ {c.max_physical_batch_size}"
+    units = describe_units(c)
     return (f"DP-SGD audit: noise_multiplier={c.noise_multiplier:g}, max_grad_norm={c.max_grad_norm:g}, "
             f"sample_rate={c.sample_rate:g}, steps={c.steps}, {mode}{virtual}\n"
             f"canaries: {c.num_canaries} white-box Dirac canaries ({c.num_runs} run(s) x "
-            f"{c.canaries_per_run}), delta={c.delta:g}")
+            f"{c.canaries_per_run}), delta={c.delta:g}" + ("" if units is None else f"\n{units}"))
 
 
 def format_report(report: AuditReport) -> str:

@@ -1,13 +1,14 @@
 """Train with canaries through the real engine and record what a white-box adversary sees.
 
 One run: draw the canaries' membership, build the canary dataset and model
-(:mod:`~opacus_dp.audit.canaries`), make them private with :class:`opacus_dp.PrivacyEngine`
-(modern ``make_private`` or classic ``attach``; Poisson ``DPDataLoader``; optional
-``BatchMemoryManager``, ``nn.DataParallel``/DDP wrapper), train ``steps`` logical steps with
-SGD and, after every step the accountant records, read the canary coordinates of the weights.
+(:mod:`~opacus_dp.audit.canaries`; canary users: :mod:`~opacus_dp.audit.user_canaries`), make
+them private with :class:`opacus_dp.PrivacyEngine` (modern ``make_private`` or classic
+``attach``; Poisson ``DPDataLoader``; optional ``BatchMemoryManager``, ``nn.DataParallel``/DDP
+wrapper), train ``steps`` logical steps with SGD and, after every step the accountant records,
+read the canary coordinates of the weights.
 
 The observation of canary i at step t is ``x_{t,i} = Δw_{d_b+i} · D / (η·C)``; for a correct
-engine it equals ``b_{t,i} + N(0, σ²)`` with ``b_{t,i}`` = 1 if the canary was in the batch.
+engine it equals ``b_{t,i} + N(0, σ²)`` with ``b_{t,i}`` = 1 if the canary (user) was in the batch.
 Nothing of the mechanism is re-implemented here: clipping, noise, sampling, reduction and
 accounting are the engine's.
 """
@@ -20,9 +21,10 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from opacus_dp.audit.canaries import CanaryLoss, canary_dataset, canary_model, draw_membership
+from opacus_dp.audit.canaries import CanaryLoss, canary_model, draw_membership
 from opacus_dp.audit.config import AuditConfig
 from opacus_dp.audit.correlated import MechanismRecord, canary_groups
+from opacus_dp.audit.user_canaries import canary_data, unit_options
 from opacus_dp.data.cyclic_sampler import CyclicPoissonSampler
 from opacus_dp.data import BatchMemoryManager, DPDataLoader
 from opacus_dp.distributed import world_size_of
@@ -76,7 +78,8 @@ def _modern(config: AuditConfig, network, optimizer, dataset, generators) -> _Pr
         module=network, optimizer=optimizer, data_loader=loader,
         noise_multiplier=config.noise_multiplier, max_grad_norm=config.max_grad_norm,
         loss_reduction=config.loss_reduction, noise_generator=generators["noise"],
-        grad_sample_mode=config.grad_sample_mode, criterion=criterion, **_mechanism_options(config, loader))
+        grad_sample_mode=config.grad_sample_mode, criterion=criterion, **_mechanism_options(config, loader),
+        **unit_options(config))
     private_net, dp_optimizer, dp_loader = made[0], made[1], made[-1]
     criterion = made[2] if len(made) == 4 else criterion
     divisor = _divisor(config, dp_optimizer.expected_batch_size, world_size_of(network))
@@ -179,8 +182,7 @@ def run_with_canaries(config: AuditConfig, run_index: int = 0,
     layout = config.layout()
     generators = _generators(config, run_index)
     membership = draw_membership(layout.num_canaries, generators["membership"])
-    dataset = canary_dataset(layout, membership, max_grad_norm=config.max_grad_norm,
-                             generator=generators["data"])
+    dataset = canary_data(config, layout, membership, generators["data"])
     model = canary_model(layout)
     network = model_wrapper(model) if model_wrapper is not None else model
     optimizer = torch.optim.SGD(network.parameters(), lr=config.learning_rate)

@@ -29,6 +29,7 @@ from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from opacus_dp.data.data_loader import SamplingGeneratorKept, worker_seed_generator, worker_settings
 from opacus_dp.data.samplers import DistributedPoissonBatchSampler, check_positive_int, count_logical_batch
+from opacus_dp.maths.unit_groups import UnitGroups
 from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
 
@@ -44,6 +45,29 @@ def split_indices(indices: List[int], max_size: int, chunks: Optional[int] = Non
     return [list(indices[bounds[i] : bounds[i + 1]]) for i in range(k)]
 
 
+def unit_pieces(sizes: List[int], max_size: int) -> List[List[int]]:
+    """The unit sizes of each chunk when consecutive units are packed into chunks of at most
+    ``max_size`` rows (at least one chunk); a unit larger than ``max_size`` is refused."""
+    pieces: List[List[int]] = [[]]
+    for size in sizes:
+        if size > max_size:
+            raise ValueError(
+                f"BatchMemoryManager: a privacy unit (a user's examples, or an example's augmentations) has "
+                f"{size} rows, more than max_physical_batch_size={max_size}; its rows must go through one "
+                "physical batch (they are clipped together): raise max_physical_batch_size or lower "
+                "max_examples_per_user")
+        if pieces[-1] and sum(pieces[-1]) + size > max_size:
+            pieces.append([])
+        pieces[-1].append(size)
+    return pieces
+
+
+def counts_logical_batches(batch_sampler) -> bool:
+    """Whether ``batch_sampler`` is a distributed one whose logical batches the splitter counts."""
+    return isinstance(batch_sampler, DistributedPoissonBatchSampler) or \
+        bool(getattr(batch_sampler, "distributed", False) and hasattr(batch_sampler, "draw"))
+
+
 class BatchSplittingSampler(Sampler[List[int]]):
     """Batch sampler yielding the physical chunks of each logical batch of ``batch_sampler``.
 
@@ -56,6 +80,23 @@ class BatchSplittingSampler(Sampler[List[int]]):
         self.max_batch_size = check_positive_int(max_batch_size, "max_physical_batch_size")
         self.equal_passes = equal_passes
         self.skip_flags: deque = deque()
+        self.layouts: deque = deque()  # UnitGroups of each chunk, for a unit sampler's batches
+
+    def _split_between_units(self, indices: List[int], groups) -> List[List[int]]:
+        """Chunks of whole units (a unit's rows are never split: its gradient is clipped as one),
+        each of at most ``max_size`` rows; the chunks' groupings are queued in ``self.layouts``.
+        With ``equal_passes``, as many chunks as the rank that needs the most (some empty)."""
+        sizes = groups.sizes()
+        pieces = unit_pieces(sizes, self.max_batch_size)
+        if self.equal_passes:
+            most = max(len(unit_pieces(s, self.max_batch_size)) for s in self.batch_sampler.unit_sizes_of_ranks())
+            pieces += [[] for _ in range(most - len(pieces))]
+        chunks, start = [], 0
+        for piece in pieces:
+            chunks.append(indices[start:start + sum(piece)])
+            start += sum(piece)
+            self.layouts.append(UnitGroups.from_sizes(piece, groups.unit_gradient))
+        return chunks
 
     def _num_chunks(self, size: int) -> int:
         """``max(1, ceil(size / max))``; with ``equal_passes`` the largest such count over the ranks
@@ -64,10 +105,15 @@ class BatchSplittingSampler(Sampler[List[int]]):
         return max(1, *(math.ceil(s / self.max_batch_size) for s in sizes))
 
     def __iter__(self) -> Iterator[List[int]]:
-        counted_here = isinstance(self.batch_sampler, DistributedPoissonBatchSampler)
+        counted_here = counts_logical_batches(self.batch_sampler)
         logicals = self.batch_sampler.draw(count_batches=False) if counted_here else self.batch_sampler
+        units = getattr(self.batch_sampler, "layouts", None)  # a unit sampler: cut between units
+        self.layouts.clear()
         for logical in logicals:
-            chunks = split_indices(list(logical), self.max_batch_size, self._num_chunks(len(logical)))
+            if units is None:
+                chunks = split_indices(list(logical), self.max_batch_size, self._num_chunks(len(logical)))
+            else:
+                chunks = self._split_between_units(list(logical), units.popleft())
             for position, chunk in enumerate(chunks):
                 self.skip_flags.append(position < len(chunks) - 1)
                 yield chunk
@@ -105,6 +151,7 @@ class PhysicalBatchLoader(SamplingGeneratorKept, DataLoader):
         )
         self._seed_generator = getattr(data_loader, "_seed_generator", None) \
             or worker_seed_generator(data_loader.generator)
+        self.unit_channel = getattr(data_loader, "unit_channel", None)  # units: groupings delivered per chunk
 
     def __iter__(self):
         splitter = self.batch_sampler
@@ -112,12 +159,15 @@ class PhysicalBatchLoader(SamplingGeneratorKept, DataLoader):
         dp_optimizer = dp_optimizer_behind(self.optimizer)
         _discard_unfinished(dp_optimizer)  # left by an earlier loop that did not finish
         finished = False
-        counts = isinstance(splitter.batch_sampler, DistributedPoissonBatchSampler)
+        counts = counts_logical_batches(splitter.batch_sampler)
+        channel = getattr(self, "unit_channel", None)
         first_piece = True
         try:
             for batch in super().__iter__():
                 _check_previous_steps(dp_optimizer)
                 do_skip = splitter.skip_flags.popleft()
+                if channel is not None:
+                    channel.deliver(splitter.layouts.popleft())
                 _signal_chunk(self.optimizer, dp_optimizer, do_skip)
                 if counts and first_piece:  # the logical batch reaches the loop (step_clock.py)
                     count_logical_batch()
@@ -137,7 +187,7 @@ def _needs_equal_passes(data_loader: DataLoader, optimizer) -> bool:
     reducer = None if dp_optimizer is None else dp_optimizer.reducer
     if reducer is None or not reducer.needs_equal_passes or reducer.world_size == 1:
         return False
-    if not isinstance(data_loader.batch_sampler, DistributedPoissonBatchSampler):
+    if not counts_logical_batches(data_loader.batch_sampler):
         raise ValueError(
             "BatchMemoryManager under FSDP2 needs the distributed Poisson loader make_private returns "
             "(poisson_sampling=True): every rank must cut its batch into the same number of pieces, "

@@ -5,6 +5,7 @@ disagreement raises the same error on every rank instead of leaving some ranks b
 in a collective the others never enter.
 """
 
+import hashlib
 from typing import Dict, List, Optional
 
 import torch
@@ -106,3 +107,19 @@ def check_mean_divisor(optimizer) -> None:
             "mean divides by expected_batch_size · world_size on every rank): pass batch_size "
             "and sample_size (classic API) or use the modern API's data loader"
         )
+
+
+def check_units_agree(units, world_size: int) -> None:
+    """Every rank must see the same users (the same ``user_ids``), so that each user belongs to one
+    rank only; a digest of the units' example lists is compared across ranks (one all-reduce)."""
+    if world_size <= 1:
+        return
+    digest = hashlib.sha256(repr([list(u) for u in units]).encode()).digest()
+    value = int.from_bytes(digest[:7], "big")
+    extremes = torch.tensor([value, -value], dtype=torch.int64, device=collective_device(None))
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    if int(extremes[0]) != -int(extremes[1]):
+        raise ValueError(
+            "privacy_unit='user': the ranks were given different user_ids (or datasets): a user could "
+            "then be split across ranks and clipped once per rank. Give every rank the same dataset "
+            "and user_ids; make_private's loader assigns each user to one rank")

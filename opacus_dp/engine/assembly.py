@@ -15,11 +15,13 @@ from torch.utils.data import DataLoader
 from opacus_dp.data import DPDataLoader, check_sampling, switch_generator
 from opacus_dp.data.loader_facts import expected_batch_size_for, fixed_batch_size, sample_rate_of
 from opacus_dp.data.sampling_checks import check_batching
-from opacus_dp.distributed.checks import share_generator_state
+from opacus_dp.distributed.checks import check_units_agree, share_generator_state
 from opacus_dp.engine.arguments import check_optimizer_params, refuse_skipped_empty_draws
 from opacus_dp.engine.model import validate_module, wrap_module
 from opacus_dp.engine.optimizer import make_dp_optimizer, secure_generator
 from opacus_dp.engine.plan import PrivatePlan
+from opacus_dp.engine.privacy_units import connect_units, user_ids_of
+from opacus_dp.data.unit_loader import unit_loader
 from opacus_dp.engine.private_step import (check_distributed, check_distributed_loader, rebind_if_sharded,
                                            shard_if_asked)
 from opacus_dp.mechanisms.engine import MechanismPlan, plan_mechanism
@@ -52,6 +54,9 @@ def assemble(plan: PrivatePlan, *, module: nn.Module, optimizer, data_loader: Da
         if plan.poisson_sampling:
             gsm.forbid_grad_accumulation()
         loader = private_loader(plan, data_loader, mechanism, distributed=world_size > 1)
+        if plan.groups_rows:
+            check_units_agree(loader.batch_sampler.units, world_size)
+            connect_units(gsm, loader)
         sample_rate = sample_rate_of(loader)
         dp_optimizer = _optimizer(plan, optimizer, module, gsm, loader, mechanism, world_size)
         connect(module, dp_optimizer, sample_rate, mechanism)  # all ranks agree from here on
@@ -67,7 +72,8 @@ def assemble(plan: PrivatePlan, *, module: nn.Module, optimizer, data_loader: Da
 def _optimizer(plan: PrivatePlan, optimizer, module, gsm, loader, mechanism, world_size: int):
     """The DPOptimizer: the mean divides by the expected per-process batch ``⌊q·N⌋ / W`` (a
     mechanism's ``⌊q_g·N/b⌋ / W``); adaptive clipping's defaults see the global one."""
-    expected = expected_batch_size_for(len(loader.dataset), sample_rate_of(loader))
+    units = getattr(loader.batch_sampler, "num_units", len(loader.dataset))  # users, when sampled by user
+    expected = expected_batch_size_for(units, sample_rate_of(loader))
     if plan.clipping == "adaptive":
         clipper = adaptive_clipper(plan.max_grad_norm, expected_batch_size=expected, **plan.options)
     else:
@@ -89,6 +95,11 @@ def private_loader(plan: PrivatePlan, data_loader: DataLoader, mechanism: Option
     """The loader of the run: a mechanism's cyclic Poisson loader, the engine's Poisson loader, or
     (``poisson_sampling=False``) the user's, checked, with the secure generator in secure mode."""
     generator = secure_generator() if plan.secure_mode else None
+    if plan.groups_rows:  # Poisson sampling of users / augmented examples
+        return unit_loader(data_loader, user_ids=user_ids_of(plan, data_loader.dataset) if plan.privacy_unit == "user"
+                           else None, max_examples_per_user=plan.max_examples_per_user,
+                           augmentation_multiplicity=plan.augmentation_multiplicity, unit_gradient=plan.unit_gradient,
+                           generator=generator, distributed=distributed, batch_first=plan.batch_first)
     if mechanism is not None:  # the sampling its analysis needs (opacus_dp.mechanisms.engine)
         return mechanism.loader(data_loader, generator=generator, distributed=distributed, batch_first=plan.batch_first)
     if plan.poisson_sampling:

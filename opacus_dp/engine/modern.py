@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from opacus_dp.accountants import create_accountant
-from opacus_dp.accountants.group_privacy import epsilon_for_privacy_unit
+from opacus_dp.engine.privacy_units import unit_epsilon
 from opacus_dp.accountants.registry import available_accountants
 from opacus_dp.checkpoints import sharded, single_file
 from opacus_dp.distributed.fsdp import is_fully_sharded
@@ -96,7 +96,9 @@ class PrivacyEngine(metaclass=_EngineType):
                      skip_weight_grads: Optional[bool] = None, noise_mechanism: str = "independent",
                      bands: Optional[int] = None, epochs: Optional[float] = None, fsdp=False,
                      check_sample_independence: bool = True, public_buffers: Sequence[str] = (),
-                     fast_noise: bool = False):
+                     fast_noise: bool = False, privacy_unit: str = "example", user_ids=None,
+                     max_examples_per_user: Optional[int] = None, augmentation_multiplicity: int = 1,
+                     unit_gradient: str = "mean"):
         """Return ``(GradSampleModule, DPOptimizer, DataLoader)`` ready for private training.
 
         With ``poisson_sampling`` the loader is replaced by a ``DPDataLoader`` with
@@ -142,6 +144,9 @@ class PrivacyEngine(metaclass=_EngineType):
         ``check_sample_independence``, ``public_buffers``: :mod:`opacus_dp.grad_sample.model_checks`.
         ``fast_noise=True`` draws the noise on CPU by several threads (another stream of the same
         distribution: :mod:`opacus_dp.optim.parallel_noise`).
+        ``privacy_unit="user"`` with ``user_ids`` (and ``max_examples_per_user``, ``unit_gradient``), or
+        ``augmentation_multiplicity=K``: the privacy unit is several rows (:mod:`opacus_dp.engine.privacy_units`,
+        ``docs/user_level.md``).
         """
         plan = PrivatePlan.of(locals(), secure_mode=self.secure_mode)
         return self._make_private(plan, module, optimizer, data_loader)
@@ -163,7 +168,9 @@ class PrivacyEngine(metaclass=_EngineType):
                                   skip_weight_grads: Optional[bool] = None, noise_mechanism: str = "independent",
                                   bands: Optional[int] = None, fsdp=False, check_sample_independence: bool = True,
                                   public_buffers: Sequence[str] = (), fast_noise: bool = False,
-                                  **epsilon_kwargs):
+                                  privacy_unit: str = "example", user_ids=None,
+                                  max_examples_per_user: Optional[int] = None, augmentation_multiplicity: int = 1,
+                                  unit_gradient: str = "mean", **epsilon_kwargs):
         """:meth:`make_private` with σ calibrated so that ``epochs`` passes spend ≤ target ε;
         ``epsilon_kwargs`` go to the accountant's ``get_epsilon`` during the calibration (as in
         Opacus: ``alphas`` for RDP, ``eps_error`` for PRV). With ``clipping="adaptive"`` the
@@ -186,6 +193,11 @@ class PrivacyEngine(metaclass=_EngineType):
         if mechanism is False:
             mechanism = self._mechanism_of(plan, data_loader)
         self.dataset = data_loader.dataset
+        use_unit = getattr(self.accountant, "use_privacy_unit", None)
+        if use_unit is not None:
+            use_unit(plan.privacy_unit)
+        elif plan.privacy_unit != "example":
+            raise TypeError(f"privacy_unit={plan.privacy_unit!r} needs an accountant derived from PrivacyAccountant")
         gsm, dp_optimizer, loader = assemble(plan, module=module, optimizer=optimizer, data_loader=data_loader,
                                              mechanism=mechanism, connect=self._connect)
         self._data_loader = loader
@@ -203,11 +215,13 @@ class PrivacyEngine(metaclass=_EngineType):
         return float(accountant.get_epsilon(self.max_epsilon_delta))
 
     # ------------------------------------------------------------------ reporting
-    def get_epsilon(self, delta: float, privacy_unit: str = "example",
+    def get_epsilon(self, delta: float, privacy_unit: Optional[str] = None,
                     max_examples_per_user: Optional[int] = None) -> float:
-        """ε spent so far at ``delta`` per example (the accountant's), or with ``privacy_unit="user"`` per
-        user with at most ``max_examples_per_user`` examples (group privacy, ``docs/user_level.md``)."""
-        return float(epsilon_for_privacy_unit(self.accountant.get_epsilon, delta, privacy_unit, max_examples_per_user))
+        """ε spent so far at ``delta`` for the run's privacy unit (the accountant's: per example, or per
+        user for a run sampled by users); an example-level run's ``privacy_unit="user"`` is per user with
+        at most ``max_examples_per_user`` examples (group privacy, ``docs/user_level.md``)."""
+        return float(unit_epsilon(self.accountant.get_epsilon, delta, self.accountant.privacy_unit, privacy_unit,
+                                  max_examples_per_user))
 
     # ------------------------------------------------------------------ compatibility
     def is_compatible(self, *, module: nn.Module, optimizer=None, data_loader=None) -> bool:

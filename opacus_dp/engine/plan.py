@@ -17,6 +17,7 @@ import torch
 
 from opacus_dp.distributed.step_wait import timeout_seconds
 from opacus_dp.engine.arguments import check_choice, check_opacus_flags, check_privacy_arguments
+from opacus_dp.engine.privacy_units import check_unit_settings
 from opacus_dp.grad_sample.mode_selection import MODE_NAMES
 from opacus_dp.mechanisms.strategies import KINDS
 from opacus_dp.optim.adaptive_clipping import SETTINGS as ADAPTIVE_SETTINGS
@@ -37,6 +38,8 @@ class PrivatePlan:
     * sampling and the loss: ``poisson_sampling``, ``loss_reduction``, ``batch_first``;
     * per-sample gradients (the gradient source): ``grad_sample_mode``, ``skip_weight_grads``,
       ``check_sample_independence``, ``public_buffers``, ``criterion`` (ghost);
+    * the privacy unit (:mod:`~opacus_dp.engine.privacy_units`): ``privacy_unit``, ``user_ids``,
+      ``max_examples_per_user``, ``augmentation_multiplicity``, ``unit_gradient``;
     * reduction: ``step_timeout`` (seconds), ``fsdp``;
     * Opacus 1.6 flags: ``wrap_model``, ``rand_on_empty``.
     """
@@ -63,9 +66,15 @@ class PrivatePlan:
     fsdp: Any = field(default=False, compare=False)
     wrap_model: bool = True
     rand_on_empty: bool = False
+    privacy_unit: str = "example"
+    user_ids: Any = field(default=None, compare=False)
+    max_examples_per_user: Optional[int] = None
+    augmentation_multiplicity: int = 1
+    unit_gradient: str = "mean"
 
     def __post_init__(self):
         check_opacus_flags(self.wrap_model, self.rand_on_empty)
+        check_unit_settings(self)
         self.check_noise(self.noise_mechanism, self.bands)
         check_privacy_arguments(noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
                                 loss_reduction=self.loss_reduction, clipping=self.clipping)
@@ -106,6 +115,11 @@ class PrivatePlan:
                         if arguments.get(name) is not None)
         values = {name: value for name, value in arguments.items() if name in names}
         return cls(**values, clipping_options=options, **engine_settings)
+
+    @property
+    def groups_rows(self) -> bool:
+        """Whether a privacy unit is several rows (users, or augmentations of one example)."""
+        return self.privacy_unit == "user" or self.augmentation_multiplicity > 1
 
     @property
     def options(self) -> Dict[str, float]:

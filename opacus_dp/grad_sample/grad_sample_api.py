@@ -21,6 +21,8 @@ from opacus_dp.state_views import StateViews
 class GradSampleModuleAPI:
     """Mixin of :class:`~opacus_dp.grad_sample.grad_sample_module.GradSampleModule` (module doc)."""
 
+    unit_channel = None  # privacy units of the rows (configure_units); None: every row is one
+
     @staticmethod
     def _check_arguments(module, batch_first, loss_reduction) -> None:
         if not isinstance(module, nn.Module):
@@ -106,6 +108,11 @@ class GradSampleModuleAPI:
 
     def allow_grad_accumulation(self) -> None:
         self._store.accumulation_allowed = True
+
+    def configure_units(self, channel) -> None:
+        """Group the rows of each backward pass into privacy units as the loader delivered them to
+        ``channel`` (a :class:`~opacus_dp.maths.unit_groups.UnitChannel`; None: a row is a unit)."""
+        self.unit_channel = channel
 
     def configure_model_checks(self, check_sample_independence: bool = True, public_buffers: Sequence[str] = ()):
         """(Re)set the model-level checks (constructor arguments of the same names)."""

@@ -52,6 +52,8 @@ import torch.nn as nn
 from opacus_dp.grad_sample.bookkeeping.passes import (
     LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, resolve_calls)
 from opacus_dp.grad_sample.bookkeeping.chunked_sums import ChunkBuffer
+from opacus_dp.grad_sample.bookkeeping.grouped_units import (grouped_clipped_sums, grouped_sq_norms, resolve_grouped,
+                                                             row_factors)
 from opacus_dp.grad_sample.broadcast_inputs import BROADCAST_HINT
 from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.per_sample_store import second_batch_error
@@ -97,6 +99,7 @@ class Bookkeeper:
         self._resolved: List[Pass] = []
         self.tasks: Set[int] = set()  # graph tasks that opened a pass since the last take/clear
         self._summing: Optional[_SumsPass] = None
+        self.units = None  # UnitChannel: rows grouped into privacy units (every layer materialised)
         self._chunk_buffer = ChunkBuffer()  # per-layer clipping's chunked sums (under the lock)
         self._lock = threading.RLock()
 
@@ -163,6 +166,12 @@ class Bookkeeper:
                 entry.call.release()
 
     def _resolve(self, current: Pass, layer: nn.Module, calls: List[Call]) -> None:
+        """Privacy units of several rows need the norms of sums over rows, formed at the step
+        (:mod:`~opacus_dp.grad_sample.bookkeeping.grouped_units`)."""
+        if self.units is not None:
+            resolve_grouped(current, layer, calls, per_sample_grads=self._per_sample_grads,
+                            layer_rule=self.layer_rule, shared=layer in self.shared_layers)
+            return
         resolve_calls(current, layer, calls, per_sample_grads=self._per_sample_grads,
                       layer_rule=self.layer_rule, shared=layer in self.shared_layers,
                       keep_ghost_calls=self.keep_ghost_calls,
@@ -229,12 +238,14 @@ class Bookkeeper:
 
     def recorded_params(self) -> set:
         """Parameters with per-sample information in the unconsumed passes."""
-        return {p for r in self._resolved for p in r.sq_norms}
+        return {p for r in self._resolved for p in (*r.sq_norms, *r.grouped_params)}
 
     def sq_norms(self, params: Sequence[torch.Tensor], last_only: bool = False) -> List[torch.Tensor]:
         """Per-sample squared norms ``(B_1 + ... + B_k,)`` of every param (zeros if unused);
         with ``last_only`` those of the last finished pass."""
         passes = self._resolved[-1:] if last_only else self._resolved
+        if self.units is not None:
+            return grouped_sq_norms(passes, params, self.units)
         result = []
         for p in params:
             parts = [r.sq_norms.get(p) for r in passes]
@@ -259,8 +270,9 @@ class Bookkeeper:
         sums: Dict[torch.Tensor, torch.Tensor] = {}
         offset = 0
         for resolved in self._take():
-            window = slice(offset, offset + resolved.batch_size)
-            offset += resolved.batch_size
+            rows = resolved.batch_size if resolved.groups is None else resolved.groups.num_units
+            window = slice(offset, offset + rows)
+            offset += rows
             _check_same_factors(resolved, by_param, window)
             for p, s in resolved.sums.items():
                 add_to(sums, p, s)
@@ -272,10 +284,13 @@ class Bookkeeper:
                                                 wanted).items():
                     add_to(sums, p, s)
                 del activations, backprops
+            for p, s in grouped_clipped_sums(resolved, by_param, window).items():
+                add_to(sums, p, s)
             for p in list(resolved.grads):
                 g = resolved.grads.pop(p)
                 if p in by_param:
-                    add_to(sums, p, weighted_sum(by_param[p][window] * resolved.grad_scales[p], g))
+                    add_to(sums, p, weighted_sum(row_factors(resolved, by_param[p][window])
+                                                 * resolved.grad_scales[p], g))
         return [sums.get(p) for p in params]
 
     def _take(self) -> List[Pass]:

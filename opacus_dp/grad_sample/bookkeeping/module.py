@@ -185,8 +185,9 @@ class BookkeepingGradSampleModule(GradSampleModule):
 
     @property
     def forms_sums_in_backward(self) -> bool:
-        """Whether a factor function is set (:meth:`set_factor_function`)."""
-        return self._bookkeeper.factor_function is not None
+        """Whether a factor function is set (:meth:`set_factor_function`) and used (rows are
+        not grouped into privacy units of several rows: those norms wait for the step)."""
+        return self._bookkeeper.factor_function is not None and self.unit_channel is None
 
     @property
     def has_sums_from_backward(self) -> bool:
@@ -215,7 +216,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
         model: there every backward pass is a collective (all-gathers), so a rank whose local
         batch is empty (no second pass needed) would leave the others waiting; one pass is
         equally correct and gathers the shards once."""
-        return self.skips_weight_grads and not is_sharded_model(self._module)
+        return self.skips_weight_grads and not is_sharded_model(self._module) and self.unit_channel is None
 
     @contextmanager
     def norms_pass(self):
@@ -243,6 +244,12 @@ class BookkeepingGradSampleModule(GradSampleModule):
     def layer_modes(self):
         """``{layer: "ghost" | "materialised" | "chunked"}`` chosen for the unconsumed passes."""
         return self._bookkeeper.layer_modes()
+
+    def configure_units(self, channel) -> None:
+        """Rows grouped into privacy units (see the base class): every layer is materialised and
+        its norms formed per unit at the step; one book-keeping pass (no two-pass backward)."""
+        super().configure_units(channel)
+        self._bookkeeper.units = channel
 
     # ------------------------------------------------------------------ state
     def zero_grad_sample(self) -> None:

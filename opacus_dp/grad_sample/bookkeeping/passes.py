@@ -56,6 +56,9 @@ class Pass:
     sums: Dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
     unsettled: List[RecomputedInput] = field(default_factory=list)  # kept inputs still as φ(h)
     kept_versions: List[Tuple[str, KeptVersions]] = field(default_factory=list)  # of ghost_calls
+    groups: Optional[object] = None  # UnitGroups of the rows, set at the step when units are grouped
+    grouped_calls: List[Tuple[nn.Module, list, torch.Tensor, float]] = field(default_factory=list)
+    grouped_params: Set[torch.Tensor] = field(default_factory=set)  # of grouped_calls (norms at the step)
 
     def changed_kept_call(self) -> Optional[str]:
         """Name of a layer whose kept tensors were written in place since they were kept."""
