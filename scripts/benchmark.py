@@ -1,8 +1,8 @@
 """Step time and peak memory of DP-SGD: opacus_dp's modes against non-private and Opacus 1.6.
 
-For each model of :mod:`benchmark_models` (convnet, resnet, sequence, transformer, lstm) one
-process builds every variant side by side, each on its own copy of the model (same initial
-weights, same fixed batch):
+For each model of :mod:`benchmark_models` (convnet, resnet, sequence, transformer, lstm, llama)
+one process builds every variant side by side, each on its own copy of the model (same initial
+weights, same fixed batch; ``--batch-size B``: its first B samples; ``--device cuda``: on the GPU):
 
 * ``non-private``: plain ``torch.optim.SGD``;
 * ``hooks``, ``ghost``, ``bk`` (and ``functorch`` with ``--modes``): ``opacus_dp``'s
@@ -10,34 +10,40 @@ weights, same fixed batch):
   a mode with the suffix ``-per-layer`` (e.g. ``bk-per-layer``) clips per layer, each of the
   ``n`` tensors to ``C/√n`` (the same sensitivity ``C``);
 * ``opacus:hooks``, ``opacus:ghost``: Opacus 1.6's ``PrivacyEngine.make_private`` (ghost with
-  its wrapped criterion), when ``opacus`` is installed.
+  its wrapped criterion), when ``opacus`` is installed; a variant that cannot run the model is
+  reported as ``n/a`` with its error.
 
-One step = ``zero_grad``, forward, cross-entropy loss, backward, private ``step`` (σ = 1,
-C = 1). ``--precision`` runs every variant, non-private included, in that precision: ``fp32``,
-``bf16`` (forward and loss under bfloat16 autocast) or ``fp16`` (float16 autocast and a
-``torch.amp.GradScaler``; in ``ghost`` the scaler scales the plain loss tensor, one
-book-keeping pass, and per-layer ``bk``/``ghost`` are refused: docs/precision.md).
-**Time**: after ``--warmup`` untimed rounds, ``--repeats`` rounds in which every
-variant runs one step, the order rotating each round (interleaved, so load drifts hit all
-variants alike); the median per variant is reported (wall clock, or process CPU time with
-``--timer cpu``, steadier on a shared machine with ``--threads 1``), and ``paired x``: the median
-over rounds of the variant's time divided by the non-private time of the same round (slow
-phases of a shared machine hit both terms of a round's ratio alike); likewise ``paired`` next to
-``speedup/Op.hk``: the median over rounds of Opacus hooks' time divided by the variant's.
+One step = ``zero_grad``, forward, the model's loss (cross-entropy; next-token for ``llama``),
+backward, private ``step`` (σ = 1, C = 1). ``--precision`` runs every variant, non-private
+included, in that precision: ``fp32``, ``bf16`` (forward and loss under bfloat16 autocast) or
+``fp16`` (float16 autocast and a ``torch.amp.GradScaler``; in ``ghost`` the scaler scales the
+plain loss tensor, one book-keeping pass, and per-layer ``bk``/``ghost`` are refused:
+docs/precision.md).
+**Time**: after ``--warmup`` untimed rounds, ``--repeats`` rounds in which every variant runs one
+step, the order rotating each round (interleaved, so load drifts hit all variants alike); the
+median per variant is reported (wall clock, or process CPU time with ``--timer cpu``, steadier on
+a shared machine with ``--threads 1``; on CUDA the wall clock after ``torch.cuda.synchronize()``),
+and ``paired x``: the median over rounds of the variant's time divided by the non-private time of
+the same round (slow phases of a shared machine hit both terms of a round's ratio alike); likewise
+``paired`` next to ``speedup/Op.hk``: the median over rounds of Opacus hooks' time divided by the
+variant's.
 **Memory**: each (model, variant) runs in a fresh subprocess (``--probe``): after the model,
 optimizer and batch are built, the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``)
 and the current RSS noted; after ``--memory-steps`` steps the peak (``VmHWM``) minus that RSS
 is the *peak increase*: what training adds on top of model and data (activations, gradients,
 per-sample state, optimizer state). ``MALLOC_MMAP_THRESHOLD_=65536`` makes glibc return freed
 tensors to the OS at once, so RSS follows live memory (and ``THP_MEM_ALLOC_ENABLE`` is unset
-there: huge pages would round resident sizes up).
+there: huge pages would round resident sizes up). On CUDA: ``torch.cuda.max_memory_allocated``
+over the steps minus the memory allocated before them.
 **Allocator**: the timed process runs with the environment it is given, reported in the
 table's header and the JSON: e.g. ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator on
 2 MiB transparent huge pages, fewer page faults for large tensors) applies to every variant alike.
 
 ``--compile BACKEND`` also times non-private and each of our modes compiled
 (``model.compile(backend=BACKEND)``, the private model after ``make_private``) in the same rounds,
-and prints each compiled variant's time divided by its eager time and by compiled non-private's.
+and prints each compiled variant's time divided by its eager time and by compiled non-private's,
+with the graphs and graph breaks Dynamo counts in two of its steps on fresh caches after the timed
+rounds (:mod:`compile_stats`; also in the JSON, ``raw_timing[variant]["graphs"]``).
 
 Usage::
 
@@ -56,17 +62,16 @@ import warnings
 from typing import Callable, Dict, List
 
 import torch
-import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_models import WORKLOADS  # noqa: E402
+from benchmark_report import THEIRS, print_table, summarise  # noqa: E402
+from compile_stats import COMPILED, add_compile_ratios, allow_recompiles, counting, print_compile_ratios  # noqa: E402
 
 SIGMA, CLIP, LR = 1.0, 1.0, 0.01
 OURS = ("hooks", "ghost", "bk")
 PER_LAYER = "-per-layer"  # suffix of a mode run with per-layer clipping, e.g. "bk-per-layer"
-THEIRS = ("opacus:hooks", "opacus:ghost")
-COMPILED = "@"  # "bk@inductor": variant "bk" with its model compiled by that backend (--compile)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -90,7 +95,7 @@ def _private_step(model, optimizer, criterion, x, y, precision: str = "fp32") ->
     return step
 
 
-def _ours(model, optimizer, loader, mode):
+def _ours(model, optimizer, loader, mode, criterion):
     import opacus_dp
 
     engine = opacus_dp.PrivacyEngine(accountant="rdp")
@@ -101,62 +106,46 @@ def _ours(model, optimizer, loader, mode):
         bound = [CLIP / count ** 0.5] * count
     result = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
                                  noise_multiplier=SIGMA, max_grad_norm=bound, clipping=clipping,
-                                 poisson_sampling=False, grad_sample_mode=mode)
-    return result[0], result[1], result[2] if len(result) == 4 else nn.CrossEntropyLoss()
+                                 poisson_sampling=False, grad_sample_mode=mode, criterion=criterion)
+    return result[0], result[1], result[2] if len(result) == 4 else criterion
 
 
-def _theirs(model, optimizer, loader, mode):
+def _theirs(model, optimizer, loader, mode, criterion):
     import opacus
 
     engine = opacus.PrivacyEngine(accountant="rdp")
     if mode == "ghost":
         return engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
                                    noise_multiplier=SIGMA, max_grad_norm=CLIP, poisson_sampling=False,
-                                   grad_sample_mode="ghost", criterion=nn.CrossEntropyLoss())[:3]
+                                   grad_sample_mode="ghost", criterion=criterion)[:3]
     model, optimizer, _ = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
                                               noise_multiplier=SIGMA, max_grad_norm=CLIP,
                                               poisson_sampling=False, grad_sample_mode=mode)
-    return model, optimizer, nn.CrossEntropyLoss()
+    return model, optimizer, criterion
 
 
 def build_step(workload, variant: str, x, y, precision: str = "fp32") -> Callable[[], None]:
-    """One training step of ``variant`` on a fresh copy of ``workload``'s model."""
-    if COMPILED in variant:
-        return compiled_step(workload, variant, x, y, precision)
-    theirs = variant.startswith("opacus:")
+    """One training step of ``variant`` on a fresh copy of ``workload``'s model, on ``x``'s device.
+    ``<name>@<backend>``: the step of ``name`` (one of ours, or non-private) with the model it
+    trains compiled in place (``model.compile(backend=...)``; the private model after
+    ``make_private``; docs/compile.md)."""
+    name, _, backend = variant.partition(COMPILED)
+    theirs = name.startswith("opacus:")
     if theirs:
         import opacus.layers as layers
     else:
         import opacus_dp.layers as layers
     torch.manual_seed(0)
-    model = workload.build(layers)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    if variant == "non-private":
-        return _private_step(model, optimizer, nn.CrossEntropyLoss(), x, y, precision)
-    loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        make = _theirs if theirs else _ours
-        model, optimizer, criterion = make(model, optimizer, loader, variant.split(":")[-1])
-    return _private_step(model, optimizer, criterion, x, y, precision)
-
-
-def compiled_step(workload, variant: str, x, y, precision: str = "fp32") -> Callable[[], None]:
-    """``<name>@<backend>``: the step of ``name`` (one of ours, or non-private) with the model it
-    trains compiled in place (``model.compile(backend=...)``; the private model after
-    ``make_private``; docs/compile.md)."""
-    import opacus_dp.layers as layers
-
-    name, backend = variant.split(COMPILED)
-    torch.manual_seed(0)
-    model = workload.build(layers)
-    optimizer, criterion = torch.optim.SGD(model.parameters(), lr=LR), nn.CrossEntropyLoss()
+    model = workload.build(layers).to(x.device)
+    optimizer, criterion = torch.optim.SGD(model.parameters(), lr=LR), workload.criterion()
     if name != "non-private":
+        loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
-            model, optimizer, criterion = _ours(model, optimizer, loader, name)
-    model.compile(backend=backend)
+            make = _theirs if theirs else _ours
+            model, optimizer, criterion = make(model, optimizer, loader, name.split(":")[-1], criterion)
+    if backend:
+        model.compile(backend=backend)
     return _private_step(model, optimizer, criterion, x, y, precision)
 
 
@@ -164,7 +153,10 @@ def auto_choice(workload) -> str:
     import opacus_dp.layers as layers
     from opacus_dp.grad_sample.mode_selection import choose_mode
 
-    return choose_mode(workload.build(layers))
+    try:
+        return choose_mode(workload.build(layers))
+    except ImportError as e:  # a model of a library not installed (its variants report it too)
+        return f"n/a ({e})"
 
 
 # ----------------------------------------------------------------------------- timing
@@ -175,13 +167,26 @@ def _precision(args) -> dict:
 
 
 def _timer(kind: str) -> Callable[[], float]:
+    if kind == "cuda":  # the wall clock once the queued kernels have run
+        return lambda: (torch.cuda.synchronize(), time.perf_counter())[1]
     return time.process_time if kind == "cpu" else time.perf_counter
 
 
-def time_variants(workload, variants: List[str], args) -> Dict[str, dict]:
-    """Median step time of every variant (interleaved rounds, rotating order)."""
+def _batch(workload, args):
+    """The workload's fixed batch (seed 1): its first ``--batch-size`` samples, on ``--device``."""
     torch.manual_seed(1)
     x, y = workload.batch()
+    size, device = getattr(args, "batch_size", None), getattr(args, "device", "cpu")
+    if size:
+        x, y = x[:size], y[:size]
+    return (x, y) if device == "cpu" else (x.to(device), y.to(device))
+
+
+def time_variants(workload, variants: List[str], args) -> Dict[str, dict]:
+    """Median step time of every variant (interleaved rounds, rotating order); a compiled
+    variant's ``graphs``: what Dynamo compiles in two steps of it on fresh caches, after the timed
+    rounds (:mod:`compile_stats`; variants of one model may share compiled code in the rounds)."""
+    x, y = _batch(workload, args)
     steps, errors = {}, {}
     for variant in variants:
         try:
@@ -202,6 +207,11 @@ def time_variants(workload, variants: List[str], args) -> Dict[str, dict]:
     result = {v: {"ms": 1000 * statistics.median(s), "min_ms": 1000 * min(s),
                   "samples_ms": [1000 * t for t in s]} for v, s in samples.items()}
     result.update({v: {"error": e} for v, e in errors.items()})
+    for v in (v for v in names if COMPILED in v):  # a recompilation shows in the second step
+        torch._dynamo.reset()
+        with counting() as result[v]["graphs"]:
+            steps[v]()
+            steps[v]()
     add_paired_ratios(result)
     return result
 
@@ -222,35 +232,6 @@ def add_paired_ratios(timing: Dict[str, dict]) -> None:
             r["paired_speedup_vs_opacus_hooks"] = statistics.median(h / a for a, h in zip(s, opacus_hooks))
 
 
-def add_compile_ratios(timing: Dict[str, dict]) -> None:
-    """For each compiled variant ``name@backend``, medians over rounds of its time divided by
-    ``name``'s eager time (``paired_x_eager``) and by ``non-private@backend``'s time
-    (``paired_x_compiled_non_private``)."""
-    for v, r in timing.items():
-        if COMPILED not in v or not r.get("samples_ms"):
-            continue
-        name, backend = v.split(COMPILED)
-        for key, base in (("paired_x_eager", name), ("paired_x_compiled_non_private",
-                                                      f"non-private{COMPILED}{backend}")):
-            base_samples = timing.get(base, {}).get("samples_ms")
-            if base_samples:
-                r[key] = statistics.median(a / b for a, b in zip(r["samples_ms"], base_samples))
-
-
-def print_compile_ratios(report: dict) -> None:
-    """The ``--compile`` rows: compiled ÷ eager, and compiled private ÷ compiled non-private."""
-    print(f"\n{'model':12s} {'compiled':22s} {'step ms':>9s} {'x eager':>8s} {'x compiled non-priv':>20s}")
-    for model_name, entry in report["models"].items():
-        for v, r in entry["raw_timing"].items():
-            if COMPILED not in v:
-                continue
-            if "error" in r:
-                print(f"{model_name:12s} {v:22s} n/a: {r['error']}")
-                continue
-            print(f"{model_name:12s} {v:22s} {r['ms']:9.1f} {_fmt(r.get('paired_x_eager'), '8.2f')} "
-                  f"{_fmt(r.get('paired_x_compiled_non_private'), '20.2f')}")
-
-
 # ----------------------------------------------------------------------------- memory
 def _status_kb(key: str) -> int:
     with open("/proc/self/status") as f:
@@ -260,12 +241,18 @@ def _status_kb(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-def probe_memory(model_name: str, variant: str, steps: int, precision: str = "fp32") -> dict:
-    """Run in a fresh process: peak RSS increase of ``steps`` training steps (MiB)."""
+def probe_memory(model_name: str, variant: str, args) -> dict:
+    """Run in a fresh process: peak increase of ``--memory-steps`` training steps (MiB): of the
+    RSS, or on CUDA of the allocated memory."""
     workload = WORKLOADS[model_name]
-    torch.manual_seed(1)
-    x, y = workload.batch()
-    step = build_step(workload, variant, x, y, precision)
+    x, y = _batch(workload, args)
+    step, steps = build_step(workload, variant, x, y, args.precision), args.memory_steps
+    if x.is_cuda:  # the allocator's counters, kept on the host as kernels are queued
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+        for _ in range(steps):
+            step()
+        return {"peak_increase_mib": (torch.cuda.max_memory_allocated() - baseline) / 2 ** 20}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     baseline = _status_kb("VmRSS")
@@ -279,65 +266,13 @@ def measure_memory(model_name: str, variant: str, args) -> dict:
     env.pop("THP_MEM_ALLOC_ENABLE", None)  # 2 MiB pages would round the resident sizes up
     cmd = [sys.executable, os.path.abspath(__file__), "--probe", model_name, variant,
            "--memory-steps", str(args.memory_steps), "--threads", str(args.threads),
-           "--precision", getattr(args, "precision", "fp32")]
+           "--precision", getattr(args, "precision", "fp32"), "--device", getattr(args, "device", "cpu")]
+    if getattr(args, "batch_size", None):
+        cmd += ["--batch-size", str(args.batch_size)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1][:160]}
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-# ----------------------------------------------------------------------------- report
-def _ratio(a, b):
-    return None if a is None or b is None or b == 0 else a / b
-
-
-def summarise(model_name: str, timing: Dict[str, dict], memory: Dict[str, dict]) -> Dict[str, dict]:
-    """Ratios to non-private and to Opacus per variant: time against Opacus hooks and
-    against Opacus's fastest mode, peak memory against Opacus's leanest mode."""
-    ms = {v: r.get("ms") for v, r in timing.items()}
-    mib = {v: memory.get(v, {}).get("peak_increase_mib") for v in timing}
-    theirs = [v for v in THEIRS if ms.get(v) is not None]
-    best = min(theirs, key=lambda v: ms[v]) if theirs else None
-    measured = [v for v in theirs if mib.get(v) is not None]
-    leanest = min(measured, key=lambda v: mib[v]) if measured else None
-    rows = {}
-    for v in timing:
-        rows[v] = {
-            "ms": ms[v], "x_non_private": _ratio(ms[v], ms.get("non-private")),
-            "paired_x_non_private": timing[v].get("paired_x_non_private"),
-            "speedup_vs_opacus_hooks": _ratio(ms.get("opacus:hooks"), ms[v]),
-            "paired_speedup_vs_opacus_hooks": timing[v].get("paired_speedup_vs_opacus_hooks"),
-            "speedup_vs_opacus_best": _ratio(ms.get(best), ms[v]) if best else None,
-            "peak_mib": mib[v], "mem_x_non_private": _ratio(mib[v], mib.get("non-private")),
-            "mem_x_opacus_leanest": _ratio(mib[v], mib.get(leanest)) if leanest else None,
-            "error": timing[v].get("error") or memory.get(v, {}).get("error"),
-        }
-    return rows
-
-
-def _fmt(value, spec):
-    width = int(spec.split(".")[0]) if spec[0].isdigit() else 0
-    return "-".rjust(width) if value is None else format(value, spec)
-
-
-def print_table(report: dict) -> None:
-    head = (f"{'model':12s} {'variant':14s} {'step ms':>9s} {'x non-priv':>10s} {'paired x':>8s} "
-            f"{'speedup/Op.hk':>15s} {'paired':>6s} {'speedup/Op.best':>14s} {'peak MiB':>9s} "
-            f"{'mem x np':>8s} {'mem x Op.min':>13s}")
-    print(head)
-    print("-" * len(head))
-    for model_name, entry in report["models"].items():
-        for v, r in entry["variants"].items():
-            if r["error"]:
-                print(f"{model_name:12s} {v:14s} n/a: {r['error']}")
-                continue
-            print(f"{model_name:12s} {v:14s} {_fmt(r['ms'], '9.1f')} {_fmt(r['x_non_private'], '10.2f')} "
-                  f"{_fmt(r['paired_x_non_private'], '8.2f')} "
-                  f"{_fmt(r['speedup_vs_opacus_hooks'], '15.2f')} "
-                  f"{_fmt(r['paired_speedup_vs_opacus_hooks'], '6.2f')} {_fmt(r['speedup_vs_opacus_best'], '14.2f')} "
-                  f"{_fmt(r['peak_mib'], '9.1f')} {_fmt(r['mem_x_non_private'], '8.2f')} "
-                  f"{_fmt(r['mem_x_opacus_leanest'], '13.2f')}")
-        print(f"{'':12s} auto -> {entry['auto']}")
 
 
 ALLOCATOR_SETTINGS = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")
@@ -352,7 +287,7 @@ def machine() -> dict:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=",".join(WORKLOADS))
+    parser.add_argument("--models", default=",".join(WORKLOADS), help=f"some of {','.join(WORKLOADS)}")
     parser.add_argument("--modes", default=",".join(OURS),
                         help="opacus_dp modes (hooks,functorch,ghost,bk; suffix -per-layer for "
                              "per-layer clipping, e.g. bk-per-layer)")
@@ -369,6 +304,9 @@ def parse_args(argv=None):
     parser.add_argument("--compile", metavar="BACKEND",
                         help="also time non-private and our modes compiled (model.compile(backend=BACKEND), "
                              "e.g. inductor): rows 'x eager' and 'x compiled non-priv'")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="run models and batches there (cuda: the timer is the synchronised wall clock)")
+    parser.add_argument("--batch-size", type=int, help="only the first B samples of each model's batch")
     parser.add_argument("--json", help="also write the report to this file")
     parser.add_argument("--probe", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -376,19 +314,27 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if set(args.models.split(",")) - set(WORKLOADS):
+        raise SystemExit(f"--models: choose among {','.join(WORKLOADS)}, got {args.models}")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="GradScaler is going to stop", category=FutureWarning)
     if args.probe:
-        print(json.dumps(probe_memory(*args.probe, steps=args.memory_steps, precision=args.precision)))
+        print(json.dumps(probe_memory(*args.probe, args)))
         return
+    if args.device == "cuda":
+        args.timer = "cuda"
     variants = ["non-private"] + [m for m in args.modes.split(",") if m]
     if not args.no_opacus:
         variants += list(THEIRS)
     if args.compile:  # compiled copies of non-private and of our modes, timed in the same rounds
         variants += [f"{v}{COMPILED}{args.compile}" for v in variants if not v.startswith("opacus:")]
+        allow_recompiles()
     report = {"machine": machine(), "settings": vars(args), "models": {}}
+    report["machine"]["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     for model_name in args.models.split(","):
         workload = WORKLOADS[model_name]
+        if args.compile:  # the previous model's compiled frames are not needed any more
+            torch._dynamo.reset()
         timing = time_variants(workload, variants, args)
         add_compile_ratios(timing)
         memory = {} if args.no_memory else {v: measure_memory(model_name, v, args) for v in timing}

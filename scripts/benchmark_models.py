@@ -1,4 +1,4 @@
-"""The five models of ``scripts/benchmark.py``, each with its batch and loss.
+"""The six models of ``scripts/benchmark.py``, each with its batch and loss.
 
 * ``convnet``: the CIFAR-10 convnet of the Opacus tutorial (four 3×3 convolutions with
   average pooling, 32→64→64→128 channels, a linear head), B = 128, 3×32×32;
@@ -9,7 +9,12 @@
 * ``transformer``: the same embedding and two pre-LayerNorm transformer blocks with
   DPMultiheadAttention (4 heads) and the same MLP; B = 32, T = 128;
 * ``lstm``: token embedding (5000 × 64), a one-layer DPLSTM with 128 hidden units, linear
-  head on the last state; B = 32, T = 64.
+  head on the last state; B = 32, T = 64;
+* ``llama``: a Hugging Face ``LlamaForCausalLM`` built from a ``LlamaConfig`` (random weights, no
+  download): 4 layers, d = 256, 4 heads, MLP 688, vocabulary 1000; B = 16 sequences of T = 128
+  tokens, loss :class:`NextTokenLoss` on the next-token labels.
+
+Every model but ``llama`` is trained with ``nn.CrossEntropyLoss`` on class labels.
 
 ``layers`` selects ``opacus_dp.layers`` or ``opacus.layers`` for the DP attention / LSTM, so
 each library runs its own implementation of the same architecture.
@@ -20,6 +25,7 @@ from typing import Callable, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 VOCAB, CLASSES = 5000, 2
 
@@ -32,6 +38,7 @@ class Workload:
     build: Callable[[object], nn.Module]
     batch: Callable[[], Tuple[torch.Tensor, torch.Tensor]]
     description: str
+    criterion: Callable[[], nn.Module] = nn.CrossEntropyLoss
 
 
 def convnet(layers=None) -> nn.Module:
@@ -126,6 +133,61 @@ def lstm(layers) -> nn.Module:
     return LSTMClassifier(layers)
 
 
+class NextTokenLoss(nn.Module):
+    """Per-sequence mean next-token cross-entropy ``ℓ_i = (1/T) Σ_t −log softmax(z_it)[y_it]``
+    of logits ``z`` (``B × T × V``, or a model output with ``.logits``) and labels ``y`` (``B × T``),
+    reduced over the sequences by ``reduction``: ``"mean"`` (``(1/B) Σ_i ℓ_i``, the token mean as
+    all sequences have T tokens), ``"sum"``, or ``"none"`` (the vector of ``ℓ_i``, which Opacus's
+    ghost criterion asks for: one sequence is one sample)."""
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, logits, labels: torch.Tensor) -> torch.Tensor:
+        logits = getattr(logits, "logits", logits)
+        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        per_sequence = per_token.view(labels.shape).mean(dim=1)
+        if self.reduction == "none":
+            return per_sequence
+        return per_sequence.mean() if self.reduction == "mean" else per_sequence.sum()
+
+
+def llama_factory(layers: int = 4, hidden: int = 256, heads: int = 4, intermediate: int = 688,
+                  vocab: int = 1000, length: int = 128) -> Callable[[object], nn.Module]:
+    """Builder of a randomly initialised ``transformers.LlamaForCausalLM`` of this size (no KV
+    cache, positions up to ``length``); the builder ignores its argument (it has no DP layers)."""
+    def build(dp_layers=None) -> nn.Module:
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=length,
+            use_cache=False)
+        return transformers.LlamaForCausalLM(config)
+
+    return build
+
+
+def _next_tokens(batch: int, length: int, vocab: int):
+    """``B`` random sequences of ``T + 1`` tokens: inputs ``t[:, :T]``, labels ``t[:, 1:]``
+    (contiguous copies: Opacus's ghost mode views its inputs)."""
+    def make():
+        tokens = torch.randint(0, vocab, (batch, length + 1))
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    return make
+
+
+def llama_workload(batch: int = 16, length: int = 128, vocab: int = 1000, layers: int = 4, hidden: int = 256,
+                   heads: int = 4, intermediate: int = 688) -> Workload:
+    """The ``llama`` workload at these sizes."""
+    build = llama_factory(layers, hidden, heads, intermediate, vocab, length)
+    return Workload("llama", build, _next_tokens(batch, length, vocab),
+                    f"HF LlamaForCausalLM, {layers} layers, d={hidden}, h={heads}, MLP {intermediate}, "
+                    f"V={vocab}, T={length}, B={batch}", NextTokenLoss)
+
+
 def _images(batch: int):
     return lambda: (torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,)))
 
@@ -142,4 +204,5 @@ WORKLOADS = {
     "transformer": Workload("transformer", transformer, _tokens(32, 128),
                             "embedding + 2 DPMultiheadAttention blocks, d=256, h=4, T=128, B=32"),
     "lstm": Workload("lstm", lstm, _tokens(32, 64), "embedding + DPLSTM(64->128), T=64, B=32"),
+    "llama": llama_workload(),
 }
