@@ -5,9 +5,10 @@ before clipping: De et al. 2022), over several seeds.
 Every K uses the same sampling (q = 1/len(loader)), epochs, clipping bound and σ (calibrated once
 for the target ε by the same accountant: augmentation multiplicity changes no privacy parameter),
 so the ε of every row is the same. Augmentation: a random shift of the 8×8 image by up to one pixel
-in each direction (zero padding), drawn afresh at every read.
+in each direction (zero padding), drawn afresh at every read; K = 0 is the baseline without
+augmentation (one row per example, unshifted).
 
-    python scripts/benchmark_augmult.py --multiplicities 1,4,8 --seeds 3 --epsilon 4
+    python scripts/benchmark_augmult.py --multiplicities 0,1,4,8,16 --seeds 5 --epsilon 4
 """
 
 import argparse
@@ -31,15 +32,16 @@ from opacus_dp.accountants.calibration import get_noise_multiplier  # noqa: E402
 class Shifted(Dataset):
     """The 8×8 digits, each read shifted by (dy, dx) ∈ {-1, 0, 1}² (zero padding)."""
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, shift: bool = True):
         self.x, self.y = dataset.tensors
+        self.shift = shift
 
     def __len__(self):
         return len(self.y)
 
     def __getitem__(self, i):
         image = F.pad(self.x[i].view(1, 8, 8), (1, 1, 1, 1))
-        dy, dx = torch.randint(0, 3, (2,)).tolist()
+        dy, dx = torch.randint(0, 3, (2,)).tolist() if self.shift else (1, 1)
         return image[:, dy:dy + 8, dx:dx + 8].reshape(64), self.y[i]
 
 
@@ -58,9 +60,10 @@ def train_once(multiplicity: int, seed: int, args, sigma: float) -> float:
         warnings.simplefilter("ignore")
         engine = PrivacyEngine(accountant="rdp")
     private, optimizer, loader = engine.make_private(
-        module=model, optimizer=optimizer, data_loader=DataLoader(Shifted(train), batch_size=args.batch_size),
+        module=model, optimizer=optimizer,
+        data_loader=DataLoader(Shifted(train, shift=multiplicity > 0), batch_size=args.batch_size),
         noise_multiplier=sigma, max_grad_norm=args.max_grad_norm, grad_sample_mode="bk",
-        augmentation_multiplicity=multiplicity)
+        augmentation_multiplicity=max(multiplicity, 1))
     for _ in range(args.epochs):
         private.train()
         for x, y in loader:
@@ -73,7 +76,8 @@ def train_once(multiplicity: int, seed: int, args, sigma: float) -> float:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--multiplicities", default="1,4,8", help="comma-separated K values")
+    parser.add_argument("--multiplicities", default="0,1,4,8,16",
+                        help="comma-separated K values (0: no augmentation)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epsilon", type=float, default=4.0)
     parser.add_argument("--delta", type=float, default=1e-5)

@@ -106,6 +106,8 @@ class ReduceScatterReducer(BoundedStepWait):
 
     def _send(self, bucket) -> Dict[int, torch.Tensor]:
         """Reduce-scatter one bucket; this rank's shard of each of its tensors."""
+        if self.world_size == 1:  # the one shard is the whole sum: nothing to send or copy
+            return {i: t.reshape(-1) for i, t, _ in bucket}
         flat = self._scatter_input(bucket)
         out = flat.new_empty(flat.numel() // self.world_size)
         self._wait([_REDUCE_SCATTER(out, flat, group=self.process_group, async_op=True)])

@@ -64,11 +64,14 @@ def test_ddp_rank_holds_the_whole_model(bench, results):
 
 
 def test_one_reduce_scatter_per_fully_shard_module(results):
+    """On 2 ranks one reduce-scatter per ``fully_shard`` module; one process sends nothing (its
+    shard is the whole sum)."""
     for world_size in (1, 2):
         r = results[world_size]["dp-fsdp-bk"]
         assert r["fsdp_modules"] == ARGS.layers + 1
-        assert r["reduce_scatters_per_step"] == r["fsdp_modules"]
-        assert r["bytes_per_step"] > 0
+        sends = world_size > 1
+        assert r["reduce_scatters_per_step"] == (r["fsdp_modules"] if sends else 0)
+        assert (r["bytes_per_step"] > 0) == sends
         assert results[world_size]["ddp"]["fsdp_modules"] == 0
 
 

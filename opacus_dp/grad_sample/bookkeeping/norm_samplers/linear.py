@@ -123,7 +123,7 @@ def linear_weighted_grad(layer: nn.Linear, activations: List[torch.Tensor], back
         g_rows = g.reshape(-1, g.shape[-1])  # one copy at most (non-contiguous output gradients)
         if a.shape[-1] <= g.shape[-1]:  # rows of the product: the smaller side (module doc)
             a_f = scaled(a, f).reshape(-1, a.shape[-1])
-            sums[layer.weight] = a_f.t().mm(g_rows).t().contiguous()
+            sums[layer.weight] = g_rows.t().mm(a_f)  # (p, d) as laid out: no transposed copy
         else:
             g_f = scaled(g_rows.view_as(g), f).view_as(g_rows)
             sums[layer.weight] = g_f.t().mm(a.reshape(-1, a.shape[-1]))
