@@ -150,3 +150,22 @@ def test_calibration_targets_the_user_level_epsilon():
     check = RDPAccountant()
     check.history = [(optimizer.noise_multiplier, loader.sample_rate, 5 * len(loader))]
     assert 3.9 <= check.get_epsilon(1e-5) <= 4.0 and engine.accountant.privacy_unit == "user"
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_bfloat16_autocast_matches_the_float32_oracle(mode):
+    """Under bfloat16 autocast the per-user norms and sums are formed in float32 from the bf16
+    products: the update is the float32 oracle's within bfloat16 rounding (2⁻⁸ relative)."""
+    private, dp_optimizer, loader, criterion, reference = _engine_run("wide_sequence", mode, 0.05, "mean", None)
+    divisor = expected_batch_size_for(N_USERS, loader.sample_rate)
+    for x, y in loader:
+        if x.shape[0] > 2:
+            break
+    sizes = loader.unit_channel.latest().sizes()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = criterion(private(x).float(), y)
+    loss.backward()
+    dp_optimizer.step()
+    sgd_step(reference, unit_update(reference, nn.functional.cross_entropy, x, y, sizes, 0.05, divisor), LR)
+    for p, q in zip(private.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=2e-2 * LR * 0.05 * 2)

@@ -1,0 +1,23 @@
+"""scripts/benchmark_step_overhead.py: the overhead is the private step's time minus the non-private
+one, expressed in same-size add_ passes, with and without the noise draw."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_step_overhead.py"
+
+
+def test_overhead_is_reported_in_add_passes(capsys):
+    spec = importlib.util.spec_from_file_location("benchmark_step_overhead", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--dim", "256", "--repeats", "3", "--warmup", "1", "--modes", "bk,hooks"])
+    ms = result["ms"]
+    assert set(ms) == {"non-private", "private bk", "private hooks", "noise", "add_"}
+    for mode in ("bk", "hooks"):
+        overhead = ms[f"private {mode}"] - ms["non-private"]
+        assert result[mode]["overhead_ms"] == pytest.approx(overhead)
+        assert result[mode]["without_noise_add"] == pytest.approx((overhead - ms["noise"]) / max(ms["add_"], 1e-9))
+    assert "without the noise draw" in capsys.readouterr().out
