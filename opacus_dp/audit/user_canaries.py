@@ -27,11 +27,11 @@ from typing import Optional
 import torch
 from torch.utils.data import TensorDataset
 
+from opacus_dp.accountants.group_privacy import PRIVACY_UNITS
 from opacus_dp.audit.canaries import CanaryLayout, canary_dataset
+from opacus_dp.maths.unit_groups import UNIT_GRADIENTS
 
-PRIVACY_UNITS = ("example", "user")
 USER_MECHANISMS = ("uls", "per_example")
-UNIT_GRADIENTS = ("mean", "sum")
 
 
 class UserCanaryDataset(TensorDataset):

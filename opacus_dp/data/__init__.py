@@ -3,8 +3,10 @@
 * ``UniformWithReplacementSampler`` / ``DistributedPoissonBatchSampler``: each example enters each
   batch independently with probability q (the sampling the accountants analyse);
 * ``DPDataLoader``: a DataLoader using them, delivering empty batches with the right structure;
-* ``BatchMemoryManager``: splits logical batches into physical ones and tells the optimizer when
-  a logical batch ends;
+* ``UnitPoissonSampler`` / ``UnitDataLoader``: Poisson sampling of privacy units of several rows
+  (users with ``user_ids``, augmentation multiplicity), each batch's grouping delivered with it;
+* ``BatchMemoryManager``: splits logical batches into physical ones (between units) and tells the
+  optimizer when a logical batch ends;
 * ``check_sampling``: warns when a loader is not Poisson-sampled.
 """
 
@@ -17,6 +19,8 @@ from opacus_dp.data.samplers import (
     UniformWithReplacementSampler,
 )
 from opacus_dp.data.sampling_checks import SamplingWarning, check_sampling, is_poisson_loader
+from opacus_dp.data.unit_loader import UnitDataLoader
+from opacus_dp.data.unit_sampling import UnitPoissonSampler
 
 __all__ = [
     "BatchMemoryManager",
@@ -27,6 +31,8 @@ __all__ = [
     "EmptyBatchCollate",
     "SamplingWarning",
     "UniformWithReplacementSampler",
+    "UnitDataLoader",
+    "UnitPoissonSampler",
     "check_sampling",
     "empty_like_batch",
     "is_poisson_loader",
