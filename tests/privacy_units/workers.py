@@ -21,7 +21,7 @@ def _full(module):
             for p in module.parameters()]
 
 
-def _train(model, mode, fsdp, user_ids, unit_gradient="mean"):
+def _train(model, mode, fsdp, user_ids, unit_gradient="mean", multiplicity=1):
     dataset, _ = make_data("mlp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -29,8 +29,10 @@ def _train(model, mode, fsdp, user_ids, unit_gradient="mean"):
     torch.manual_seed(11)
     out = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                               data_loader=DataLoader(dataset, batch_size=12), noise_multiplier=0.0, max_grad_norm=C,
-                              grad_sample_mode=mode, fsdp=fsdp, privacy_unit="user", user_ids=user_ids,
-                              max_examples_per_user=K, unit_gradient=unit_gradient)
+                              grad_sample_mode=mode, fsdp=fsdp, unit_gradient=unit_gradient,
+                              augmentation_multiplicity=multiplicity,
+                              **(dict(privacy_unit="user", user_ids=user_ids, max_examples_per_user=K)
+                                 if user_ids is not None else {}))
     private, optimizer, loader = out[0], out[1], out[-1]
     criterion = out[2] if mode == "ghost" else nn.CrossEntropyLoss()
     logical, xs, ys, sizes = [], [], [], []
@@ -49,6 +51,7 @@ def _train(model, mode, fsdp, user_ids, unit_gradient="mean"):
             if len(logical) == STEPS:
                 break
     return {"steps": logical, "final": _full(private), "divisor": optimizer.expected_batch_size * 2,
+            "rate": loader.sample_rate,
             "history": list(engine.accountant.history), "unit": engine.accountant.privacy_unit}
 
 
@@ -65,6 +68,10 @@ def user_level_job(rank, world_size):
     model = make_model("mlp")
     start = _full(model)
     reports["fsdp-bk"] = dict(_train(model, "bk", True, users, unit_gradient="sum"), start=start)
+    model = make_model("mlp")
+    start = _full(model)
+    reports["ddp-augmult"] = dict(_train(DistributedDataParallel(model), "bk", False, None, multiplicity=2),
+                                  start=start)
     try:
         _train(DistributedDataParallel(make_model("mlp")), "hooks", False, users.roll(rank))
         reports["refusal"] = None
