@@ -86,3 +86,16 @@ def test_an_older_iterator_is_refused_after_a_newer_one():
     next(newer)
     with pytest.raises(RuntimeError, match="older iterator"):
         next(older)
+
+
+def test_secure_mode_samples_users_from_the_os():
+    """secure_mode: the users' Poisson draws do not follow torch.manual_seed (two runs seeded alike
+    draw different users), while without it they do."""
+    def first_batches(secure: bool):
+        torch.manual_seed(0)
+        _, (_, _, loader) = _make(engine=PrivacyEngine(secure_mode=secure))
+        return [x.clone() for x, _ in loader]
+
+    assert all(torch.equal(a, b) for a, b in zip(first_batches(False), first_batches(False)))
+    secure = [first_batches(True) for _ in range(2)]
+    assert any(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(*secure))
