@@ -94,3 +94,31 @@ def test_unit_groups_maths_by_hand():
     torch.testing.assert_close(summed.sq_norms(g), torch.tensor([32.0, 4.0]))
     both = UnitGroups.concat([groups, summed])
     assert both.num_units == 4 and both.index.tolist() == [0, 0, 1, 2, 2, 3]
+
+
+def test_worker_processes_keep_each_batch_with_its_grouping():
+    """With 2 loader workers (prefetching) every delivered grouping is that of its batch: the same
+    batches and groupings as without workers, under the same seed."""
+    import warnings
+
+    from torch.utils.data import DataLoader
+
+    from opacus_dp import PrivacyEngine
+    from tests.privacy_units.models import make_data, make_model
+
+    def run(workers: int):
+        dataset, users = make_data("mlp")
+        model = make_model("mlp")
+        torch.manual_seed(4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, _, loader = PrivacyEngine().make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=DataLoader(dataset, batch_size=6, num_workers=workers), noise_multiplier=1.0,
+                max_grad_norm=1.0, privacy_unit="user", user_ids=users, max_examples_per_user=3)
+        return [(x.clone(), loader.unit_channel.latest().sizes()) for x, _ in loader]
+
+    alone, with_workers = run(0), run(2)
+    assert len(alone) == len(with_workers) == 6
+    for (x, sizes), (x_w, sizes_w) in zip(alone, with_workers):
+        assert torch.equal(x, x_w) and sizes == sizes_w and sum(sizes) == x.shape[0]
