@@ -160,7 +160,7 @@ class PhysicalBatchLoader(SamplingGeneratorKept, DataLoader):
         _discard_unfinished(dp_optimizer)  # left by an earlier loop that did not finish
         finished = False
         counts = counts_logical_batches(splitter.batch_sampler)
-        channel = getattr(self, "unit_channel", None)
+        channel = self.unit_channel
         first_piece = True
         try:
             for batch in super().__iter__():

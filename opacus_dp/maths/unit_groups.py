@@ -54,8 +54,6 @@ class UnitGroups:
             raise ValueError(f"every unit needs at least one row, got sizes {list(sizes)}")
         index = torch.repeat_interleave(torch.arange(len(counts)), counts)
         per_unit = 1.0 / counts.double() if unit_gradient == "mean" else torch.ones(len(counts), dtype=torch.float64)
-        if not len(counts):
-            index = torch.zeros(0, dtype=torch.long)
         return cls(index, len(counts), per_unit[index], unit_gradient)
 
     @classmethod

@@ -99,7 +99,7 @@ class Bookkeeper:
         self._resolved: List[Pass] = []
         self.tasks: Set[int] = set()  # graph tasks that opened a pass since the last take/clear
         self._summing: Optional[_SumsPass] = None
-        self.units = None  # UnitChannel: rows grouped into privacy units (every layer materialised)
+        self.units = None  # UnitChannel: rows grouped into privacy units (norms formed at the step)
         self._chunk_buffer = ChunkBuffer()  # per-layer clipping's chunked sums (under the lock)
         self._lock = threading.RLock()
 

@@ -246,8 +246,9 @@ class BookkeepingGradSampleModule(GradSampleModule):
         return self._bookkeeper.layer_modes()
 
     def configure_units(self, channel) -> None:
-        """Rows grouped into privacy units (see the base class): every layer is materialised and
-        its norms formed per unit at the step; one book-keeping pass (no two-pass backward)."""
+        """Rows grouped into privacy units (see the base class): norms per unit formed at the step
+        (:mod:`~opacus_dp.grad_sample.bookkeeping.grouped_units`); one book-keeping pass (no
+        two-pass backward)."""
         super().configure_units(channel)
         self._bookkeeper.units = channel
 
