@@ -20,9 +20,7 @@ Run ``python examples/quickstart.py`` (add ``--json out.json`` for a machine-rea
 """
 
 import argparse
-import json
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -31,7 +29,7 @@ from torch.utils.data import DataLoader
 from common.cli import make_parser
 from common.digits import accuracy, load_data
 from common.notices import engine_notices
-from common.reporting import privacy_line, settings_line
+from common.reporting import run_and_report, settings_line
 from opacus_dp import PrivacyEngine
 
 SECURE_MODE_NOTE = "note: secure_mode is off (fine for experiments; use secure_mode=True for a released model)"
@@ -99,17 +97,7 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    start = time.perf_counter()
-    result = train(args)
-    result.update(seconds=time.perf_counter() - start, settings=vars(args))
-    print(f"test accuracy = {100 * result['test_accuracy']:.2f} %")
-    print(privacy_line(result["epsilon"], args.delta, result["accountant"]))
-    print(f"time = {result['seconds']:.1f} s")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return run_and_report(train, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -22,9 +22,7 @@ Run ``python examples/user_level.py --privacy-unit user`` (``--json out.json`` f
 """
 
 import argparse
-import json
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -32,7 +30,7 @@ import torch.nn as nn
 from common.cli import make_parser
 from common.digits import accuracy, load_data
 from common.notices import engine_notices
-from common.reporting import privacy_line, settings_line
+from common.reporting import run_and_report, settings_line
 from common.writers import DEFAULT_WRITERS, assign_writers, cap_per_writer, describe_writers, subset
 from opacus_dp import PrivacyEngine
 from opacus_dp.accountants.user_level_calibration import get_user_level_noise_multiplier
@@ -134,19 +132,12 @@ def train(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    start = time.perf_counter()
-    result = train(args)
-    result.update(seconds=time.perf_counter() - start, settings=vars(args))
-    print(f"test accuracy = {100 * result['test_accuracy']:.2f} %")
-    print(privacy_line(result["epsilon"], args.delta, result["accountant"]) + " per writer")
-    if args.privacy_unit == "example":
-        print(f"by group privacy over k = {args.max_examples_per_user} digits from (ε', δ') = "
-              f"({result['example_epsilon']:.4f}, {result['example_delta']:.3g}) per digit")
-    print(f"time = {result['seconds']:.1f} s")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-    return 0
+
+    def group_privacy(result):
+        if args.privacy_unit == "example":
+            yield (f"by group privacy over k = {args.max_examples_per_user} digits from (ε', δ') = "
+                   f"({result['example_epsilon']:.4f}, {result['example_delta']:.3g}) per digit")
+    return run_and_report(train, args, " per writer", group_privacy)
 
 
 if __name__ == "__main__":

@@ -107,3 +107,21 @@ def resume_line(path: str, *, steps: int, planned_steps: int, finished: bool,
 def privacy_line(epsilon: float, delta: float, accountant: str) -> str:
     """The line every example prints at the end (tests parse it): ``ε = … at δ = …``."""
     return f"ε = {epsilon:.6f} at δ = {delta:g} ({accountant} accountant)"
+
+
+def run_and_report(train, args, privacy_suffix: str = "", details=lambda result: ()) -> int:
+    """``train(args)`` timed, then its test accuracy, privacy line (``privacy_suffix`` appended),
+    the ``details(result)`` lines and the time printed; the result written to ``args.json`` if set.
+    The digits examples' ``main``."""
+    start = time.perf_counter()
+    result = train(args)
+    result.update(seconds=time.perf_counter() - start, settings=vars(args))
+    print(f"test accuracy = {100 * result['test_accuracy']:.2f} %")
+    print(privacy_line(result["epsilon"], args.delta, result["accountant"]) + privacy_suffix)
+    for line in details(result):
+        print(line)
+    print(f"time = {result['seconds']:.1f} s")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
