@@ -28,6 +28,12 @@ SCRIPTS = ROOT / "scripts"
 OURS = ("non-private", "hooks", "ghost", "bk")
 
 
+@pytest.fixture(autouse=True)
+def scripts_importable(monkeypatch):
+    """``benchmark_models`` and ``compile_stats`` importable by every test, whatever ran before."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+
+
 @pytest.fixture(scope="module")
 def bench():
     sys.path.insert(0, str(SCRIPTS))
@@ -186,13 +192,17 @@ def test_compiled_variants_report_their_graphs(bench, monkeypatch, tmp_path):
         return torch.randn(5, 4), torch.randint(0, 3, (5,))
 
     monkeypatch.setitem(bench.WORKLOADS, "tiny", Workload("tiny", build, batch, "test model"))
-    config = torch._dynamo.config  # main raises the recompile limit: restored after the test
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(config, name):
-            monkeypatch.setattr(config, name, getattr(config, name))
+    # main raises the recompile limit: set back by assignment after the test (monkeypatch's undo
+    # deletes a torch config entry it did not find in the module's __dict__, hiding it for later tests)
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    limit = getattr(config, name)
     out = tmp_path / "report.json"
-    bench.main(["--models", "tiny", "--modes", "bk", "--no-opacus", "--no-memory", "--repeats", "1",
-                "--warmup", "0", "--threads", "1", "--compile", "eager", "--json", str(out)])
+    try:
+        bench.main(["--models", "tiny", "--modes", "bk", "--no-opacus", "--no-memory", "--repeats", "1",
+                    "--warmup", "0", "--threads", "1", "--compile", "eager", "--json", str(out)])
+    finally:
+        setattr(config, name, limit)
     timing = json.loads(out.read_text())["models"]["tiny"]["raw_timing"]
     assert "graphs" not in timing["bk"] and "graphs" not in timing["non-private"]
     plain, private = timing["non-private@eager"]["graphs"], timing["bk@eager"]["graphs"]
