@@ -22,6 +22,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["opacus_dp", "opacus_dp.*"]),
+    package_data={"opacus_dp.optim.philox": ["kernel.c"]},  # compiled on first use (docs/noise.md)
     install_requires=["torch>=2.2", "numpy>=1.23", "scipy>=1.9"],
     extras_require={
         "examples": ["torchvision>=0.17", "tqdm>=4.60", "scikit-learn>=1.2"],

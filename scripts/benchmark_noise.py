@@ -10,6 +10,10 @@ For each size (default 1 M and 16.8 M float32 coordinates), side by side in inte
   new tensor, with ``--threads`` threads (default ``torch.get_num_threads()``) and with one;
 * ``parallel fused``: its ``add_sample_``, the noise added in place into the clipped sum, chunk by
   chunk (no new tensor, no second pass);
+* ``philox``: :class:`~opacus_dp.optim.philox_noise.PhiloxGaussianNoise` (``fast_noise="philox"``):
+  ``sample`` into a new tensor; ``philox noised``: ``noised(sum)``, a new tensor ``sum + noise`` in
+  one pass (what the optimizer's step calls); ``philox fused``: ``add_sample_``, in place;
+  ``philox secure``: ``noised`` in secure mode (four draws per coordinate);
 * ``add_``: ``sum.add_(noise)``, the pass the optimizer adds after the draw;
 * ``normal + add_`` and ``parallel + add_``: what the step does now with each mechanism.
 
@@ -31,6 +35,8 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from opacus_dp.optim.parallel_noise import ParallelGaussianNoise
+from opacus_dp.optim.philox import native
+from opacus_dp.optim.philox_noise import PhiloxGaussianNoise
 
 
 def timed(fn: Callable[[], object]) -> Tuple[float, float]:
@@ -46,8 +52,10 @@ def variants(size: int, threads: int) -> Dict[str, Callable[[], object]]:
     total, noise = torch.randn(size), torch.randn(size)
     parallel = ParallelGaussianNoise(seed=1, num_threads=threads)
     serial = ParallelGaussianNoise(seed=1, num_threads=1)
+    philox = PhiloxGaussianNoise(seed=1, num_threads=threads)
+    secure = PhiloxGaussianNoise(secure_mode=True, num_threads=threads)
 
-    def fresh(mechanism: ParallelGaussianNoise) -> ParallelGaussianNoise:
+    def fresh(mechanism):
         mechanism.begin_step(torch.device("cpu"))
         return mechanism
 
@@ -57,6 +65,10 @@ def variants(size: int, threads: int) -> Dict[str, Callable[[], object]]:
         f"parallel ({threads} threads)": lambda: fresh(parallel).sample(total, 1.0),
         "parallel (1 thread)": lambda: fresh(serial).sample(total, 1.0),
         f"parallel fused ({threads} threads)": lambda: fresh(parallel).add_sample_(total, 1.0),
+        f"philox ({threads} threads)": lambda: fresh(philox).sample(total, 1.0),
+        f"philox noised ({threads} threads)": lambda: fresh(philox).noised(total, 1.0),
+        f"philox fused ({threads} threads)": lambda: fresh(philox).add_sample_(total, 1.0),
+        f"philox secure ({threads} threads)": lambda: fresh(secure).noised(total, 1.0),
         "add_": lambda: total.add_(noise),
         "normal + add_": lambda: torch.normal(0.0, 1.0, size=(size,), generator=generator).add_(total),
         f"parallel + add_ ({threads} threads)": lambda: fresh(parallel).sample(total, 1.0).add_(total),
@@ -94,7 +106,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     threads = args.threads or torch.get_num_threads()
     print(f"torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()}, "
-          f"os.cpu_count() = {os.cpu_count()}, parallel noise with {threads} threads")
+          f"os.cpu_count() = {os.cpu_count()}, parallel noise with {threads} threads, "
+          f"cpu capability {torch.backends.cpu.get_cpu_capability()}, native Philox kernel: "
+          f"{native.unavailable_reason() or 'built'}")
     results = {}
     for size in args.sizes:
         results[size] = measure(size, threads, args.repeats)

@@ -6,7 +6,9 @@ proportional to the parameter count (noise, copies, casts, passes over the sums)
 one process, interleaved rounds, median of each:
 
 * ``non-private``: zero_grad, forward, sum-of-squares loss, backward, SGD step;
-* ``private <mode>``: the same through ``make_private(grad_sample_mode=<mode>)``, σ = 1;
+* ``private <mode>``: the same through ``make_private(grad_sample_mode=<mode>)``, σ = 1, with the
+  noise of ``--fast-noise`` (``off``: the default generator, ``threads``: ``fast_noise=True``,
+  ``philox``: ``fast_noise="philox"``, drawn and added in one pass);
 * ``noise``: ``torch.normal`` of the parameter's size (what the default noise draws);
 * ``add_``: one in-place addition of that size.
 
@@ -25,7 +27,10 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
-def build(mode, d: int, loss_reduction: str):
+FAST_NOISE = {"off": False, "threads": True, "philox": "philox"}
+
+
+def build(mode, d: int, loss_reduction: str, fast_noise=False):
     """A step function of the non-private (``mode=None``) or private model."""
     torch.manual_seed(0)
     model = nn.Linear(d, d, bias=False)
@@ -38,7 +43,8 @@ def build(mode, d: int, loss_reduction: str):
             warnings.simplefilter("ignore")
             model, optimizer, _ = PrivacyEngine().make_private(
                 module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x, y), batch_size=2),
-                noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode, loss_reduction=loss_reduction)
+                noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode, loss_reduction=loss_reduction,
+                fast_noise=fast_noise)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -55,11 +61,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--loss-reduction", choices=("mean", "sum"), default="mean")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--fast-noise", choices=sorted(FAST_NOISE), default="off")
     args = parser.parse_args(argv)
     d = args.dim
     buffer = torch.empty(d * d)
     variants = {"non-private": build(None, d, args.loss_reduction),
-                **{f"private {m}": build(m, d, args.loss_reduction) for m in args.modes.split(",")},
+                **{f"private {m}": build(m, d, args.loss_reduction, FAST_NOISE[args.fast_noise]) for m in args.modes.split(",")},
                 "noise": lambda: torch.normal(0.0, 1.0, size=(d, d)), "add_": lambda: buffer.add_(buffer)}
     samples = {name: [] for name in variants}
     for round_ in range(args.warmup + args.repeats):
@@ -69,7 +76,7 @@ def main(argv=None) -> dict:
             if round_ >= args.warmup:
                 samples[name].append(1000 * (time.process_time() - start))
     ms = {name: statistics.median(values) for name, values in samples.items()}
-    print(f"Linear({d}, {d}), batch 2, loss {args.loss_reduction}; median process CPU ms of {args.repeats} rounds")
+    print(f"Linear({d}, {d}), batch 2, loss {args.loss_reduction}, noise {args.fast_noise}; median process CPU ms of {args.repeats} rounds")
     for name, value in ms.items():
         print(f"  {name:14s} {value:8.1f} ms")
     result = {"ms": ms}

@@ -96,7 +96,7 @@ class PrivacyEngine(metaclass=_EngineType):
                      skip_weight_grads: Optional[bool] = None, noise_mechanism: str = "independent",
                      bands: Optional[int] = None, epochs: Optional[float] = None, fsdp=False,
                      check_sample_independence: bool = True, public_buffers: Sequence[str] = (),
-                     fast_noise: bool = False, privacy_unit: str = "example", user_ids=None,
+                     fast_noise: Union[bool, str] = False, privacy_unit: str = "example", user_ids=None,
                      max_examples_per_user: Optional[int] = None, augmentation_multiplicity: int = 1,
                      unit_gradient: str = "mean"):
         """Return ``(GradSampleModule, DPOptimizer, DataLoader)`` ready for private training.
@@ -142,8 +142,9 @@ class PrivacyEngine(metaclass=_EngineType):
         into the shards; ``fsdp=True`` (or a dict of ``fully_shard`` options and ``blocks``) shards an
         unsharded model for the user and points ``optimizer`` at the shards (``docs/distributed.md``).
         ``check_sample_independence``, ``public_buffers``: :mod:`opacus_dp.grad_sample.model_checks`.
-        ``fast_noise=True`` draws the noise on CPU by several threads (another stream of the same
-        distribution: :mod:`opacus_dp.optim.parallel_noise`).
+        ``fast_noise=True`` draws the noise on CPU by several threads, ``fast_noise="philox"`` from a
+        counter-based generator fused with the add, at memory speed (other streams of the same
+        distribution: :mod:`opacus_dp.optim.parallel_noise`, :mod:`opacus_dp.optim.philox_noise`).
         ``privacy_unit="user"`` with ``user_ids`` (and ``max_examples_per_user``, ``unit_gradient``), or
         ``augmentation_multiplicity=K``: the privacy unit is several rows (:mod:`opacus_dp.engine.privacy_units`,
         ``docs/user_level.md``).
@@ -167,7 +168,7 @@ class PrivacyEngine(metaclass=_EngineType):
                                   unclipped_num_std: Optional[float] = None, step_timeout=None,
                                   skip_weight_grads: Optional[bool] = None, noise_mechanism: str = "independent",
                                   bands: Optional[int] = None, fsdp=False, check_sample_independence: bool = True,
-                                  public_buffers: Sequence[str] = (), fast_noise: bool = False,
+                                  public_buffers: Sequence[str] = (), fast_noise: Union[bool, str] = False,
                                   privacy_unit: str = "example", user_ids=None,
                                   max_examples_per_user: Optional[int] = None, augmentation_multiplicity: int = 1,
                                   unit_gradient: str = "mean", **epsilon_kwargs):

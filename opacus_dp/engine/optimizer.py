@@ -16,7 +16,11 @@ from opacus_dp.optim.clipping import Clipper
 from opacus_dp.optim.keyed_generators import os_seeded_generator
 from opacus_dp.optim.noise import GaussianNoise
 from opacus_dp.optim.parallel_noise import ParallelGaussianNoise
+from opacus_dp.optim.philox_noise import PhiloxGaussianNoise
 from opacus_dp.state_views import OPACUS_1X, StateViews
+
+
+NOISE_OF_FAST_NOISE = {False: GaussianNoise, True: ParallelGaussianNoise, "philox": PhiloxGaussianNoise}
 
 
 def secure_generator() -> torch.Generator:
@@ -40,7 +44,7 @@ def make_dp_optimizer(plan: PrivatePlan, optimizer, *, module: nn.Module, grad_s
     ``attach``). No collective: :func:`~opacus_dp.engine.private_step.connect_private_step` follows."""
     grad_sample_module.use_state_views(state_views)
     names = parameter_names(grad_sample_module)
-    draws = ParallelGaussianNoise if plan.fast_noise else GaussianNoise
+    draws = NOISE_OF_FAST_NOISE[plan.fast_noise]
     noise = correlated_noise(mechanism, draws(generator=plan.noise_generator, secure_mode=plan.secure_mode))
     reducer = make_reducer(module, params=trainable_params(optimizer), names=names, clipper=clipper, noise=noise,
                            step_timeout=plan.step_timeout)

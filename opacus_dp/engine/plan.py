@@ -33,8 +33,9 @@ class PrivatePlan:
     * clipping (the clipper): ``max_grad_norm`` (a bound, or a tuple of per-tensor bounds),
       ``clipping`` (a rule of :mod:`~opacus_dp.optim.clipper_registry`), ``clipping_options``;
     * noise (the mechanism): ``noise_multiplier`` σ, ``noise_mechanism`` with ``bands`` and
-      ``epochs``, ``noise_generator``, ``secure_mode``, ``fast_noise`` (the draws by parallel threads on
-      CPU: :class:`~opacus_dp.optim.parallel_noise.ParallelGaussianNoise`);
+      ``epochs``, ``noise_generator``, ``secure_mode``, ``fast_noise`` (``True``: draws by parallel threads on
+      CPU, :class:`~opacus_dp.optim.parallel_noise.ParallelGaussianNoise`; ``"philox"``: counter-based
+      draws fused with the add, :class:`~opacus_dp.optim.philox_noise.PhiloxGaussianNoise`);
     * sampling and the loss: ``poisson_sampling``, ``loss_reduction``, ``batch_first``;
     * per-sample gradients (the gradient source): ``grad_sample_mode``, ``skip_weight_grads``,
       ``check_sample_independence``, ``public_buffers``, ``criterion`` (ghost);
@@ -53,7 +54,7 @@ class PrivatePlan:
     epochs: Optional[float] = None
     noise_generator: Optional[torch.Generator] = field(default=None, compare=False)
     secure_mode: bool = False
-    fast_noise: bool = False
+    fast_noise: Union[bool, str] = False
     poisson_sampling: bool = True
     loss_reduction: str = "mean"
     batch_first: bool = True
@@ -86,7 +87,10 @@ class PrivatePlan:
         check_choice(self.grad_sample_mode, MODE_NAMES, "grad_sample_mode")
         if self.noise_generator is not None and self.secure_mode:
             raise ValueError("noise_generator must be None in secure_mode (noise is seeded by the OS)")
-        for name in ("poisson_sampling", "batch_first", "check_sample_independence", "secure_mode", "fast_noise"):
+        if not (isinstance(self.fast_noise, bool) or self.fast_noise == "philox"):
+            raise ValueError(f"fast_noise must be False (one generator), True (parallel threads) or 'philox' "
+                             f"(counter-based, fused with the add), got {self.fast_noise!r}")
+        for name in ("poisson_sampling", "batch_first", "check_sample_independence", "secure_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "step_timeout", timeout_seconds(self.step_timeout))

@@ -133,6 +133,12 @@ class CorrelatedNoise:
             self._pending[slot] = kept
         return z
 
+    def noised(self, total: torch.Tensor, std: float, reuse: bool = False) -> torch.Tensor:
+        """``total + z_t`` (:meth:`sample`'s draw): a new tensor, or with ``reuse`` added into
+        ``total`` (the same numbers)."""
+        noise = self.sample(total, std)
+        return total.add_(noise) if reuse else noise.add_(total)
+
     def _commit(self) -> None:
         self._open = False
         if not self._pending:

@@ -196,11 +196,12 @@ class DPOptimizer(DPOptimizerParts):
         self.summed_grad_views.show(self.params, self.logical_batch.sums)
 
     def add_noise(self, sums: List[torch.Tensor]) -> List[torch.Tensor]:
-        """``S_l + N(0, (σ · sensitivity)²)``, one draw per coordinate (new tensors)."""
+        """``S_l + N(0, (σ · sensitivity)²)``, one draw per coordinate: into ``S_l`` itself where no
+        ``p.summed_grad`` shows it, else into a new tensor (the same numbers either way)."""
         std = noise_std(self.noise_multiplier, self.clipper)
         if sums:
             self.noise.begin_step(sums[0].device)
-        return [self.noise.sample(s, std).add_(s) for s in sums]
+        return [self.noise.noised(s, std, reuse=not self.summed_grad_views.exposes(s)) for s in sums]
 
     def _add_count_noise(self, count: torch.Tensor) -> torch.Tensor:
         """``U = count + N(0, σ_u²)`` (after the gradient noise, from the same source)."""

@@ -62,6 +62,15 @@ def seed_from_global_rng() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
+def noise_kind_of_state(state: dict) -> str:
+    """The ``fast_noise`` setting whose noise saved ``state`` (for refusals of another one)."""
+    if "philox_noise" in state:
+        return "fast_noise='philox'"
+    if "parallel_noise" in state:
+        return "fast_noise=True"
+    return "fast_noise=False"
+
+
 class GaussianNoise:
     """Draws ``N(0, std²)`` tensors from an owned generator, or securely (see module doc).
 
@@ -145,6 +154,12 @@ class GaussianNoise:
             total /= math.sqrt(SECURE_NUM_DRAWS)
         return total.to(reference.device)
 
+    def noised(self, total: torch.Tensor, std: float, reuse: bool = False) -> torch.Tensor:
+        """``total + N(0, std²)`` (:meth:`sample`'s draw): a new tensor, or with ``reuse`` added into
+        ``total`` (the same numbers)."""
+        noise = self.sample(total, std)
+        return total.add_(noise) if reuse else noise.add_(total)
+
     def state_dict(self) -> dict:
         """Generator state for checkpoints (nothing to save in secure mode)."""
         if self.secure_mode:
@@ -162,6 +177,9 @@ class GaussianNoise:
             warnings.warn("the noise generator state was saved in secure mode (no state): this run "
                           "keeps its own noise seed, so it does not reproduce the saved run", UserWarning)
             return
+        if "state" not in state:
+            raise ValueError(f"the noise state was saved with {noise_kind_of_state(state)}, this optimizer draws "
+                             "the default noise (fast_noise=False): resume with the saved run's setting")
         device = torch.device(state["device"])
         if self.generator is None or self.generator.device != device:
             self.generator = torch.Generator(device=device)

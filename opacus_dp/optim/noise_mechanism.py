@@ -41,6 +41,10 @@ class NoiseMechanism(Protocol):
     def sample(self, reference: torch.Tensor, std: float) -> torch.Tensor:
         """The noise for the next tensor of the step, shaped like ``reference`` (``std``: ``σ·C_clip``)."""
 
+    def noised(self, total: torch.Tensor, std: float, reuse: bool = False) -> torch.Tensor:
+        """``total`` + the noise :meth:`sample` would draw for it: a new tensor, or with ``reuse``
+        ``total`` itself (fused where the noise can); the same numbers either way."""
+
     def discard_step(self) -> None:
         """Forget what the current step drew (the step was refused, nothing released)."""
 

@@ -31,7 +31,7 @@ import torch
 
 from opacus_dp.optim import keyed_generators as keyed
 from opacus_dp.optim.chunked_draws import CHUNK_ELEMENTS, SMALL_ELEMENTS, draw_chunks, draw_into
-from opacus_dp.optim.noise import SECURE_NUM_DRAWS, seed_from_global_rng
+from opacus_dp.optim.noise import SECURE_NUM_DRAWS, noise_kind_of_state, seed_from_global_rng
 
 SMALL_LANE = (1 << 64) - 1  # the lane of the step's small-tensor generator (chunks use lanes 0, 1, ...)
 KEY_BITS, SECURE_KEY_BITS = 64, 128
@@ -165,6 +165,11 @@ class ParallelGaussianNoise:
         self._draw(total, std, add=True)
         return total
 
+    def noised(self, total: torch.Tensor, std: float, reuse: bool = False) -> torch.Tensor:
+        """A new tensor ``total + N(0, std²)`` (:meth:`sample`'s draw plus ``total``); with
+        ``reuse``, added into ``total`` (:meth:`add_sample_`: the same numbers)."""
+        return self.add_sample_(total, std) if reuse else self.sample(total, std).add_(total)
+
     def _draw(self, target: torch.Tensor, std: float, add: bool) -> None:
         key, step, slot = self._current_key(), self._step, self._slot
         self._slot += 1
@@ -184,6 +189,14 @@ class ParallelGaussianNoise:
             self._key = secrets.randbits(SECURE_KEY_BITS)
         return self._key
 
+    @staticmethod
+    def _saved_in_secure_mode(state: dict) -> bool:
+        """True (with a warning: this run keeps its own key) for a state saved in secure mode."""
+        if state.get("secure_mode"):
+            warnings.warn("the noise state was saved in secure mode (no state): this run keeps its own noise "
+                          "key, so it does not reproduce the saved run", UserWarning)
+        return bool(state.get("secure_mode"))
+
     def state_dict(self) -> dict:
         """The key and the position of the next draw (nothing in secure mode)."""
         if self._secure:
@@ -195,16 +208,12 @@ class ParallelGaussianNoise:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (nothing in secure mode). The state of the default noise
         (another stream) is refused; a state saved in secure mode keeps this run's key, with a warning."""
-        if self._secure:
-            return
-        if state.get("secure_mode"):
-            warnings.warn("the noise state was saved in secure mode (no state): this run keeps its own noise "
-                          "key, so it does not reproduce the saved run", UserWarning)
+        if self._secure or self._saved_in_secure_mode(state):
             return
         saved = state.get("parallel_noise")
         if saved is None:
-            raise ValueError("the noise state was saved by the default noise generator (fast_noise=False), "
-                             "this optimizer draws parallel noise: resume with the saved run's setting")
+            raise ValueError(f"the noise state was saved with {noise_kind_of_state(state)}, this optimizer draws "
+                             "parallel noise (fast_noise=True): resume with the saved run's setting")
         layout = (saved["chunk_elements"], saved["small_elements"])
         if layout != (CHUNK_ELEMENTS, SMALL_ELEMENTS):
             raise ValueError(f"the noise state was saved with chunks of {layout} (chunk, small) elements, this "

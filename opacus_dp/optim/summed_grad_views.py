@@ -2,7 +2,7 @@
 the parameters with one Opacus generation's lifecycle (:mod:`opacus_dp.state_views`)."""
 
 import weakref
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Set
 
 import torch
 
@@ -17,11 +17,19 @@ class SummedGradViews:
         self.views = views
         self._finalizer = weakref.finalize(owner, remove_views, param_groups, "summed_grad")
         self._finalizer.atexit = False
+        self._shown_memory: Set[int] = set()
 
     def show(self, params: Sequence[torch.Tensor], sums: Dict[torch.Tensor, torch.Tensor]) -> None:
         """``p.summed_grad = sums[p]`` (absent where there is none)."""
-        for p in params:
-            self.views.show(p, "summed_grad", sums.get(p))
+        shown = [sums.get(p) for p in params]
+        for p, value in zip(params, shown):
+            self.views.show(p, "summed_grad", value)
+        self._shown_memory = {value.untyped_storage().data_ptr() for value in shown if value is not None}
+
+    def exposes(self, tensor: torch.Tensor) -> bool:
+        """True when some ``p.summed_grad`` shown now shares ``tensor``'s memory (the noise must
+        then go into a new tensor, not into ``tensor``)."""
+        return tensor.untyped_storage().data_ptr() in self._shown_memory
 
     def show_kept(self, params: Sequence[torch.Tensor], sums: Dict[torch.Tensor, torch.Tensor]) -> None:
         """The accumulated sums, where the lifecycle keeps them after a step (1.x), else none."""

@@ -205,8 +205,9 @@ def test_distributed_poisson_sampling_end_to_end(privacy, total=200, rate=0.1):
     assert e0[0]["shard"] != e0[1]["shard"], "set_epoch must reshuffle the shards"
 
 
-def test_secure_mode_keeps_ranks_identical(privacy):
-    assert_bit_identical(privacy[0]["secure"], privacy[1]["secure"])
+@pytest.mark.parametrize("case", ["secure", "secure_philox"])
+def test_secure_mode_keeps_ranks_identical(privacy, case):
+    assert_bit_identical(privacy[0][case], privacy[1][case])
 
 
 def test_checkpoint_written_by_rank_zero_resumes_everywhere(privacy):

@@ -81,7 +81,10 @@ def _noise_matrix(reports):
                         for s in range(len(reports[0]["draws"]))])
 
 
-@pytest.mark.parametrize("case", ["noise", "noise_secure"])
+NOISE_CASES = ["noise", "noise_secure", "noise_philox", "noise_philox_secure"]
+
+
+@pytest.mark.parametrize("case", NOISE_CASES)
 def test_noise_std_is_sigma_c_over_the_global_batch(ranks, case):
     reports = [r[case] for r in ranks]
     noise = _noise_matrix(reports) * reports[0]["global_batch"]
@@ -92,7 +95,7 @@ def test_noise_std_is_sigma_c_over_the_global_batch(ranks, case):
     assert abs(float(noise.mean())) < 5 * expected / math.sqrt(n)
 
 
-@pytest.mark.parametrize("case", ["noise", "noise_secure"])
+@pytest.mark.parametrize("case", NOISE_CASES)
 def test_ranks_add_uncorrelated_noise_even_when_seeded_alike(ranks, case):
     """Both ranks seeded torch and the noise generator with the same seeds: their shards' noise
     must still be independent (identical streams would add the same draws to other coordinates)."""

@@ -87,7 +87,7 @@ def _engine(**kwargs) -> PrivacyEngine:
 
 
 def private(model, *, mode="bk", clipping="flat", sigma=0.0, fsdp=True, seed=7, batch_size=8,
-            generator=None, secure=False, accountant="rdp", optimizer_class=torch.optim.SGD):
+            generator=None, secure=False, accountant="rdp", optimizer_class=torch.optim.SGD, fast_noise=False):
     """``make_private`` on ``model``; returns ``(engine, module, optimizer, criterion, loader)``."""
     optimizer = optimizer_class(model.parameters(), lr=LR)
     engine = _engine(accountant=accountant, secure_mode=secure)
@@ -95,7 +95,7 @@ def private(model, *, mode="bk", clipping="flat", sigma=0.0, fsdp=True, seed=7, 
     torch.manual_seed(seed)
     out = engine.make_private(module=model, optimizer=optimizer, data_loader=DataLoader(dataset(), batch_size=batch_size),
                               noise_multiplier=sigma, max_grad_norm=bound, clipping=clipping,
-                              grad_sample_mode=mode, fsdp=fsdp, noise_generator=generator)
+                              grad_sample_mode=mode, fsdp=fsdp, noise_generator=generator, fast_noise=fast_noise)
     criterion = out[2] if mode == "ghost" else nn.CrossEntropyLoss()
     return engine, out[0], out[1], criterion, out[-1]
 
@@ -134,7 +134,7 @@ def train_sigma_zero(rank, world_size, mode, clipping, steps=3, physical=2, shar
             "bytes": optimizer.reducer.bytes_reduced, "grad_types": sorted({type(p.grad).__name__ for p in module.parameters()})}
 
 
-def noise_samples(rank, world_size, steps=3, sigma=1.3, seed_everywhere=True, secure=False):
+def noise_samples(rank, world_size, steps=3, sigma=1.3, seed_everywhere=True, secure=False, fast_noise=False):
     """σ > 0 on a zero loss (``0 · output``): each step's gradient is the noise alone, divided by
     the global expected batch. Every rank seeds alike (and passes an identically seeded
     generator) unless ``seed_everywhere`` is False. Returns this rank's local shards per step."""
@@ -142,7 +142,7 @@ def noise_samples(rank, world_size, steps=3, sigma=1.3, seed_everywhere=True, se
     model = BlockModel(width=256, n_blocks=1, n_out=64)
     generator = None if secure else torch.Generator().manual_seed(1 if seed_everywhere else 1 + rank)
     engine, module, optimizer, _, loader = private(model, sigma=sigma, generator=generator, secure=secure,
-                                                   seed=3 if seed_everywhere else 3 + rank)
+                                                   seed=3 if seed_everywhere else 3 + rank, fast_noise=fast_noise)
     draws = []
     for step, (x, _) in enumerate(loader):
         (module(x) * 0).sum().backward()
@@ -327,6 +327,8 @@ def fsdp_job(rank, world_size, directory):
     results[("sigma0", "bk", "flat", "hand")] = train_sigma_zero(rank, world_size, "bk", "flat", sharding="hand")
     results["noise"] = noise_samples(rank, world_size)
     results["noise_secure"] = noise_samples(rank, world_size, secure=True)
+    results["noise_philox"] = noise_samples(rank, world_size, fast_noise="philox")
+    results["noise_philox_secure"] = noise_samples(rank, world_size, secure=True, fast_noise="philox")
     for mode in ("bk", "hooks"):
         for part in ("whole", "first", "second"):
             results[("resume", mode, part)] = resume_run(rank, world_size, os.path.join(directory, mode), mode, part)

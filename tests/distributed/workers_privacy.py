@@ -59,7 +59,7 @@ def noise_run(rank, world_size, wrapper, accountant, sigma=1.0, steps=3):
     return result
 
 
-def secure_run(rank, world_size):
+def secure_run(rank, world_size, fast_noise=False):
     """secure_mode: OS-seeded noise on rank 0 only; ranks must stay bit-identical."""
     model = wrap(make_model(seed=400 + rank), "dpddp")
     data = dataset()
@@ -67,7 +67,7 @@ def secure_run(rank, world_size):
     engine = _engine(secure_mode=True)
     gsm, optimizer, dp_loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
-        noise_multiplier=1.0, max_grad_norm=1.0)
+        noise_multiplier=1.0, max_grad_norm=1.0, fast_noise=fast_noise)
     for step, (x, y) in enumerate(dp_loader):
         optimizer.zero_grad()
         nn.CrossEntropyLoss()(gsm(x), y).backward()
@@ -248,6 +248,7 @@ def privacy_job(rank, world_size, checkpoint_dir):
         "noise_dpddp": noise_run(rank, world_size, "dpddp", accountant="rdp"),
         "classic": classic_epsilon_run(rank, world_size),
         "secure": secure_run(rank, world_size),
+        "secure_philox": secure_run(rank, world_size, fast_noise="philox"),
         "empty_poisson": empty_poisson_run(rank, world_size),
         "sampler": sampler_run(rank, world_size),
         "checkpoint": checkpoint_run(rank, world_size, os.path.join(checkpoint_dir, "ckpt.pt")),

@@ -1,0 +1,103 @@
+"""Drawing a tensor of Philox Gaussian noise: the stream of a position, cut in chunks for threads.
+
+The stream of draw ``d`` of tensor ``slot`` at step ``t`` under a ``key`` is keyed by
+
+    (k0, k1, c2, c3) = SHAKE-256("opacus_dp philox noise v1" ‖ key ‖ t ‖ slot ‖ d)   (FIPS 202),
+
+four little-endian 32-bit words (key 16 bytes, the others 8): ``(k0, k1)`` is the Philox key and
+``(c2, c3)`` the high half of every counter, so two positions share a stream only through a
+collision of 128 bits of SHAKE-256. Element ``i`` of the tensor (flattened, row-major) is element
+``i`` of its stream (``kernel.c``): the result is the same for any number of threads, chunk size
+or build, and equal to :mod:`~opacus_dp.optim.philox.reference`'s, bit for bit.
+"""
+
+import hashlib
+import math
+import warnings
+from typing import Optional
+
+import numpy as np
+import torch
+
+from opacus_dp.optim.chunked_draws import thread_pool
+from opacus_dp.optim.philox import native, reference
+from opacus_dp.optim.philox.reference import TILE, Words
+
+DOMAIN = b"opacus_dp philox noise v1\0"
+CHUNK_ELEMENTS = 1 << 18  # elements per kernel call (a multiple of TILE): the unit of work of a thread
+_warned = False
+
+
+def stream_words(key: int, step: int, slot: int, draw: int) -> Words:
+    """The key and counter words of a position (module doc)."""
+    message = (DOMAIN + key.to_bytes(16, "little") + step.to_bytes(8, "little")
+               + slot.to_bytes(8, "little") + draw.to_bytes(8, "little"))
+    return tuple(int(w) for w in np.frombuffer(hashlib.shake_256(message).digest(16), dtype="<u4"))
+
+
+def float32_value(x: float) -> float:
+    """``x`` rounded to float32 (the factor both implementations multiply by)."""
+    return float(np.float32(x))
+
+
+def fill(out: torch.Tensor, base: Optional[torch.Tensor], words: Words, std: float, workers: int) -> None:
+    """``out = base + std·stream`` (``out = std·stream`` without ``base``; ``base`` may be ``out``),
+    1-D contiguous float32 CPU tensors; by the native kernel in chunks on ``workers`` threads, else
+    by the torch reference (same numbers)."""
+    kernel = native.kernel()
+    if kernel is None:
+        _warn_reference()
+        reference.fill(out, base, 0, words, std)
+        return
+    n = out.numel()
+    out_address = out.data_ptr()
+    base_address = None if base is None else base.data_ptr()
+
+    def chunk(start: int) -> None:
+        count = min(CHUNK_ELEMENTS, n - start)
+        kernel(out_address + 4 * start, None if base_address is None else base_address + 4 * start,
+               start, count, *words, std)
+
+    starts = range(0, n, CHUNK_ELEMENTS)
+    if len(starts) == 1 or workers == 1:
+        for start in starts:
+            chunk(start)
+    else:
+        for _ in thread_pool(workers).map(chunk, starts):
+            pass
+
+
+def draw(target: torch.Tensor, std: float, position, draws: int, add: bool, workers: int) -> None:
+    """``target = noise`` or, with ``add``, ``target += noise`` for a CPU floating tensor;
+    ``noise = Σ_{d<draws} std/√draws · z_d`` with ``z_d`` the stream of ``(*position, d)``
+    (``position = (key, step, slot)``; secure mode sums four draws, as the other noises do)."""
+    scale = float32_value(std / math.sqrt(draws))
+    direct = target.dtype == torch.float32 and target.is_contiguous()
+    flat = target.view(-1) if direct else torch.empty(target.numel(), dtype=torch.float32)
+    for d in range(draws):
+        base = flat if (d > 0 or (add and direct)) else None
+        fill(flat, base, stream_words(*position, d), scale, workers)
+    if not direct:
+        noise = flat.view(target.shape).to(target.dtype)
+        target.add_(noise) if add else target.copy_(noise)
+
+
+def noised(total: torch.Tensor, std: float, position, draws: int, workers: int) -> torch.Tensor:
+    """A new tensor ``total + noise`` (:func:`draw`'s noise), formed in one pass for a contiguous
+    float32 ``total`` (bitwise ``total`` plus the noise :func:`draw` writes)."""
+    if draws > 1 or total.dtype != torch.float32 or not total.is_contiguous():
+        out = total.clone(memory_format=torch.contiguous_format)
+        draw(out, std, position, draws, add=True, workers=workers)
+        return out
+    out = torch.empty_like(total, memory_format=torch.contiguous_format)
+    fill(out.view(-1), total.view(-1), stream_words(*position, 0), float32_value(std), workers)
+    return out
+
+
+def _warn_reference() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"the native Philox noise kernel is not available ({native.unavailable_reason()}): "
+                      "the noise is computed by torch operations (the same numbers, several times slower); "
+                      "install a C compiler (or set CC) to draw it at memory speed", RuntimeWarning)

@@ -1,0 +1,95 @@
+/* Gaussian noise from Philox4x32-10, written (or added) at memory speed: the native kernel of
+ * opacus_dp.optim.philox (reference.py computes the same numbers with torch, bit for bit).
+ *
+ * Stream: element i of a stream keyed by (k0, k1, c2, c3) lies in tile T = i / 256, plane
+ * j = (i % 256) / 64, lane b = i % 64. Block n = 64 T + b is Philox4x32-10 (Salmon, Moraes, Dror &
+ * Shaw, SC'11) of the counter (n mod 2^32, n / 2^32, c2, c3) under the key (k0, k1): four words
+ * (w0, w1, w2, w3). The pair (w0, w1) gives planes 0 and 1, (w2, w3) planes 2 and 3, by Box-Muller:
+ *   u = (floor(w0 / 2) + 1/2) 2^-31 in (0, 1],  r = sqrt(-2 ln u),
+ *   angle = q pi/2 + pi/4 + t,  q = w1 / 2^30,  t = (f - 1/2) pi/2,  f = ((w1 / 64) mod 2^24) 2^-24,
+ *   z = (r cos(angle), r sin(angle)),
+ * ln by the atanh series of the mantissa (to s^9), sin t and cos t by their Taylor series (to t^9,
+ * t^10). Every operation is a correctly rounded float32 operation in a fixed order (compiled
+ * with -ffp-contract=off), so every build of this file, and the torch reference, give the same bits.
+ * out[i] = base[i] + z_i * std (or z_i * std without base). */
+#include <stdint.h>
+#include <string.h>
+
+#define PHILOX_M0 0xD2511F53u
+#define PHILOX_M1 0xCD9E8D57u
+#define PHILOX_W0 0x9E3779B9u
+#define PHILOX_W1 0xBB67AE85u
+#define LANES 64
+#define TILE (4 * LANES)
+
+static inline float as_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline uint32_t as_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+
+static void philox_rounds(uint32_t *restrict x0, uint32_t *restrict x1, uint32_t *restrict x2,
+                          uint32_t *restrict x3, uint32_t k0, uint32_t k1) {
+    for (int round = 0; round < 10; round++) {
+#pragma omp simd
+        for (int b = 0; b < LANES; b++) {
+            uint64_t p0 = (uint64_t)PHILOX_M0 * x0[b], p1 = (uint64_t)PHILOX_M1 * x2[b];
+            uint32_t y0 = (uint32_t)(p1 >> 32) ^ x1[b] ^ k0, y2 = (uint32_t)(p0 >> 32) ^ x3[b] ^ k1;
+            x0[b] = y0; x1[b] = (uint32_t)p1; x2[b] = y2; x3[b] = (uint32_t)p0;
+        }
+        k0 += PHILOX_W0; k1 += PHILOX_W1;
+    }
+}
+
+static void box_muller(const uint32_t *restrict wr, const uint32_t *restrict wa,
+                       float *restrict zc, float *restrict zs) {
+#pragma omp simd
+    for (int b = 0; b < LANES; b++) {
+        float u = ((float)(int32_t)(wr[b] >> 1) + 0.5f) * 0x1p-31f;
+        uint32_t bits = as_bits(u), big = (bits & 0x7FFFFFu) > 0x3504F3u;  /* mantissa above sqrt(2) */
+        float m = as_float((bits & 0x7FFFFFu) | (0x3F800000u - (big << 23)));
+        float e = (float)((int32_t)(bits >> 23) - 127 + (int32_t)big);
+        float s = (m - 1.0f) / (m + 1.0f), s2 = s * s;
+        float p = 0x1.555556p-2f + s2 * (0x1.99999ap-3f + s2 * (0x1.24924ap-3f + s2 * 0x1.c71c72p-4f));
+        float ln_u = e * 0x1.62e43p-1f + (2.0f * s + (2.0f * s) * (s2 * p));
+        float r = __builtin_sqrtf(-2.0f * ln_u);
+        uint32_t q = wa[b] >> 30;
+        float t = ((float)(int32_t)((wa[b] >> 6) & 0xFFFFFFu) * 0x1p-24f - 0.5f) * 0x1.921fb6p+0f, t2 = t * t;
+        float st = t * (1.0f - t2 / 6.0f * (1.0f - t2 / 20.0f * (1.0f - t2 / 42.0f * (1.0f - t2 / 72.0f))));
+        float ct = 1.0f - t2 / 2.0f * (1.0f - t2 / 12.0f * (1.0f - t2 / 30.0f * (1.0f - t2 / 56.0f * (1.0f - t2 / 90.0f))));
+        uint32_t c45 = as_bits((ct - st) * 0x1.6a09e6p-1f), s45 = as_bits((ct + st) * 0x1.6a09e6p-1f);
+        uint32_t swap = 0u - (q & 1u);  /* quadrants 1 and 3 swap cos and sin */
+        zc[b] = r * as_float(((s45 & swap) | (c45 & ~swap)) ^ (((q ^ (q >> 1)) & 1u) << 31));
+        zs[b] = r * as_float(((c45 & swap) | (s45 & ~swap)) ^ ((q >> 1) << 31));
+    }
+}
+
+static void tile(uint64_t first_block, uint32_t k0, uint32_t k1, uint32_t c2, uint32_t c3,
+                 float std, float *restrict z) {
+    uint32_t x0[LANES], x1[LANES], x2[LANES], x3[LANES];
+    for (int b = 0; b < LANES; b++) {
+        uint64_t block = first_block + (uint64_t)b;
+        x0[b] = (uint32_t)block; x1[b] = (uint32_t)(block >> 32); x2[b] = c2; x3[b] = c3;
+    }
+    philox_rounds(x0, x1, x2, x3, k0, k1);
+    box_muller(x0, x1, z, z + LANES);
+    box_muller(x2, x3, z + 2 * LANES, z + 3 * LANES);
+#pragma omp simd
+    for (int i = 0; i < TILE; i++) z[i] = z[i] * std;
+}
+
+/* Elements [start, start + count) of the stream into out (start: a multiple of 256). */
+void opacus_dp_philox_normal(float *out, const float *base, int64_t start, int64_t count,
+                             uint32_t k0, uint32_t k1, uint32_t c2, uint32_t c3, float std) {
+    float z[TILE];
+    for (int64_t done = 0; done < count; done += TILE) {
+        int64_t n = count - done < TILE ? count - done : TILE;
+        tile((uint64_t)((start + done) / TILE) * LANES, k0, k1, c2, c3, std, z);
+        float *o = out + done;
+        if (base) {
+            const float *a = base + done;
+            for (int64_t i = 0; i < n; i++) o[i] = a[i] + z[i];
+        } else {
+            for (int64_t i = 0; i < n; i++) o[i] = z[i];
+        }
+    }
+}
+
+int opacus_dp_philox_version(void) { return 1; }

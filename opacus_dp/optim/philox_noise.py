@@ -1,0 +1,93 @@
+"""Counter-based Gaussian noise at memory speed: :class:`PhiloxGaussianNoise` (``fast_noise="philox"``).
+
+Every coordinate of every step is a pure function of the stream's key and its position
+``(step, tensor of the step, coordinate)``: Philox4x32-10 (Salmon et al., SC'11) and Box-Muller,
+computed by a native kernel that draws and adds in one pass over memory, on several threads
+(:mod:`~opacus_dp.optim.philox`). Without a C compiler the same numbers come from torch
+operations, slower (a warning says so). CUDA and other devices draw from torch's own generator
+there (also counter-based Philox), seeded per ``(step, tensor)`` as
+:class:`~opacus_dp.optim.parallel_noise.ParallelGaussianNoise`'s.
+
+* Each coordinate is ``N(0, std²)`` up to float32 rounding (the radius is bounded by
+  ``√(2·32·ln 2) ≈ 6.66``, the 32-bit resolution of the uniform: every draw is within 6.66·std);
+  float64 and half-precision tensors get float32 draws converted.
+* Secure mode: a 128-bit key from the operating system's CSPRNG (:mod:`secrets`) at every step,
+  never a user's seed, and each coordinate the sum of four draws of ``N(0, std²/4)`` (Holohan &
+  Braun 2021, as the other noises). Philox is not a cryptographic generator.
+* The position, key and state dict are :class:`ParallelGaussianNoise`'s; the stream is another one.
+"""
+
+from typing import Optional
+
+import torch
+
+from opacus_dp.optim import keyed_generators as keyed
+from opacus_dp.optim.chunked_draws import draw_into
+from opacus_dp.optim.noise import SECURE_NUM_DRAWS
+from opacus_dp.optim.parallel_noise import ParallelGaussianNoise, check_key, noise_kind_of_state
+from opacus_dp.optim.philox import draws as philox
+
+STREAM = "philox4x32-10 box-muller v1"
+
+
+class PhiloxGaussianNoise(ParallelGaussianNoise):
+    """Draws ``N(0, std²)`` tensors from the Philox stream of their position (module doc).
+
+    Args: as :class:`ParallelGaussianNoise` (``generator`` or ``seed`` set the key;
+    ``num_threads``: threads per tensor, default ``torch.get_num_threads()``).
+    """
+
+    def add_sample_(self, total: torch.Tensor, std: float) -> torch.Tensor:
+        """``total += N(0, std²)`` in place, in one pass; bitwise ``sample(total, std) + total``."""
+        if std == 0:
+            return total
+        self._draw(total, std, add=True)
+        return total
+
+    def noised(self, total: torch.Tensor, std: float, reuse: bool = False) -> torch.Tensor:
+        """``total + N(0, std²)``: a new tensor (on CPU ``total`` read and the result written once),
+        or with ``reuse`` ``total`` itself (:meth:`add_sample_`); bitwise ``sample(total, std) + total``."""
+        if reuse or std == 0 or total.device.type != "cpu":
+            return super().noised(total, std, reuse)
+        position = self._next_position()
+        return philox.noised(total, std, position, self._draws(), self._workers())
+
+    def _draw(self, target: torch.Tensor, std: float, add: bool) -> None:
+        position = self._next_position()
+        if target.device.type != "cpu":
+            draw_into(target, std, keyed.device_generator(*position, target.device), self._draws(), add)
+        else:
+            philox.draw(target, std, position, self._draws(), add, self._workers())
+
+    def _next_position(self):
+        position = (self._current_key(), self._step, self._slot)
+        self._slot += 1
+        return position
+
+    def _draws(self) -> int:
+        return SECURE_NUM_DRAWS if self._secure else 1
+
+    def _workers(self) -> int:
+        return self.num_threads or torch.get_num_threads()
+
+    def state_dict(self) -> dict:
+        """The key and the position of the next draw (nothing in secure mode)."""
+        if self._secure:
+            return {"secure_mode": True, "philox_noise": {}}
+        return {"secure_mode": False, "philox_noise": {
+            "key": self._key, "step": self._step, "slot": self._slot, "stream": STREAM}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; the state of another noise (another stream) is refused,
+        a state saved in secure mode keeps this run's key, with a warning."""
+        if self._secure or self._saved_in_secure_mode(state):
+            return
+        saved: Optional[dict] = state.get("philox_noise")
+        if saved is None:
+            raise ValueError(f"the noise state was saved with {noise_kind_of_state(state)}, this optimizer "
+                             "draws fast_noise='philox': resume with the saved run's setting")
+        if saved.get("stream") != STREAM:
+            raise ValueError(f"the noise state was saved from the stream {saved.get('stream')!r}, this version "
+                             f"draws {STREAM!r}: its draws cannot be continued")
+        self._key, self._step, self._slot = check_key(saved["key"]), int(saved["step"]), int(saved["slot"])
+        self._small = None
