@@ -9,11 +9,12 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_step_overhead.py"
 
 
-def test_overhead_is_reported_in_add_passes(capsys):
+@pytest.mark.parametrize("fast_noise", [[], ["--fast-noise", "philox"]])
+def test_overhead_is_reported_in_add_passes(capsys, fast_noise):
     spec = importlib.util.spec_from_file_location("benchmark_step_overhead", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    result = module.main(["--dim", "256", "--repeats", "3", "--warmup", "1", "--modes", "bk,hooks"])
+    result = module.main(["--dim", "256", "--repeats", "3", "--warmup", "1", "--modes", "bk,hooks", *fast_noise])
     ms = result["ms"]
     assert set(ms) == {"non-private", "private bk", "private hooks", "noise", "add_"}
     for mode in ("bk", "hooks"):

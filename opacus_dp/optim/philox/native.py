@@ -108,7 +108,7 @@ def kernel() -> Optional[Callable]:
 def unavailable_reason() -> Optional[str]:
     """Why the kernel is not used (None when it is)."""
     kernel()
-    return _loaded[1]
+    return "the kernel was not loaded" if _loaded is None else _loaded[1]
 
 
 def forget() -> None:
