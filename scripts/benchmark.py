@@ -95,7 +95,7 @@ def _private_step(model, optimizer, criterion, x, y, precision: str = "fp32") ->
     return step
 
 
-def _ours(model, optimizer, loader, mode, criterion):
+def _ours(model, optimizer, loader, mode, criterion, fast_noise=False):
     import opacus_dp
 
     engine = opacus_dp.PrivacyEngine(accountant="rdp")
@@ -106,7 +106,8 @@ def _ours(model, optimizer, loader, mode, criterion):
         bound = [CLIP / count ** 0.5] * count
     result = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
                                  noise_multiplier=SIGMA, max_grad_norm=bound, clipping=clipping,
-                                 poisson_sampling=False, grad_sample_mode=mode, criterion=criterion)
+                                 poisson_sampling=False, grad_sample_mode=mode, criterion=criterion,
+                                 fast_noise=fast_noise)
     return result[0], result[1], result[2] if len(result) == 4 else criterion
 
 

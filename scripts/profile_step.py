@@ -116,6 +116,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fast-noise", choices=("off", "threads", "philox"), default="off",
+                        help="the noise generator of the private settings (make_private's fast_noise)")
     parser.add_argument("--modes", nargs="+", default=["ddp", "dp-ddp-bk", "fsdp", "dp-fsdp-bk", "dp-fsdp-hooks"])
     return parser.parse_args(argv)
 
@@ -133,7 +135,7 @@ def main(argv=None) -> str:
     baseline = {m: ("fsdp" if "fsdp" in m else "ddp") for m in args.modes if m.startswith("dp-")}
     params = args.layers * 2 * (args.width * args.width + args.width) + args.width * args.classes + args.classes
     out = (f"W = 1 (gloo), residual MLP {args.layers}×{args.width} ({params / 1e6:.1f} M parameters), "
-           f"{args.optimizer}, B = {args.batch_size}, {args.threads} thread(s); median ms over {args.steps} steps\n\n"
+           f"{args.optimizer}, B = {args.batch_size}, {args.threads} thread(s), noise {args.fast_noise}; median ms over {args.steps} steps\n\n"
            + table(results, baseline))
     print(out)
     return out

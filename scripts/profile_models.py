@@ -1,0 +1,107 @@
+"""Where the time of a private step goes on the single-device benchmark models, phase by phase.
+
+For each model of ``scripts/benchmark.py`` (``--models``), side by side in one process: the
+non-private SGD step and ``make_private`` in each ``--modes`` (σ = 1, C = 1, the benchmark's
+batches). The private optimizer's phases are timed by wrapping its methods on the instance
+(:func:`profile_step.instrument`; nothing in the package is changed): ``forward``, ``backward``
+(``bk`` forms its per-sample norms there), ``clip`` (norms gathered, clip factors, clipped sums),
+``noise`` (drawing and adding it), ``scale`` (the mean's division, ``p.grad``), ``inner`` (SGD's
+update) and ``other`` (checks, accountant). Median process CPU milliseconds over ``--steps``
+steps, interleaved with the non-private step.
+
+    OMP_NUM_THREADS=1 python scripts/profile_models.py --steps 9 [--fast-noise philox]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections import defaultdict
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark import _ours  # noqa: E402
+from benchmark_models import WORKLOADS  # noqa: E402
+from profile_step import PHASES, instrument, table  # noqa: E402
+
+FAST_NOISE = {"off": False, "threads": True, "philox": "philox"}
+
+
+def build(workload, mode, x, y, fast_noise):
+    """``(model, optimizer, criterion, phase times)`` of the non-private (``mode=None``) or private step."""
+    import opacus_dp.layers as layers
+
+    torch.manual_seed(0)
+    model = workload.build(layers)
+    optimizer, criterion = torch.optim.SGD(model.parameters(), lr=0.05), workload.criterion()
+    times = defaultdict(float)
+    if mode is not None:
+        loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, optimizer, criterion = _ours(model, optimizer, loader, mode, criterion, fast_noise)
+    private = instrument(optimizer, times)
+    return model, optimizer, criterion, times, private
+
+
+def one_step(model, optimizer, criterion, times, private, x, y) -> dict:
+    """Phase times (ms) of one step."""
+    times.clear()
+    optimizer.zero_grad()
+    start = time.process_time()
+    loss = criterion(model(x), y)
+    times["forward"] = time.process_time() - start
+    start = time.process_time()
+    loss.backward()
+    times["backward"] = time.process_time() - start
+    optimizer.step()
+    if private:
+        times["reduce"] -= times["noise"]
+        inside = sum(times[k] for k in ("clip", "reduce", "noise", "scale", "inner"))
+        times["other"] = times.pop("step") - inside + times.pop("reduce")
+    row = {key: 1000 * times.get(key, 0.0) for key in PHASES}
+    row["total"] = sum(row.values())
+    return row
+
+
+def profile_model(name: str, args) -> dict:
+    workload = WORKLOADS[name]
+    torch.manual_seed(1)
+    x, y = workload.batch()
+    settings = {"non-private": build(workload, None, x, y, False)}
+    settings.update({mode: build(workload, mode, x, y, FAST_NOISE[args.fast_noise]) for mode in args.modes})
+    rows = {setting: defaultdict(list) for setting in settings}
+    for step in range(args.warmup + args.steps):
+        for setting, (model, optimizer, criterion, times, private) in settings.items():
+            row = one_step(model, optimizer, criterion, times, private, x, y)
+            if step >= args.warmup:
+                for key, value in row.items():
+                    rows[setting][key].append(value)
+    return {setting: {k: statistics.median(v) for k, v in row.items()} for setting, row in rows.items()}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="convnet,sequence,transformer,lstm,llama")
+    parser.add_argument("--modes", nargs="+", default=["bk"])
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fast-noise", choices=sorted(FAST_NOISE), default="off")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    results = {}
+    for name in args.models.split(","):
+        results[name] = profile_model(name, args)
+        print(f"\n{name}: {WORKLOADS[name].description}; noise {args.fast_noise}, {args.threads} thread(s), "
+              f"median process CPU ms over {args.steps} steps\n")
+        print(table(results[name], {mode: "non-private" for mode in args.modes}))
+    return results
+
+
+if __name__ == "__main__":
+    main()
