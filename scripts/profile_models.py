@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark import _ours  # noqa: E402
 from benchmark_models import WORKLOADS  # noqa: E402
-from profile_step import PHASES, instrument, table  # noqa: E402
+from profile_step import instrument, step_phases, table  # noqa: E402
 
 FAST_NOISE = {"off": False, "threads": True, "philox": "philox"}
 
@@ -48,26 +48,6 @@ def build(workload, mode, x, y, fast_noise):
     return model, optimizer, criterion, times, private
 
 
-def one_step(model, optimizer, criterion, times, private, x, y) -> dict:
-    """Phase times (ms) of one step."""
-    times.clear()
-    optimizer.zero_grad()
-    start = time.process_time()
-    loss = criterion(model(x), y)
-    times["forward"] = time.process_time() - start
-    start = time.process_time()
-    loss.backward()
-    times["backward"] = time.process_time() - start
-    optimizer.step()
-    if private:
-        times["reduce"] -= times["noise"]
-        inside = sum(times[k] for k in ("clip", "reduce", "noise", "scale", "inner"))
-        times["other"] = times.pop("step") - inside + times.pop("reduce")
-    row = {key: 1000 * times.get(key, 0.0) for key in PHASES}
-    row["total"] = sum(row.values())
-    return row
-
-
 def profile_model(name: str, args) -> dict:
     workload = WORKLOADS[name]
     torch.manual_seed(1)
@@ -77,7 +57,7 @@ def profile_model(name: str, args) -> dict:
     rows = {setting: defaultdict(list) for setting in settings}
     for step in range(args.warmup + args.steps):
         for setting, (model, optimizer, criterion, times, private) in settings.items():
-            row = one_step(model, optimizer, criterion, times, private, x, y)
+            row = step_phases(model, optimizer, criterion, x, y, times, private, clock=time.process_time)
             if step >= args.warmup:
                 for key, value in row.items():
                     rows[setting][key].append(value)

@@ -63,6 +63,26 @@ def instrument(optimizer, times: dict) -> bool:
     return True
 
 
+def step_phases(model, optimizer, criterion, x, y, times: dict, private: bool, clock=time.perf_counter) -> dict:
+    """Milliseconds of each phase of one step (``times``: what :func:`instrument` fills), and their total."""
+    times.clear()
+    optimizer.zero_grad()
+    start = clock()
+    loss = criterion(model(x), y)
+    times["forward"] = clock() - start
+    start = clock()
+    loss.backward()
+    times["backward"] = clock() - start
+    optimizer.step()
+    if private:
+        times["reduce"] -= times["noise"]
+        inside = sum(times[k] for k in ("clip", "reduce", "noise", "scale", "inner"))
+        times["other"] = times.pop("step") - inside
+    row = {key: 1000 * times.get(key, 0.0) for key in PHASES}
+    row["total"] = sum(row.values())
+    return row
+
+
 def profile_mode(mode: str, args) -> dict:
     """Median milliseconds of each phase of one step of ``mode`` (module doc)."""
     model, optimizer, criterion = build_mode(mode, args, torch.device("cpu"))
@@ -73,25 +93,10 @@ def profile_mode(mode: str, args) -> dict:
     for step in range(args.warmup + args.steps):
         x = torch.randn(args.batch_size, args.width, generator=generator)
         y = torch.randint(0, args.classes, (args.batch_size,), generator=generator)
-        times.clear()
-        optimizer.zero_grad()
-        start = time.perf_counter()
-        loss = criterion(model(x), y)
-        times["forward"] = time.perf_counter() - start
-        start = time.perf_counter()
-        loss.backward()
-        times["backward"] = time.perf_counter() - start
-        optimizer.step()
-        if step < args.warmup:
-            continue
-        if private:
-            times["reduce"] -= times["noise"]
-            inside = sum(times[k] for k in ("clip", "reduce", "noise", "scale", "inner"))
-            times["other"] = times.pop("step") - inside
-        total = times["forward"] + times["backward"] + (times["step"] if "step" in times else 0.0) + \
-            sum(times[k] for k in ("clip", "reduce", "noise", "scale", "inner", "other"))
-        for key in (*PHASES, "total"):
-            rows[key].append(1000 * (total if key == "total" else times.get(key, 0.0)))
+        row = step_phases(model, optimizer, criterion, x, y, times, private)
+        if step >= args.warmup:
+            for key, value in row.items():
+                rows[key].append(value)
     return {key: statistics.median(values) for key, values in rows.items()}
 
 
