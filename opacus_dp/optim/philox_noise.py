@@ -4,7 +4,7 @@ Every coordinate of every step is a pure function of the stream's key and its po
 ``(step, tensor of the step, coordinate)``: Philox4x32-10 (Salmon et al., SC'11) and Box-Muller,
 computed by a native kernel that draws and adds in one pass over memory, on several threads
 (:mod:`~opacus_dp.optim.philox`). Without a C compiler the same numbers come from torch
-operations, slower (a warning says so). CUDA and other devices draw from torch's own generator
+operations, about 20 times slower than the default noise (a warning says so). CUDA and other devices draw from torch's own generator
 there (also counter-based Philox), seeded per ``(step, tensor)`` as
 :class:`~opacus_dp.optim.parallel_noise.ParallelGaussianNoise`'s.
 
