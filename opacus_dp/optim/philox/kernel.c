@@ -19,6 +19,16 @@
 #define PHILOX_M1 0xCD9E8D57u
 #define PHILOX_W0 0x9E3779B9u
 #define PHILOX_W1 0xBB67AE85u
+/* Taylor coefficients of sin and cos, rounded to float32: -1/3!, 1/5!, -1/7!, 1/9!; -1/2!, ..., -1/10! */
+#define SIN3 (-0x1.555556p-3f)
+#define SIN5 0x1.111112p-7f
+#define SIN7 (-0x1.a01a02p-13f)
+#define SIN9 0x1.71de3ap-19f
+#define COS2 (-0.5f)
+#define COS4 0x1.555556p-5f
+#define COS6 (-0x1.6c16c2p-10f)
+#define COS8 0x1.a01a02p-16f
+#define COS10 (-0x1.27e4fcp-22f)
 #define LANES 64
 #define TILE (4 * LANES)
 
@@ -52,8 +62,8 @@ static void box_muller(const uint32_t *restrict wr, const uint32_t *restrict wa,
         float r = __builtin_sqrtf(-2.0f * ln_u);
         uint32_t q = wa[b] >> 30;
         float t = ((float)(int32_t)((wa[b] >> 6) & 0xFFFFFFu) * 0x1p-24f - 0.5f) * 0x1.921fb6p+0f, t2 = t * t;
-        float st = t * (1.0f - t2 / 6.0f * (1.0f - t2 / 20.0f * (1.0f - t2 / 42.0f * (1.0f - t2 / 72.0f))));
-        float ct = 1.0f - t2 / 2.0f * (1.0f - t2 / 12.0f * (1.0f - t2 / 30.0f * (1.0f - t2 / 56.0f * (1.0f - t2 / 90.0f))));
+        float st = t + (t * t2) * (SIN3 + t2 * (SIN5 + t2 * (SIN7 + t2 * SIN9)));
+        float ct = 1.0f + t2 * (COS2 + t2 * (COS4 + t2 * (COS6 + t2 * (COS8 + t2 * COS10))));
         uint32_t c45 = as_bits((ct - st) * 0x1.6a09e6p-1f), s45 = as_bits((ct + st) * 0x1.6a09e6p-1f);
         uint32_t swap = 0u - (q & 1u);  /* quadrants 1 and 3 swap cos and sin */
         zc[b] = r * as_float(((s45 & swap) | (c45 & ~swap)) ^ (((q ^ (q >> 1)) & 1u) << 31));

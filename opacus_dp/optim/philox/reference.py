@@ -24,6 +24,8 @@ THIRD, FIFTH = float.fromhex("0x1.555556p-2"), float.fromhex("0x1.99999ap-3")
 SEVENTH, NINTH = float.fromhex("0x1.24924ap-3"), float.fromhex("0x1.c71c72p-4")
 LN2, HALF_PI = float.fromhex("0x1.62e43p-1"), float.fromhex("0x1.921fb6p+0")
 RSQRT2 = float.fromhex("0x1.6a09e6p-1")
+SIN = tuple(float.fromhex(h) for h in ("-0x1.555556p-3", "0x1.111112p-7", "-0x1.a01a02p-13", "0x1.71de3ap-19"))
+COS = tuple(float.fromhex(h) for h in ("-0x1p-1", "0x1.555556p-5", "-0x1.6c16c2p-10", "0x1.a01a02p-16", "-0x1.27e4fcp-22"))
 
 Words = Tuple[int, int, int, int]  # (k0, k1, c2, c3): the key and the counter's high words
 
@@ -62,8 +64,8 @@ def box_muller(radius_word: torch.Tensor, angle_word: torch.Tensor) -> Tuple[tor
     q = angle_word >> 30
     t = (((angle_word >> 6) & 0xFFFFFF).to(torch.float32) * 2.0 ** -24 - 0.5) * HALF_PI
     t2 = t * t
-    st = t * (1.0 - t2 / 6.0 * (1.0 - t2 / 20.0 * (1.0 - t2 / 42.0 * (1.0 - t2 / 72.0))))
-    ct = 1.0 - t2 / 2.0 * (1.0 - t2 / 12.0 * (1.0 - t2 / 30.0 * (1.0 - t2 / 56.0 * (1.0 - t2 / 90.0))))
+    st = t + (t * t2) * (SIN[0] + t2 * (SIN[1] + t2 * (SIN[2] + t2 * SIN[3])))
+    ct = 1.0 + t2 * (COS[0] + t2 * (COS[1] + t2 * (COS[2] + t2 * (COS[3] + t2 * COS[4]))))
     c45, s45 = (ct - st) * RSQRT2, (ct + st) * RSQRT2
     odd = (q & 1).bool()
     cosine, sine = torch.where(odd, s45, c45), torch.where(odd, c45, s45)
