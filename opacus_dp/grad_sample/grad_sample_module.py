@@ -72,6 +72,16 @@ def _has_replicas(module: nn.Module) -> bool:
     return any(isinstance(m, (nn.DataParallel, DistributedDataParallel)) for m in module.modules())
 
 
+def _needs_weight_grads(module: nn.Module) -> bool:
+    """True when autograd's weight gradients are used by something other than the optimizer: the
+    replicas of ``nn.DataParallel`` (their gradients reach the master parameters) and a DDP with
+    ``static_graph=True`` (it keeps its own synchronisation). Other DDP models have theirs
+    switched off by the engine (:mod:`opacus_dp.distributed.ddp_hooks`), so nothing reads them."""
+    return any(isinstance(m, nn.DataParallel) or (isinstance(m, DistributedDataParallel)
+                                                  and getattr(m, "static_graph", False))
+               for m in module.modules())
+
+
 def batch_first_backprops(call: LayerCall, hooked: Sequence[int], n_outputs: int, grads,
                           scale: Optional[int] = None) -> Optional[List[Optional[torch.Tensor]]]:
     """The call's output gradients, detached, batch on dim 0 (times ``scale`` if given; None for
@@ -157,7 +167,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         if self._handles:
             data_parallel.acquire(self)
         self.configure_model_checks(check_sample_independence, public_buffers)
-        self.skips_weight_grads = bool(skip_weight_grads) and not _has_replicas(module)
+        self.skips_weight_grads = bool(skip_weight_grads) and not _needs_weight_grads(module)
         if self.skips_weight_grads:
             self._skip_weight_grads()
         elif not _has_replicas(module) and not sharded:  # FSDP2 reduces p.grad across ranks

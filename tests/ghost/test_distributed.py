@@ -49,7 +49,7 @@ def test_norms_only_modes_equal_one_process_on_the_concatenated_batch(reports, w
     key = (wrapper, clipping, mode)
     r0, r1 = reports[0][key], reports[1][key]
     assert r0["mode"] == "BookkeepingGradSampleModule"
-    assert r0["skips"] == (wrapper == "dpddp"), "torch DDP needs autograd's weight gradients"
+    assert r0["skips"], "no weight gradient is formed: DDP's own synchronisation is off"
     assert all(torch.equal(a, b) for a, b in zip(r0["final"], r1["final"]))
     assert r0["all_reduces"] == len(r0["batches"]), "one all-reduce per logical step"
     clip = FLAT_C if clipping == "flat" else [LAYER_C] * 4
