@@ -83,14 +83,16 @@ def draw(target: torch.Tensor, std: float, position, draws: int, add: bool, work
 
 
 def noised(total: torch.Tensor, std: float, position, draws: int, workers: int) -> torch.Tensor:
-    """A new tensor ``total + noise`` (:func:`draw`'s noise), formed in one pass for a contiguous
-    float32 ``total`` (bitwise ``total`` plus the noise :func:`draw` writes)."""
-    if draws > 1 or total.dtype != torch.float32 or not total.is_contiguous():
+    """A new tensor ``total + noise`` (:func:`draw`'s noise, bitwise), its first draw written with
+    ``total`` in one pass for a contiguous float32 ``total``."""
+    if total.dtype != torch.float32 or not total.is_contiguous():
         out = total.clone(memory_format=torch.contiguous_format)
         draw(out, std, position, draws, add=True, workers=workers)
         return out
     out = torch.empty_like(total, memory_format=torch.contiguous_format)
-    fill(out.view(-1), total.view(-1), stream_words(*position, 0), float32_value(std), workers)
+    flat, scale = out.view(-1), float32_value(std / math.sqrt(draws))
+    for d in range(draws):
+        fill(flat, total.view(-1) if d == 0 else flat, stream_words(*position, d), scale, workers)
     return out
 
 
