@@ -26,6 +26,7 @@ from opacus_dp.optim.chunked_draws import draw_into
 from opacus_dp.optim.noise import SECURE_NUM_DRAWS
 from opacus_dp.optim.parallel_noise import ParallelGaussianNoise, check_key, noise_kind_of_state
 from opacus_dp.optim.philox import draws as philox
+from opacus_dp.optim.philox.huge_pages import empty_like_on_huge_pages
 
 STREAM = "philox4x32-10 box-muller v1"
 
@@ -36,6 +37,15 @@ class PhiloxGaussianNoise(ParallelGaussianNoise):
     Args: as :class:`ParallelGaussianNoise` (``generator`` or ``seed`` set the key;
     ``num_threads``: threads per tensor, default ``torch.get_num_threads()``).
     """
+
+    def sample(self, reference: torch.Tensor, std: float) -> torch.Tensor:
+        """A new tensor like ``reference`` with i.i.d. ``N(0, std²)`` entries (zeros if std = 0); on
+        CPU its memory on huge pages where the system allows (:mod:`~opacus_dp.optim.philox.huge_pages`)."""
+        if std == 0 or reference.device.type != "cpu":
+            return super().sample(reference, std)
+        out = empty_like_on_huge_pages(reference.detach())
+        self._draw(out, std, add=False)
+        return out.view(reference.shape)
 
     def add_sample_(self, total: torch.Tensor, std: float) -> torch.Tensor:
         """``total += N(0, std²)`` in place, in one pass; bitwise ``sample(total, std) + total``."""

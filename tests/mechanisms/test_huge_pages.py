@@ -1,0 +1,65 @@
+"""Fresh tensors on huge pages: the advised range is the 2 MiB-aligned interior of the tensor's
+memory, only for large CPU tensors, and the tensor is an ordinary one to read and write."""
+
+import sys
+
+import pytest
+import torch
+
+from opacus_dp.optim.philox import huge_pages
+from opacus_dp.optim.philox_noise import PhiloxGaussianNoise
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("address,nbytes,expected", [
+    (0, 8 * MIB, (0, 8 * MIB)),
+    (1, 8 * MIB, (2 * MIB, 6 * MIB)),
+    (2 * MIB - 16, 4 * MIB + 16, (2 * MIB, 4 * MIB)),
+    (3 * MIB, 2 * MIB, (4 * MIB, 0)),  # no whole huge page inside
+])
+def test_range_is_the_aligned_interior(address, nbytes, expected):
+    start, length = huge_pages.huge_page_range(address, nbytes)
+    assert (start, length) == expected
+    assert start % huge_pages.HUGE_PAGE == 0 and length % huge_pages.HUGE_PAGE == 0
+    assert length == 0 or (address <= start and start + length <= address + nbytes)
+
+
+def recorder(monkeypatch):
+    calls = []
+    monkeypatch.setattr(huge_pages, "madvise_function", lambda: lambda *args: calls.append(args) or 0)
+    return calls
+
+
+def test_large_cpu_tensors_are_advised_inside_their_memory(monkeypatch):
+    calls = recorder(monkeypatch)
+    reference = torch.empty(3, 1 << 20)  # 12 MiB
+    out = huge_pages.empty_like_on_huge_pages(reference)
+    assert out.shape == reference.shape and out.dtype == reference.dtype and out.is_contiguous()
+    assert len(calls) == 1
+    start, length, advice = calls[0]
+    assert advice == huge_pages.MADV_HUGEPAGE and length >= 2 * huge_pages.HUGE_PAGE
+    assert out.data_ptr() <= start and start + length <= out.data_ptr() + out.numel() * 4
+    huge_pages.empty_like_on_huge_pages(torch.empty(1000))
+    assert len(calls) == 1  # small tensors are left alone
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(2) is Linux's")
+def test_the_real_advice_leaves_an_ordinary_tensor():
+    out = huge_pages.empty_like_on_huge_pages(torch.empty(4 << 20))
+    out.fill_(2.5)
+    assert float(out.sum()) == 2.5 * out.numel()
+    assert huge_pages.madvise_function() is not None
+
+
+def test_philox_samples_on_advised_memory_draw_the_same_numbers(monkeypatch):
+    """Where the tensor comes from does not change the draws."""
+    reference = torch.zeros(1 << 20)
+    first = PhiloxGaussianNoise(seed=9)
+    first.begin_step(torch.device("cpu"))
+    advised = first.sample(reference, 1.5)
+    monkeypatch.setattr(huge_pages, "madvise_function", lambda: None)
+    second = PhiloxGaussianNoise(seed=9)
+    second.begin_step(torch.device("cpu"))
+    assert torch.equal(advised, second.sample(reference, 1.5))
+    assert abs(float(advised.std()) - 1.5) < 0.01
