@@ -26,7 +26,7 @@ from opacus_dp.optim.chunked_draws import draw_into
 from opacus_dp.optim.noise import SECURE_NUM_DRAWS
 from opacus_dp.optim.parallel_noise import ParallelGaussianNoise, check_key, noise_kind_of_state
 from opacus_dp.optim.philox import draws as philox
-from opacus_dp.optim.philox.huge_pages import empty_like_on_huge_pages
+from opacus_dp.maths.huge_pages import empty_like_on_huge_pages
 
 STREAM = "philox4x32-10 box-muller v1"
 
@@ -40,7 +40,7 @@ class PhiloxGaussianNoise(ParallelGaussianNoise):
 
     def sample(self, reference: torch.Tensor, std: float) -> torch.Tensor:
         """A new tensor like ``reference`` with i.i.d. ``N(0, std²)`` entries (zeros if std = 0); on
-        CPU its memory on huge pages where the system allows (:mod:`~opacus_dp.optim.philox.huge_pages`)."""
+        CPU its memory on huge pages where the system allows (:mod:`~opacus_dp.maths.huge_pages`)."""
         if std == 0 or reference.device.type != "cpu":
             return super().sample(reference, std)
         out = empty_like_on_huge_pages(reference.detach())

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from opacus_dp.optim.philox import huge_pages
+from opacus_dp.maths import huge_pages
 from opacus_dp.optim.philox_noise import PhiloxGaussianNoise
 
 MIB = 1 << 20
@@ -63,3 +63,17 @@ def test_philox_samples_on_advised_memory_draw_the_same_numbers(monkeypatch):
     second.begin_step(torch.device("cpu"))
     assert torch.equal(advised, second.sample(reference, 1.5))
     assert abs(float(advised.std()) - 1.5) < 0.01
+
+
+def test_linear_clipped_sums_are_formed_on_advised_memory(monkeypatch):
+    """The weight-sized clipped sum of a Linear layer (bk/ghost) is written into a new tensor advised
+    before the product writes it; the numbers are those of a plain product."""
+    from opacus_dp.grad_sample.bookkeeping.norm_samplers import linear
+
+    calls = recorder(monkeypatch)
+    left, right = torch.randn(1024, 6), torch.randn(6, 2048)  # an 8 MiB sum
+    out = linear.product(left, right)
+    assert torch.equal(out, left.mm(right))
+    assert len(calls) == 1
+    start, length, _ = calls[0]
+    assert out.data_ptr() <= start and start + length <= out.data_ptr() + out.numel() * 4

@@ -21,7 +21,7 @@ import torch
 
 from opacus_dp.optim.chunked_draws import thread_pool
 from opacus_dp.optim.philox import native, reference
-from opacus_dp.optim.philox.huge_pages import empty_like_on_huge_pages
+from opacus_dp.maths.huge_pages import empty_like_on_huge_pages
 from opacus_dp.optim.philox.reference import TILE, Words
 
 DOMAIN = b"opacus_dp philox noise v1\0"
@@ -90,7 +90,7 @@ def noised(total: torch.Tensor, std: float, position, draws: int, workers: int) 
         out = total.clone(memory_format=torch.contiguous_format)
         draw(out, std, position, draws, add=True, workers=workers)
         return out
-    out = empty_like_on_huge_pages(total)  # written here first: few page faults (huge_pages.py)
+    out = empty_like_on_huge_pages(total)  # written here first: few page faults (maths/huge_pages.py)
     flat, scale = out.view(-1), float32_value(std / math.sqrt(draws))
     for d in range(draws):
         fill(flat, total.view(-1) if d == 0 else flat, stream_words(*position, d), scale, workers)

@@ -46,7 +46,16 @@ def huge_page_range(address: int, nbytes: int):
 def empty_like_on_huge_pages(reference: torch.Tensor) -> torch.Tensor:
     """``torch.empty_like(reference, contiguous)``, its memory advised to huge pages before any write
     (module doc) when it is on CPU and large enough."""
-    out = torch.empty_like(reference, memory_format=torch.contiguous_format)
+    return advised(torch.empty_like(reference, memory_format=torch.contiguous_format))
+
+
+def empty_on_huge_pages(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty(shape, dtype, device)``, advised as :func:`empty_like_on_huge_pages`."""
+    return advised(torch.empty(shape, dtype=dtype, device=device))
+
+
+def advised(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (not yet written), its memory advised to huge pages when on CPU and large enough."""
     nbytes = out.numel() * out.element_size()
     madvise = madvise_function() if out.device.type == "cpu" and nbytes >= MIN_BYTES else None
     if madvise is not None:
