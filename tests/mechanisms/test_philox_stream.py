@@ -201,3 +201,22 @@ def test_stream_words_follow_shake256_and_positions_get_distinct_words():
     words = [draws.stream_words(*p) for p in positions]
     assert all(isinstance(w, int) and 0 <= w <= M32 for ws in words for w in ws)
     assert len(set(words)) == len(positions)
+
+
+def test_an_unknown_instruction_level_falls_back_to_the_baseline_build(monkeypatch, tmp_path):
+    """A compiler that rejects the machine's -march flag still yields the kernel (baseline flags),
+    which draws the same numbers."""
+    monkeypatch.setenv("OPACUS_DP_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "compile_flags", lambda: list(native.BASE_FLAGS) + ["-march=no-such-level"])
+    native.forget()
+    try:
+        kernel = native.kernel()
+        if kernel is None and "no-such-level" not in (native.unavailable_reason() or ""):
+            pytest.skip(f"no C compiler here: {native.unavailable_reason()}")
+        assert kernel is not None, native.unavailable_reason()
+        out, expected = torch.empty(1000), torch.empty(1000)
+        kernel(out.data_ptr(), None, 0, 1000, 1, 2, 3, 4, 1.0)
+        reference.fill(expected, None, 0, (1, 2, 3, 4), 1.0)
+        assert torch.equal(out, expected)
+    finally:
+        native.forget()

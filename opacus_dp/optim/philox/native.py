@@ -119,9 +119,18 @@ def forget() -> None:
 
 
 def _try_load() -> Tuple[Optional[Callable], Optional[str]]:
+    """The kernel built for this machine's instruction level, else for the baseline (a compiler
+    that does not know the level's name), else None and why."""
     if os.environ.get("OPACUS_DP_NATIVE", "1") == "0":
         return None, "OPACUS_DP_NATIVE=0"
-    try:
-        return load(build()), None
-    except (RuntimeError, OSError, AttributeError) as error:
-        return None, str(error)
+    reasons = []
+    for flags in _unique([compile_flags(), list(BASE_FLAGS)]):
+        try:
+            return load(build(flags=flags)), None
+        except (RuntimeError, OSError, AttributeError) as error:
+            reasons.append(str(error))
+    return None, "; ".join(reasons)
+
+
+def _unique(candidates: List[List[str]]) -> List[List[str]]:
+    return [c for i, c in enumerate(candidates) if c not in candidates[:i]]
