@@ -40,6 +40,7 @@ from opacus_dp.distributed.agreement import agreement_rows, check_table
 from opacus_dp.distributed.checks import require_process_group
 from opacus_dp.distributed.step_clock import CLOCK_COLUMNS, STEP, StepClock
 from opacus_dp.distributed.step_wait import BoundedStepWait, StepTimeout
+from opacus_dp.maths.huge_pages import empty_on_huge_pages
 from opacus_dp.optim.reduction import StepRelease
 
 NOISE_RANK = 0
@@ -88,8 +89,7 @@ class AllReduceReducer(BoundedStepWait):
         if self.world_size == 1:
             return self._alone(tensors, names, rows)
         extra = [] if rows is None else [rows.reshape(-1)]  # the table rides in the first bucket
-        flats = [torch.cat([t.reshape(-1) for t in same_kind] + (extra if index == 0 else []))
-                 for index, same_kind in enumerate(groups)]
+        flats = [_flat(same_kind + (extra if index == 0 else [])) for index, same_kind in enumerate(groups)]
         works = [dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
                  for flat in flats]
         self.bytes_reduced += sum(flat.numel() * flat.element_size() for flat in flats)
@@ -121,6 +121,13 @@ class AllReduceReducer(BoundedStepWait):
             f"AllReduceReducer(world_size={self.world_size}, rank={self.rank}, "
             f"draws_noise={self.draws_noise}, step_timeout={self.step_timeout})"
         )
+
+
+def _flat(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """The tensors concatenated into a new flat bucket, advised to huge pages before the copy writes it
+    (:mod:`~opacus_dp.maths.huge_pages`: a model-sized bucket then costs few page faults)."""
+    out = empty_on_huge_pages((sum(t.numel() for t in tensors),), tensors[0].dtype, tensors[0].device)
+    return torch.cat([t.reshape(-1) for t in tensors], out=out)
 
 
 def all_reduces(reducer) -> bool:
