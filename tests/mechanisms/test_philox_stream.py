@@ -220,3 +220,17 @@ def test_an_unknown_instruction_level_falls_back_to_the_baseline_build(monkeypat
         assert torch.equal(out, expected)
     finally:
         native.forget()
+
+
+def test_the_kernel_cache_is_private_to_the_user(monkeypatch, tmp_path):
+    """The configured directory is used when only its owner can write it; a directory others can
+    write (a library planted there would run in this process) is replaced by a new temporary one."""
+    monkeypatch.setenv("OPACUS_DP_CACHE", str(tmp_path / "own"))
+    own = native.cache_directory()
+    assert own == tmp_path / "own" / "native" and not own.stat().st_mode & 0o022
+    shared = tmp_path / "shared" / "native"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    monkeypatch.setenv("OPACUS_DP_CACHE", str(tmp_path / "shared"))
+    replaced = native.cache_directory()
+    assert replaced != shared and replaced.is_dir() and not replaced.stat().st_mode & 0o022

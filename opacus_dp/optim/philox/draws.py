@@ -64,8 +64,7 @@ def fill(out: torch.Tensor, base: Optional[torch.Tensor], words: Words, std: flo
         for start in starts:
             chunk(start)
     else:
-        for _ in thread_pool(workers).map(chunk, starts):
-            pass
+        list(thread_pool(workers).map(chunk, starts))  # waits for every chunk, raises the first error
 
 
 def draw(target: torch.Tensor, std: float, position, draws: int, add: bool, workers: int) -> None:

@@ -53,10 +53,10 @@ def cache_directory() -> Path:
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         info = directory.stat()
-        if info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return directory
     except OSError:
-        pass
+        info = None
+    if info is not None and info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return directory
     return Path(tempfile.mkdtemp(prefix="opacus_dp_native_"))
 
 
