@@ -45,7 +45,7 @@ class PhiloxGaussianNoise(ParallelGaussianNoise):
             return super().sample(reference, std)
         out = empty_like_on_huge_pages(reference.detach())
         self._draw(out, std, add=False)
-        return out.view(reference.shape)
+        return out
 
     def add_sample_(self, total: torch.Tensor, std: float) -> torch.Tensor:
         """``total += N(0, std²)`` in place, in one pass; bitwise ``sample(total, std) + total``."""

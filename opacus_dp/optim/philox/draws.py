@@ -77,9 +77,13 @@ def draw(target: torch.Tensor, std: float, position, draws: int, add: bool, work
     for d in range(draws):
         base = flat if (d > 0 or (add and direct)) else None
         fill(flat, base, stream_words(*position, d), scale, workers)
-    if not direct:
-        noise = flat.view(target.shape).to(target.dtype)
-        target.add_(noise) if add else target.copy_(noise)
+    if direct:
+        return
+    noise = flat.view(target.shape).to(target.dtype)
+    if add:
+        target.add_(noise)
+    else:
+        target.copy_(noise)
 
 
 def noised(total: torch.Tensor, std: float, position, draws: int, workers: int) -> torch.Tensor:
