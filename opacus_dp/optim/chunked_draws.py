@@ -92,5 +92,4 @@ def draw_chunks(flat: torch.Tensor, std: float, position, draws: int, add: bool,
             chunk(j)
     else:
         keyed.state_template()  # the state layout is checked once, here, before the threads
-        for _ in thread_pool(workers).map(chunk, range(count)):
-            pass
+        list(thread_pool(workers).map(chunk, range(count)))  # waits for every chunk, raises the first error
