@@ -30,7 +30,7 @@ from opacus_dp.mechanisms.blt_noise import BltRecursion
 from opacus_dp.mechanisms.recursion import History, IndependentRecursion, Recursion
 from opacus_dp.mechanisms.strategies import Strategy
 from opacus_dp.mechanisms.tree_noise import TreeRecursion
-from opacus_dp.optim.noise import GaussianNoise
+from opacus_dp.optim.noise import GaussianNoise, sampled_plus
 
 RECURSIONS = {"independent": IndependentRecursion, "banded": BandedRecursion, "blt": BltRecursion,
               "tree": TreeRecursion}
@@ -134,10 +134,8 @@ class CorrelatedNoise:
         return z
 
     def noised(self, total: torch.Tensor, std: float, reuse: bool = False) -> torch.Tensor:
-        """``total + z_t`` (:meth:`sample`'s draw): a new tensor, or with ``reuse`` added into
-        ``total`` (the same numbers)."""
-        noise = self.sample(total, std)
-        return total.add_(noise) if reuse else noise.add_(total)
+        """``total + z_t`` (:meth:`sample`'s noise; :func:`~opacus_dp.optim.noise.sampled_plus`)."""
+        return sampled_plus(self.sample(total, std), total, reuse)
 
     def _commit(self) -> None:
         self._open = False

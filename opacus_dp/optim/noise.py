@@ -71,6 +71,12 @@ def noise_kind_of_state(state: dict) -> str:
     return "fast_noise=False"
 
 
+def sampled_plus(noise: torch.Tensor, total: torch.Tensor, reuse: bool) -> torch.Tensor:
+    """``total + noise``: into ``noise`` (a new tensor), or with ``reuse`` into ``total`` (the same
+    numbers: one addition per coordinate either way)."""
+    return total.add_(noise) if reuse else noise.add_(total)
+
+
 class GaussianNoise:
     """Draws ``N(0, std²)`` tensors from an owned generator, or securely (see module doc).
 
@@ -155,10 +161,8 @@ class GaussianNoise:
         return total.to(reference.device)
 
     def noised(self, total: torch.Tensor, std: float, reuse: bool = False) -> torch.Tensor:
-        """``total + N(0, std²)`` (:meth:`sample`'s draw): a new tensor, or with ``reuse`` added into
-        ``total`` (the same numbers)."""
-        noise = self.sample(total, std)
-        return total.add_(noise) if reuse else noise.add_(total)
+        """``total + N(0, std²)`` (:func:`sampled_plus`)."""
+        return sampled_plus(self.sample(total, std), total, reuse)
 
     def state_dict(self) -> dict:
         """Generator state for checkpoints (nothing to save in secure mode)."""

@@ -31,7 +31,7 @@ import torch
 
 from opacus_dp.optim import keyed_generators as keyed
 from opacus_dp.optim.chunked_draws import CHUNK_ELEMENTS, SMALL_ELEMENTS, draw_chunks, draw_into
-from opacus_dp.optim.noise import SECURE_NUM_DRAWS, noise_kind_of_state, seed_from_global_rng
+from opacus_dp.optim.noise import SECURE_NUM_DRAWS, noise_kind_of_state, sampled_plus, seed_from_global_rng
 
 SMALL_LANE = (1 << 64) - 1  # the lane of the step's small-tensor generator (chunks use lanes 0, 1, ...)
 KEY_BITS, SECURE_KEY_BITS = 64, 128
@@ -168,7 +168,7 @@ class ParallelGaussianNoise:
     def noised(self, total: torch.Tensor, std: float, reuse: bool = False) -> torch.Tensor:
         """A new tensor ``total + N(0, std²)`` (:meth:`sample`'s draw plus ``total``); with
         ``reuse``, added into ``total`` (:meth:`add_sample_`: the same numbers)."""
-        return self.add_sample_(total, std) if reuse else self.sample(total, std).add_(total)
+        return self.add_sample_(total, std) if reuse else sampled_plus(self.sample(total, std), total, False)
 
     def _draw(self, target: torch.Tensor, std: float, add: bool) -> None:
         key, step, slot = self._current_key(), self._step, self._slot
