@@ -14,7 +14,12 @@ ways to get all ``B`` of them at once, chosen by measurement (``scripts/benchmar
   ``(1, B*C, ...)``, output gradient ``(1, B*O, ...)``, ``B*G`` groups -- and take that
   convolution's weight gradient, of shape ``(B*O, C/G, *kernel)``: the stack of the
   per-sample gradients. Fastest on CPU for large spatial outputs and for grouped/depthwise
-  layers (no intermediate copy of the input);
+  layers (no intermediate copy of the input). On CPU it runs over blocks of samples whose
+  gradients fill about 2 MiB, each written into the result: the convolution's own
+  weight-gradient buffer and the copy it makes of it stay that small (not two of the result's
+  size) and in cache. Each sample's gradient is its own group's convolution either way: the
+  same numbers, bit for bit where the kernel does not depend on the number of groups (float64;
+  oneDNN's float32 kernels may block a smaller problem differently, a rounding difference);
 * im2col (Chellapilla et al., "High performance convolutional neural networks for document
   processing", 2006) + batched matrix product: ``x`` unfolded to ``(B, G, C/G*K, L)``
   windows, then ``gy @ windows^T`` per sample and group. Faster for ungrouped layers with
@@ -82,7 +87,29 @@ def _prepare_input(layer: ConvNd, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[
     return _pad_explicitly(x, layer, pads), (0,) * len(pads)
 
 
+# Bytes of per-sample gradients formed by one folded convolution on CPU (module doc).
+FOLDED_BLOCK_BYTES = 2 << 20
+
+
+def folded_block_rows(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) -> int:
+    """Samples per folded convolution: all on GPUs, else as many as fill ``FOLDED_BLOCK_BYTES``."""
+    if x.device.type != "cpu":
+        return max(x.shape[0], 1)
+    return max(1, FOLDED_BLOCK_BYTES // (layer.weight.numel() * gy.element_size()))
+
+
 def folded_conv_weight_grad(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
+    """Per-sample weight gradients from folded convolutions, a block of samples at a time."""
+    rows = folded_block_rows(layer, x, gy)
+    if x.shape[0] <= rows:
+        return _folded_block(layer, x, gy)
+    grads = gy.new_empty((x.shape[0], *layer.weight.shape))
+    for start in range(0, x.shape[0], rows):
+        grads[start:start + rows] = _folded_block(layer, x[start:start + rows], gy[start:start + rows])
+    return grads
+
+
+def _folded_block(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
     """Per-sample weight gradients from one convolution with the batch folded into groups."""
     batch = x.shape[0]
     x, padding = _prepare_input(layer, x)
