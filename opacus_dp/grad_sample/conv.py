@@ -149,11 +149,12 @@ def im2col_weight_grad(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) -> torc
     return torch.matmul(gy, windows.transpose(-1, -2)).view(x.shape[0], *layer.weight.shape)
 
 
-# Output positions (12x12) up to which ungrouped layers use im2col on CPU: with few positions and
+# Output positions (4x4) up to which ungrouped layers use im2col on CPU: with so few positions and
 # many channels its batched matrix product is large and dense, while the folded convolution runs
-# B·G small convolutions; on larger outputs the unfolded copy (K times the input) costs more than
-# it saves. Grouped layers keep the folded convolution (no copy, and thin products per group).
-IM2COL_MAX_POSITIONS = 144
+# B·G tiny convolutions; from 6x6 on, the folded convolution in cache-sized blocks of samples is
+# the faster, and on larger outputs the unfolded copy (K times the input) costs more than it
+# saves. Grouped layers keep the folded convolution (no copy, and thin products per group).
+IM2COL_MAX_POSITIONS = 16
 # Input channels up to which im2col is used at any resolution: with so few channels the folded
 # convolution's groups are too thin to use the convolution kernel well, and the copy stays small.
 IM2COL_MAX_IN_CHANNELS = 4

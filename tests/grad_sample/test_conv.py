@@ -137,7 +137,7 @@ def test_unknown_method_is_rejected():
 
 def test_auto_method_choice():
     """im2col only for ungrouped layers with few output positions or few input channels."""
-    small, large = torch.zeros(2, 4, 8, 8), torch.zeros(2, 4, 16, 16)
+    small, large = torch.zeros(2, 4, 4, 4), torch.zeros(2, 4, 6, 6)
     assert prefers_im2col(nn.Conv2d(8, 4, 3), small)
     assert not prefers_im2col(nn.Conv2d(8, 4, 3), large)
     assert prefers_im2col(nn.Conv2d(3, 4, 3), large)  # few input channels: any resolution
