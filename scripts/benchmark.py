@@ -34,7 +34,9 @@ is the *peak increase*: what training adds on top of model and data (activations
 per-sample state, optimizer state). ``MALLOC_MMAP_THRESHOLD_=65536`` makes glibc return freed
 tensors to the OS at once, so RSS follows live memory (and ``THP_MEM_ALLOC_ENABLE`` is unset
 there: huge pages would round resident sizes up). On CUDA: ``torch.cuda.max_memory_allocated``
-over the steps minus the memory allocated before them.
+over the steps minus the memory allocated before them. **Tensor peak**: the same on CPU, from the
+allocator's own count (the profiler's memory events over as many further steps): the tensors
+alone, without what the C library keeps of freed memory or of small objects.
 **Allocator**: the timed process runs with the environment it is given, reported in the
 table's header and the JSON: e.g. ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator on
 2 MiB transparent huge pages, fewer page faults for large tensors) applies to every variant alike.
@@ -57,6 +59,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from typing import Callable, Dict, List
@@ -242,24 +245,48 @@ def _status_kb(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
+def allocated_peak_mib(run: Callable[[], None]) -> float:
+    """The most bytes of tensors allocated on CPU while ``run()`` runs, above those held before
+    (MiB; what ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` is on a GPU): the
+    largest "Total Allocated" of the profiler's memory events, which counts the allocations made
+    while it runs, each until freed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    return max([0, *totals]) / 2 ** 20
+
+
 def probe_memory(model_name: str, variant: str, args) -> dict:
     """Run in a fresh process: peak increase of ``--memory-steps`` training steps (MiB): of the
-    RSS, or on CUDA of the allocated memory."""
+    RSS, or on CUDA of the allocated memory (``peak_increase_mib``); and of the tensors allocated
+    (``tensor_peak_mib``: on CPU over as many further steps, :func:`allocated_peak_mib`)."""
     workload = WORKLOADS[model_name]
     x, y = _batch(workload, args)
     step, steps = build_step(workload, variant, x, y, args.precision), args.memory_steps
+
+    def run():
+        for _ in range(steps):
+            step()
+
     if x.is_cuda:  # the allocator's counters, kept on the host as kernels are queued
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
-        for _ in range(steps):
-            step()
-        return {"peak_increase_mib": (torch.cuda.max_memory_allocated() - baseline) / 2 ** 20}
+        run()
+        peak = (torch.cuda.max_memory_allocated() - baseline) / 2 ** 20
+        return {"peak_increase_mib": peak, "tensor_peak_mib": peak}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     baseline = _status_kb("VmRSS")
-    for _ in range(steps):
-        step()
-    return {"peak_increase_mib": (_status_kb("VmHWM") - baseline) / 1024}
+    run()
+    rss = (_status_kb("VmHWM") - baseline) / 1024
+    return {"peak_increase_mib": rss, "tensor_peak_mib": allocated_peak_mib(run)}
 
 
 def measure_memory(model_name: str, variant: str, args) -> dict:

@@ -11,9 +11,11 @@ def _ratio(a, b):
 
 def summarise(model_name: str, timing: Dict[str, dict], memory: Dict[str, dict]) -> Dict[str, dict]:
     """Ratios to non-private and to Opacus per variant: time against Opacus hooks and
-    against Opacus's fastest mode, peak memory against Opacus's leanest mode."""
+    against Opacus's fastest mode, peak memory against Opacus's leanest mode; the tensors' peak
+    against non-private."""
     ms = {v: r.get("ms") for v, r in timing.items()}
     mib = {v: memory.get(v, {}).get("peak_increase_mib") for v in timing}
+    tensor_mib = {v: memory.get(v, {}).get("tensor_peak_mib") for v in timing}
     theirs = [v for v in THEIRS if ms.get(v) is not None]
     best = min(theirs, key=lambda v: ms[v]) if theirs else None
     measured = [v for v in theirs if mib.get(v) is not None]
@@ -28,6 +30,8 @@ def summarise(model_name: str, timing: Dict[str, dict], memory: Dict[str, dict])
             "speedup_vs_opacus_best": _ratio(ms.get(best), ms[v]) if best else None,
             "peak_mib": mib[v], "mem_x_non_private": _ratio(mib[v], mib.get("non-private")),
             "mem_x_opacus_leanest": _ratio(mib[v], mib.get(leanest)) if leanest else None,
+            "tensor_peak_mib": tensor_mib[v],
+            "tensor_x_non_private": _ratio(tensor_mib[v], tensor_mib.get("non-private")),
             "error": timing[v].get("error") or memory.get(v, {}).get("error"),
         }
     return rows
@@ -41,7 +45,7 @@ def _fmt(value, spec):
 def print_table(report: dict) -> None:
     head = (f"{'model':12s} {'variant':14s} {'step ms':>9s} {'x non-priv':>10s} {'paired x':>8s} "
             f"{'speedup/Op.hk':>15s} {'paired':>6s} {'speedup/Op.best':>14s} {'peak MiB':>9s} "
-            f"{'mem x np':>8s} {'mem x Op.min':>13s}")
+            f"{'mem x np':>8s} {'mem x Op.min':>13s} {'tensor MiB':>10s} {'x np':>5s}")
     print(head)
     print("-" * len(head))
     for model_name, entry in report["models"].items():
@@ -54,7 +58,8 @@ def print_table(report: dict) -> None:
                   f"{_fmt(r['speedup_vs_opacus_hooks'], '15.2f')} "
                   f"{_fmt(r['paired_speedup_vs_opacus_hooks'], '6.2f')} {_fmt(r['speedup_vs_opacus_best'], '14.2f')} "
                   f"{_fmt(r['peak_mib'], '9.1f')} {_fmt(r['mem_x_non_private'], '8.2f')} "
-                  f"{_fmt(r['mem_x_opacus_leanest'], '13.2f')}")
+                  f"{_fmt(r['mem_x_opacus_leanest'], '13.2f')} {_fmt(r['tensor_peak_mib'], '10.1f')} "
+                  f"{_fmt(r['tensor_x_non_private'], '5.2f')}")
         print(f"{'':12s} auto -> {entry['auto']}")
 
 

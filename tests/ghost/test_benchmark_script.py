@@ -142,6 +142,9 @@ def test_summarise_ratios_by_hand(bench):
     assert rows["bk"]["speedup_vs_opacus_best"] == pytest.approx(1.6)  # Opacus ghost was faster
     assert rows["bk"]["mem_x_non_private"] == pytest.approx(1.1)
     assert rows["bk"]["mem_x_opacus_leanest"] == pytest.approx(0.8)  # against Opacus ghost, 55 MiB
+    assert rows["bk"]["tensor_x_non_private"] is None  # no tensor peak measured
+    memory["non-private"]["tensor_peak_mib"], memory["bk"]["tensor_peak_mib"] = 30.0, 36.0
+    assert bench.summarise("m", timing, memory)["bk"]["tensor_x_non_private"] == pytest.approx(1.2)
     timing["opacus:ghost"] = {"error": "RuntimeError: unsupported"}
     memory.pop("opacus:ghost")
     rows = bench.summarise("m", timing, memory)
@@ -199,6 +202,25 @@ def test_short_run_reports_every_variant_consistently(bench, tmp_path, capsys):
     assert "lstm" in capsys.readouterr().out
 
 
+def test_allocated_peak_counts_the_tensors_alive_at_once(bench):
+    """4 MiB, then 8 MiB with it (12 MiB alive), then 2 MiB once the 4 MiB is gone: a 12 MiB peak;
+    freeing a tensor made before the window neither adds nor lowers the count."""
+    mib = 2 ** 20 // 4  # float32 elements in one MiB
+    before = torch.empty(12 * mib)
+
+    def run():
+        nonlocal before
+        a = torch.empty(4 * mib)
+        b = torch.empty(8 * mib)
+        del a
+        before = None
+        c = torch.empty(2 * mib)
+        del b, c
+
+    assert bench.allocated_peak_mib(run) == pytest.approx(12.0, abs=0.01)
+    assert bench.allocated_peak_mib(lambda: None) == 0.0
+
+
 def test_memory_probe_sees_the_per_sample_gradients_of_hooks(bench):
     """The LSTM's embedding alone has 5000 × 64 parameters: ``hooks`` materialises them per
     sample (32 × 1.2 MiB), which the probe must see as a far higher peak than non-private."""
@@ -208,3 +230,5 @@ def test_memory_probe_sees_the_per_sample_gradients_of_hooks(bench):
     assert "error" not in plain and "error" not in hooks, (plain, hooks)
     assert plain["peak_increase_mib"] > 0
     assert hooks["peak_increase_mib"] - plain["peak_increase_mib"] > 30
+    assert plain["tensor_peak_mib"] > 0  # the same 39 MiB of per-sample gradients, counted as tensors
+    assert hooks["tensor_peak_mib"] - plain["tensor_peak_mib"] > 30
