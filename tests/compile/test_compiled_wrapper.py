@@ -35,6 +35,23 @@ def test_a_compiled_model_is_wrapped_uncompiled_and_the_wrapper_compiled_alike(m
     assert any("linear" in code for code in recorder.graphs)  # the user's backend compiled the layers
 
 
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_what_dynamo_compiles_around_hooked_layers(mode):
+    """docs/compile.md: hooked layers called from straight-line code leave the code between them
+    compiled (the Block's attention softmax); called from nn.Sequential's loop, each hooked layer's
+    forward is compiled alone and the activation between them is not compiled."""
+    graphs = {}
+    for name in ("block", "mlp"):
+        recorder = Recorder()
+        private, optimizer, criterion = make_private(build(name), mode, name)
+        private.compile(backend=recorder)
+        steps(private, optimizer, criterion, name, sizes=(8,))
+        graphs[name] = recorder.graphs
+    assert any("softmax" in code for code in graphs["block"])
+    assert graphs["mlp"] and not any("relu" in code for code in graphs["mlp"])
+    assert all(code.count("linear(") <= 1 for code in graphs["mlp"])
+
+
 def test_hooks_break_the_graph_so_fullgraph_is_refused():
     private, _, _ = make_private(build("mlp"), "hooks", "mlp")
     with pytest.raises(Exception, match="disable"):
