@@ -74,3 +74,20 @@ def test_an_empty_block_is_never_formed(monkeypatch):
     monkeypatch.setattr(conv, "_folded_block", lambda *a: calls.append(a[1].shape[0]) or original(*a))
     assert torch.equal(folded_conv_weight_grad(layer, x, gy), original(layer, x, gy))
     assert calls == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_last_and_half_precision_blocks(monkeypatch, dtype):
+    """Blocks of a channels-last input (each block is copied into the folded layout) and of
+    bfloat16 gradients (two bytes each: twice the rows) match the per-sample oracle."""
+    layer, x, gy = _case("conv2d", batch=7, dtype=torch.float64)
+    oracle = oracle_per_sample_grads(layer, x, gy)[layer.weight]
+    layer = layer.to(dtype)
+    x = x.to(dtype).contiguous(memory_format=torch.channels_last)
+    gy = gy.to(dtype).contiguous(memory_format=torch.channels_last)
+    monkeypatch.setattr(conv, "FOLDED_BLOCK_BYTES", 8 * layer.weight.numel())
+    assert folded_block_rows(layer, x, gy) == {torch.float32: 2, torch.bfloat16: 4}[dtype]
+    blocked = folded_conv_weight_grad(layer, x, gy)
+    assert blocked.dtype == dtype and blocked.shape == (7, *layer.weight.shape)
+    tolerance = {"rtol": 2e-2, "atol": 1e-1} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(blocked.double(), oracle, **tolerance)
