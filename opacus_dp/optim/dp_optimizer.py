@@ -43,6 +43,7 @@ from opacus_dp.optim.amp_scaling import refuse_attribute_contract, refuse_sums_f
 from opacus_dp.optim.dp_optimizer_parts import DPOptimizerParts
 from opacus_dp.optim.noise import noise_std
 from opacus_dp.optim.nonfinite import screen_norms
+from opacus_dp.optim.philox_noise import PhiloxGaussianNoise
 from opacus_dp.optim.reduction import StepRelease
 from opacus_dp.optim.step_refusal import Refusal, StepRefusedError, earlier_piece_failed, refusal_of, with_note
 
@@ -197,11 +198,28 @@ class DPOptimizer(DPOptimizerParts):
 
     def add_noise(self, sums: List[torch.Tensor]) -> List[torch.Tensor]:
         """``S_l + N(0, (σ · sensitivity)²)``, one draw per coordinate: into ``S_l`` itself where no
-        ``p.summed_grad`` shows it, else into a new tensor (the same numbers either way)."""
+        ``p.summed_grad`` shows it, else into a new tensor (the same numbers either way). Where
+        nothing follows the noise but the mean's division, the Philox noise divides in its own
+        pass (bitwise the same as :meth:`scale_grad` after it, which then leaves the tensors)."""
         std = noise_std(self.noise_multiplier, self.clipper)
         if sums:
             self.noise.begin_step(sums[0].device)
-        return [self.noise.noised(s, std, reuse=not self.summed_grad_views.exposes(s)) for s in sums]
+        divisor = self._divisor_for_noise()
+        self._divided_by_noise = divisor is not None
+        if divisor is None:
+            return [self.noise.noised(s, std, reuse=not self.summed_grad_views.exposes(s)) for s in sums]
+        return [self.noise.noised_divided(s, std, not self.summed_grad_views.exposes(s), divisor) for s in sums]
+
+    def _divisor_for_noise(self) -> Optional[float]:
+        """The mean's divisor when the noise may apply it: Philox noise, the ``mean`` reduction,
+        nothing added to the noised tensors after the noise (one process, or each rank noising its
+        own reduced shards) and this class's own :meth:`add_noise` and :meth:`scale_grad`."""
+        if not isinstance(self.noise, PhiloxGaussianNoise) or self.loss_reduction != "mean":
+            return None
+        reducer, own = self.reducer, type(self).add_noise is DPOptimizer.add_noise
+        if not (reducer.draws_noise and (reducer.world_size == 1 or reducer.shards)):
+            return None
+        return self._expected_global_batch_size() if own and type(self).scale_grad is DPOptimizer.scale_grad else None
 
     def _add_count_noise(self, count: torch.Tensor) -> torch.Tensor:
         """``U = count + N(0, σ_u²)`` (after the gradient noise, from the same source)."""
@@ -211,8 +229,10 @@ class DPOptimizer(DPOptimizerParts):
 
     def scale_grad(self, sums: List[torch.Tensor]) -> List[torch.Tensor]:
         """Apply the ``mean`` reduction: divide by ``expected_batch_size · world_size · k``
-        (in place: the sums of a step are the optimizer's own tensors)."""
-        if self.loss_reduction == "sum":
+        (in place: the sums of a step are the optimizer's own tensors), unless the noise of this
+        step already did (:meth:`add_noise`)."""
+        divided, self._divided_by_noise = self._divided_by_noise, False
+        if self.loss_reduction == "sum" or divided:
             return sums
         divisor = self._expected_global_batch_size()
         return [s.div_(divisor) for s in sums]

@@ -123,6 +123,7 @@ class DPOptimizerParts(WrappedOptimizer):
         self._pre_step_hooks: "OrderedDict[int, Callable]" = OrderedDict()
         self._step_hooks: "OrderedDict[int, Callable]" = OrderedDict()
         self.steps_taken = 0  # private steps released (checkpoints compare it with the history)
+        self._divided_by_noise = False  # the noise of the current step applied the mean's division
         self.summed_grad_views.show(self.params, {})
 
     @property

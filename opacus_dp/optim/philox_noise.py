@@ -62,6 +62,13 @@ class PhiloxGaussianNoise(ParallelGaussianNoise):
         position = self._next_position()
         return philox.noised(total, std, position, self._draws(), self._workers())
 
+    def noised_divided(self, total: torch.Tensor, std: float, reuse: bool, divisor: float) -> torch.Tensor:
+        """``(total + N(0, std²)) / divisor``: bitwise :meth:`noised` then ``div_(divisor)`` (the mean's
+        division of the step), on CPU in the same pass as the noise (one read and one write)."""
+        if std == 0 or total.device.type != "cpu":
+            return self.noised(total, std, reuse).div_(divisor)
+        return philox.noised(total, std, self._next_position(), self._draws(), self._workers(), reuse, divisor)
+
     def _draw(self, target: torch.Tensor, std: float, add: bool) -> None:
         position = self._next_position()
         if target.device.type != "cpu":

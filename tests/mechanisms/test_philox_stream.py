@@ -41,10 +41,10 @@ def box_muller_float64(w0, w1):
     return r, r * np.cos(angle), r * np.sin(angle)
 
 
-def run_kernel(kernel, n, start, words=WORDS, std=STD, base=None, alias=False):
+def run_kernel(kernel, n, start, words=WORDS, std=STD, base=None, alias=False, divisor=1.0):
     out = base.clone() if alias else torch.full((n,), float("nan"))
     source = out if alias else base
-    kernel(out.data_ptr(), None if source is None else source.data_ptr(), start, n, *words, std)
+    kernel(out.data_ptr(), None if source is None else source.data_ptr(), start, n, *words, std, divisor)
     return out
 
 
@@ -215,7 +215,7 @@ def test_an_unknown_instruction_level_falls_back_to_the_baseline_build(monkeypat
             pytest.skip(f"no C compiler here: {native.unavailable_reason()}")
         assert kernel is not None, native.unavailable_reason()
         out, expected = torch.empty(1000), torch.empty(1000)
-        kernel(out.data_ptr(), None, 0, 1000, 1, 2, 3, 4, 1.0)
+        kernel(out.data_ptr(), None, 0, 1000, 1, 2, 3, 4, 1.0, 1.0)
         reference.fill(expected, None, 0, (1, 2, 3, 4), 1.0)
         assert torch.equal(out, expected)
     finally:

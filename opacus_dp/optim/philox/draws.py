@@ -41,14 +41,15 @@ def float32_value(x: float) -> float:
     return float(np.float32(x))
 
 
-def fill(out: torch.Tensor, base: Optional[torch.Tensor], words: Words, std: float, workers: int) -> None:
+def fill(out: torch.Tensor, base: Optional[torch.Tensor], words: Words, std: float, workers: int,
+         divisor: float = 1.0) -> None:
     """``out = base + std·stream`` (``out = std·stream`` without ``base``; ``base`` may be ``out``),
-    1-D contiguous float32 CPU tensors; by the native kernel in chunks on ``workers`` threads, else
-    by the torch reference (same numbers)."""
+    divided by ``divisor`` unless it is 1, 1-D contiguous float32 CPU tensors; by the native kernel
+    in chunks on ``workers`` threads, else by the torch reference (same numbers)."""
     kernel = native.kernel()
     if kernel is None:
         _warn_reference()
-        reference.fill(out, base, 0, words, std)
+        reference.fill(out, base, 0, words, std, divisor)
         return
     n = out.numel()
     out_address = out.data_ptr()
@@ -57,7 +58,7 @@ def fill(out: torch.Tensor, base: Optional[torch.Tensor], words: Words, std: flo
     def chunk(start: int) -> None:
         count = min(CHUNK_ELEMENTS, n - start)
         kernel(out_address + 4 * start, None if base_address is None else base_address + 4 * start,
-               start, count, *words, std)
+               start, count, *words, std, divisor)
 
     starts = range(0, n, CHUNK_ELEMENTS)
     if len(starts) == 1 or workers == 1:
@@ -86,17 +87,20 @@ def draw(target: torch.Tensor, std: float, position, draws: int, add: bool, work
         target.copy_(noise)
 
 
-def noised(total: torch.Tensor, std: float, position, draws: int, workers: int) -> torch.Tensor:
-    """A new tensor ``total + noise`` (:func:`draw`'s noise, bitwise), its first draw written with
-    ``total`` in one pass for a contiguous float32 ``total``."""
+def noised(total: torch.Tensor, std: float, position, draws: int, workers: int, reuse: bool = False,
+           divisor: float = 1.0) -> torch.Tensor:
+    """``(total + noise) / divisor`` (:func:`draw`'s noise, bitwise ``total + noise`` then a
+    division): a new tensor, or with ``reuse`` ``total`` itself; for a contiguous float32 ``total``
+    in one pass per draw, the division in the last one."""
     if total.dtype != torch.float32 or not total.is_contiguous():
-        out = total.clone(memory_format=torch.contiguous_format)
+        out = total if reuse else total.clone(memory_format=torch.contiguous_format)
         draw(out, std, position, draws, add=True, workers=workers)
-        return out
-    out = empty_like_on_huge_pages(total)  # written here first: few page faults (maths/huge_pages.py)
+        return out if divisor == 1.0 else out.div_(divisor)
+    out = total if reuse else empty_like_on_huge_pages(total)  # a new one written here first (huge_pages.py)
     flat, scale = out.view(-1), float32_value(std / math.sqrt(draws))
     for d in range(draws):
-        fill(flat, total.view(-1) if d == 0 else flat, stream_words(*position, d), scale, workers)
+        fill(flat, total.view(-1) if d == 0 else flat, stream_words(*position, d), scale, workers,
+             divisor if d == draws - 1 else 1.0)
     return out
 
 

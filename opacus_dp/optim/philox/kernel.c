@@ -11,7 +11,8 @@
  * ln by the atanh series of the mantissa (to s^9), sin t and cos t by their Taylor series (to t^9,
  * t^10). Every operation is a correctly rounded float32 operation in a fixed order (compiled
  * with -ffp-contract=off), so every build of this file, and the torch reference, give the same bits.
- * out[i] = base[i] + z_i * std (or z_i * std without base). */
+ * out[i] = base[i] + z_i * std (or z_i * std without base), divided by divisor unless it is 1 (the
+ * mean's division of a step folded into the noise pass: the same correctly rounded division). */
 #include <stdint.h>
 #include <string.h>
 
@@ -87,19 +88,26 @@ static void tile(uint64_t first_block, uint32_t k0, uint32_t k1, uint32_t c2, ui
 
 /* Elements [start, start + count) of the stream into out (start: a multiple of 256). */
 void opacus_dp_philox_normal(float *out, const float *base, int64_t start, int64_t count,
-                             uint32_t k0, uint32_t k1, uint32_t c2, uint32_t c3, float std) {
+                             uint32_t k0, uint32_t k1, uint32_t c2, uint32_t c3, float std, float divisor) {
     float z[TILE];
+    int divide = divisor != 1.0f;
     for (int64_t done = 0; done < count; done += TILE) {
         int64_t n = count - done < TILE ? count - done : TILE;
         tile((uint64_t)((start + done) / TILE) * LANES, k0, k1, c2, c3, std, z);
         float *o = out + done;
         if (base) {
             const float *a = base + done;
-            for (int64_t i = 0; i < n; i++) o[i] = a[i] + z[i];
+            if (divide) {
+                for (int64_t i = 0; i < n; i++) o[i] = (a[i] + z[i]) / divisor;
+            } else {
+                for (int64_t i = 0; i < n; i++) o[i] = a[i] + z[i];
+            }
+        } else if (divide) {
+            for (int64_t i = 0; i < n; i++) o[i] = z[i] / divisor;
         } else {
             for (int64_t i = 0; i < n; i++) o[i] = z[i];
         }
     }
 }
 
-int opacus_dp_philox_version(void) { return 1; }
+int opacus_dp_philox_version(void) { return 2; }

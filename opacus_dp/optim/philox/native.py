@@ -28,7 +28,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 SOURCE = Path(__file__).with_name("kernel.c")
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd")
 _X86_LEVELS = {"AVX512": "-march=x86-64-v4", "AVX2": "-march=x86-64-v3"}
 _lock = threading.Lock()
@@ -91,7 +91,8 @@ def load(path: Path) -> Callable:
         raise RuntimeError(f"{path} is not version {KERNEL_VERSION} of the Philox kernel")
     kernel = library.opacus_dp_philox_normal
     kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_float]
+                       ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_float,
+                       ctypes.c_float]
     kernel.restype = None
     return kernel
 

@@ -85,9 +85,11 @@ def normal_tiles(first_tile: int, tiles: int, words: Words, std: float) -> torch
     return torch.stack([plane.view(tiles, LANES) for plane in planes], dim=1).reshape(-1) * std
 
 
-def fill(out: torch.Tensor, base: Optional[torch.Tensor], start: int, words: Words, std: float) -> None:
-    """``out = base + stream[start:start + n]·std`` (or without ``base``), ``out`` and ``base``
-    1-D contiguous float32 CPU tensors of ``n`` elements, ``start`` a multiple of ``TILE``."""
+def fill(out: torch.Tensor, base: Optional[torch.Tensor], start: int, words: Words, std: float,
+         divisor: float = 1.0) -> None:
+    """``out = base + stream[start:start + n]·std`` (or without ``base``), divided by ``divisor``
+    unless it is 1; ``out`` and ``base`` 1-D contiguous float32 CPU tensors of ``n`` elements,
+    ``start`` a multiple of ``TILE``."""
     if start % TILE:
         raise ValueError(f"start must be a multiple of {TILE}, got {start}")
     n, done = out.numel(), 0
@@ -99,4 +101,6 @@ def fill(out: torch.Tensor, base: Optional[torch.Tensor], start: int, words: Wor
             part.copy_(noise)
         else:
             torch.add(base[done:done + noise.numel()], noise, out=part)
+        if divisor != 1.0:
+            part.div_(divisor)
         done += noise.numel()
