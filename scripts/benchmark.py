@@ -59,7 +59,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from typing import Callable, Dict, List
@@ -70,6 +69,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_models import WORKLOADS  # noqa: E402
 from benchmark_report import THEIRS, print_table, summarise  # noqa: E402
+from memory_probe import allocated_peak_mib, status_kb  # noqa: E402
 from compile_stats import COMPILED, add_compile_ratios, allow_recompiles, counting, print_compile_ratios  # noqa: E402
 
 SIGMA, CLIP, LR = 1.0, 1.0, 0.01
@@ -237,32 +237,6 @@ def add_paired_ratios(timing: Dict[str, dict]) -> None:
 
 
 # ----------------------------------------------------------------------------- memory
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-def allocated_peak_mib(run: Callable[[], None]) -> float:
-    """The most bytes of tensors allocated on CPU while ``run()`` runs, above those held before
-    (MiB; what ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` is on a GPU): the
-    largest "Total Allocated" of the profiler's memory events, which counts the allocations made
-    while it runs, each until freed."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
-    return max([0, *totals]) / 2 ** 20
-
-
 def probe_memory(model_name: str, variant: str, args) -> dict:
     """Run in a fresh process: peak increase of ``--memory-steps`` training steps (MiB): of the
     RSS, or on CUDA of the allocated memory (``peak_increase_mib``); and of the tensors allocated
@@ -283,9 +257,9 @@ def probe_memory(model_name: str, variant: str, args) -> dict:
         return {"peak_increase_mib": peak, "tensor_peak_mib": peak}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    baseline = _status_kb("VmRSS")
+    baseline = status_kb("VmRSS")
     run()
-    rss = (_status_kb("VmHWM") - baseline) / 1024
+    rss = (status_kb("VmHWM") - baseline) / 1024
     return {"peak_increase_mib": rss, "tensor_peak_mib": allocated_peak_mib(run)}
 
 
