@@ -216,10 +216,11 @@ class DPOptimizer(DPOptimizerParts):
         own reduced shards) and this class's own :meth:`add_noise` and :meth:`scale_grad`."""
         if not isinstance(self.noise, PhiloxGaussianNoise) or self.loss_reduction != "mean":
             return None
-        reducer, own = self.reducer, type(self).add_noise is DPOptimizer.add_noise
-        if not (reducer.draws_noise and (reducer.world_size == 1 or reducer.shards)):
-            return None
-        return self._expected_global_batch_size() if own and type(self).scale_grad is DPOptimizer.scale_grad else None
+        if type(self).add_noise is not DPOptimizer.add_noise or type(self).scale_grad is not DPOptimizer.scale_grad:
+            return None  # a subclass's own noise or division: two passes, as it wrote them
+        reducer = self.reducer
+        noise_is_last = reducer.draws_noise and (reducer.world_size == 1 or reducer.shards)
+        return self._expected_global_batch_size() if noise_is_last else None
 
     def _add_count_noise(self, count: torch.Tensor) -> torch.Tensor:
         """``U = count + N(0, σ_u²)`` (after the gradient noise, from the same source)."""
