@@ -13,7 +13,6 @@ import torch
 from opacus_dp.optim import DPOptimizer, LocalReducer
 from opacus_dp.optim.noise import noise_std
 from opacus_dp.optim.philox import draws, native, reference
-from opacus_dp.optim.philox.draws import stream_words
 from opacus_dp.optim.philox_noise import PhiloxGaussianNoise
 from tests.mechanisms.test_philox_stream import run_kernel
 

@@ -22,7 +22,7 @@ import torch
 from opacus_dp.optim.chunked_draws import thread_pool
 from opacus_dp.optim.philox import native, reference
 from opacus_dp.maths.huge_pages import empty_like_on_huge_pages
-from opacus_dp.optim.philox.reference import TILE, Words
+from opacus_dp.optim.philox.reference import Words
 
 DOMAIN = b"opacus_dp philox noise v1\0"
 CHUNK_ELEMENTS = 1 << 18  # elements per kernel call (a multiple of TILE): the unit of work of a thread
