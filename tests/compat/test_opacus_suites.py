@@ -10,7 +10,6 @@ whose tests cannot be obtained here (Opacus not installed, no network for the 0.
 skipped with the script's reason.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,15 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.script_loading import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "opacus_suites.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("opacus_suites_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("opacus_suites.py", "opacus_suites_script")
 
 
 suites = _load_script()

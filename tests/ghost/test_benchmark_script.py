@@ -11,25 +11,20 @@ per-sample gradients the ``hooks`` mode materialises.
 import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.script_loading import load_script
+
 VOCAB, BATCH, LENGTH = 40, 6, 5
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("benchmark_under_test", SCRIPTS / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark.py", "benchmark_under_test")
 
 
 class TinySequenceModel(nn.Module):

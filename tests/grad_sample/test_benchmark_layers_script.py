@@ -5,24 +5,17 @@ the helper doing the last three is checked against a batch-size-1 autograd loop,
 run of the script must time every column for a Linear and a Conv layer.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_layers.py"
+from tests.script_loading import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_layers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark_layers.py", "benchmark_layers")
 
 
 def _clipped_sum_oracle(layer: nn.Module, x: torch.Tensor, clip: float):

@@ -7,7 +7,6 @@ skipped with the script's reason where it cannot (exit status 3). Its nine runs 
 minute with two at a time on two cores.
 """
 
-import importlib.util
 import json
 import math
 import pickle
@@ -17,15 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.script_loading import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "opacus_examples.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("opacus_examples_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("opacus_examples.py", "opacus_examples_script")
 
 
 examples = _load_script()

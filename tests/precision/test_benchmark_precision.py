@@ -1,26 +1,19 @@
 """``scripts/benchmark.py --precision``: the private and the non-private variants run their
 forward pass in the same precision (autocast), float16 with a GradScaler."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn as nn
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.script_loading import load_script
+
 pytestmark = [pytest.mark.filterwarnings("ignore:GradScaler is going to stop"),
               pytest.mark.filterwarnings("ignore:secure_mode")]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("benchmark_precision_under_test", SCRIPTS / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark.py", "benchmark_precision_under_test")
 
 
 def _workload(seen):

@@ -1,19 +1,15 @@
 """scripts/benchmark_augmult.py: one row per K, every K at the same ε (same σ, q and steps)."""
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_augmult.py"
+from tests.script_loading import load_script
 
 
 @pytest.mark.slow
 def test_every_multiplicity_is_reported_at_the_same_epsilon(tmp_path):
-    spec = importlib.util.spec_from_file_location("benchmark_augmult", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmark_augmult.py", "benchmark_augmult")
     out = tmp_path / "table.md"
     table = module.main(["--multiplicities", "0,3", "--seeds", "2", "--epochs", "1", "--batch-size", "300",
                          "--epsilon", "2", "--out", str(out)])

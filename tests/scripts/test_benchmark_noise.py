@@ -1,20 +1,15 @@
 """scripts/benchmark_noise.py: every noise variant is timed beside an add_ of the same size, and each
 ratio is its median ÷ the add_ median."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_noise.py"
+from tests.script_loading import load_script
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("benchmark_noise", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark_noise.py", "benchmark_noise")
 
 
 def test_variants_are_reported_against_add(tmp_path, capsys):

@@ -11,7 +11,6 @@
   ``Tensor.item()``) and none in straight tensor code, as ``torch._dynamo.explain`` does.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +21,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from tests.script_loading import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
@@ -36,11 +37,7 @@ def scripts_importable(monkeypatch):
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("benchmark_gpu_under_test", SCRIPTS / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark.py", "benchmark_gpu_under_test")
 
 
 # ----------------------------------------------------------------------------- the pipeline

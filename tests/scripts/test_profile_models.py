@@ -1,21 +1,13 @@
 """scripts/profile_models.py: each single-device model's private step timed phase by phase beside the
 non-private step; the phases add up to the step and the ratio is the steps' quotient."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.script_loading import load_script
 
 
 def load():
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("profile_models", SCRIPTS / "profile_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("profile_models.py", "profile_models")
 
 
 @pytest.mark.parametrize("fast_noise", ["off", "philox"])

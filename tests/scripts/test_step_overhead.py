@@ -1,19 +1,14 @@
 """scripts/benchmark_step_overhead.py: the overhead is the private step's time minus the non-private
 one, expressed in same-size add_ passes, with and without the noise draw."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_step_overhead.py"
+from tests.script_loading import load_script
 
 
 @pytest.mark.parametrize("fast_noise", [[], ["--fast-noise", "philox"]])
 def test_overhead_is_reported_in_add_passes(capsys, fast_noise):
-    spec = importlib.util.spec_from_file_location("benchmark_step_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmark_step_overhead.py", "benchmark_step_overhead")
     result = module.main(["--dim", "256", "--repeats", "3", "--warmup", "1", "--modes", "bk,hooks", *fast_noise])
     ms = result["ms"]
     assert set(ms) == {"non-private", "private bk", "private hooks", "noise", "add_"}
