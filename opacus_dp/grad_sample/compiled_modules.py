@@ -5,9 +5,10 @@ or passed to ``make_private`` already compiled; either way a step gives the eage
 Three measures make that hold, taken when a wrapper is built:
 
 * :func:`run_hooks_eagerly`: the wrapper's module hooks run outside dynamo (each wrapped in
-  ``torch.compiler.disable``). Dynamo compiles the layers' computation between them and never
-  traces the bookkeeping, which reads autograd nodes, weak references and thread-local state
-  (tracing it can fail, e.g. on a norm layer's saved statistics); a graph break at each hooked layer.
+  ``torch.compiler.disable``): dynamo never traces the bookkeeping, which reads autograd nodes,
+  weak references and thread-local state (tracing it can fail, e.g. on a norm layer's saved
+  statistics). The per-layer hooks of the traced taps (:mod:`~opacus_dp.grad_sample.traced_taps`)
+  are traced instead, where the taps apply; elsewhere each is a graph break.
 * :func:`guard_module_hooks`: dynamo guards on module hooks
   (``torch._dynamo.config.skip_nnmodule_hook_guards = False``). By default it does not, so code
   compiled for a module without hooks (this model before it was wrapped, or another instance of
@@ -20,30 +21,59 @@ Three measures make that hold, taken when a wrapper is built:
   ``wrapper.compile(...)`` does), so names, state-dict keys and checkpoints are the uncompiled ones.
 
 The first wrapper of a process loads ``torch._dynamo`` (about a second, once). Private attributes
-used here: ``torch._dynamo.config.skip_nnmodule_hook_guards``, ``OptimizedModule._orig_mod`` and
-``.dynamo_ctx``, ``nn.Module._compiled_call_impl`` (tested in ``tests/compile``).
+used here: ``torch._dynamo.config.skip_nnmodule_hook_guards``, ``torch._dynamo.eval_frame.skip_code``,
+``OptimizedModule._orig_mod`` and ``.dynamo_ctx``, ``nn.Module._compiled_call_impl`` (tested in
+``tests/compile``).
 """
 
 import sys
-from typing import Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 
-def run_hooks_eagerly(model: nn.Module, handles: Iterable[object]) -> None:
+def run_hooks_eagerly(model: nn.Module, handles: Iterable[object],
+                      traced: Optional[Dict[int, Callable[[Callable], Callable]]] = None) -> None:
     """Wrap each forward (pre-)hook of ``model``'s modules registered with one of ``handles`` in
-    ``torch.compiler.disable`` (in place, same key: removing the handle still removes it)."""
+    ``torch.compiler.disable`` (in place, same key: removing the handle still removes it).
+    ``traced[handle.id](eager)``, where given, is what dynamo traces instead of the disabled hook
+    ``eager`` (the traced taps, :mod:`~opacus_dp.grad_sample.traced_taps`); eagerly the hook runs."""
     hook_dicts = {id(d) for m in model.modules() for d in (m._forward_pre_hooks, m._forward_hooks)}
+    traced = traced or {}
     for handle in handles:
         if not isinstance(handle, RemovableHandle):
             continue
         hooks = handle.hooks_dict_ref()
         if hooks is None or id(hooks) not in hook_dicts or handle.id not in hooks:
             continue
-        if not getattr(hooks[handle.id], "_torchdynamo_disable", False):
-            hooks[handle.id] = torch.compiler.disable(hooks[handle.id])
+        hook = hooks[handle.id]
+        if getattr(hook, "_torchdynamo_disable", False) or getattr(hook, "_opacus_dp_dispatch", False):
+            continue
+        eager = torch.compiler.disable(hook)
+        hooks[handle.id] = eager if handle.id not in traced else _dispatch(eager, traced[handle.id](eager))
+
+
+def _dispatch(eager: Callable, traced: Callable) -> Callable:
+    """``traced`` while dynamo traces, ``eager`` otherwise. Dynamo inlines the returned hook into
+    the graph of the function that calls it, but never compiles it as a frame of its own
+    (``skip_code``): a layer called from a function that runs eagerly runs the eager hook."""
+    def hook(*args):
+        if torch.compiler.is_compiling():
+            return traced(*args)
+        return eager(*args)
+
+    _skip_as_frame(hook.__code__)
+    hook._opacus_dp_dispatch = True
+    return hook
+
+
+def _skip_as_frame(code) -> None:
+    """Dynamo runs frames of ``code`` eagerly (the functions they call are compiled as usual)."""
+    from torch._dynamo.eval_frame import skip_code  # loaded with torch._dynamo (guard_module_hooks)
+
+    skip_code(code)
 
 
 def guard_module_hooks() -> None:
@@ -54,9 +84,11 @@ def guard_module_hooks() -> None:
         torch.compiler.reset()
 
 
-def prepare_for_compile(model: nn.Module, handles: Iterable[object]) -> None:
-    """Both measures for a wrapper whose hooks on ``model`` are ``handles``."""
-    run_hooks_eagerly(model, handles)
+def prepare_for_compile(model: nn.Module, handles: Iterable[object],
+                        traced: Optional[Dict[int, Callable[[Callable], Callable]]] = None) -> None:
+    """Both measures for a wrapper whose hooks on ``model`` are ``handles`` (``traced``: see
+    :func:`run_hooks_eagerly`)."""
+    run_hooks_eagerly(model, handles, traced)
     guard_module_hooks()
 
 

@@ -30,7 +30,6 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 
 from opacus_dp.distributed import data_parallel
 from opacus_dp.grad_sample.running_statistics import guard_running_statistics
@@ -40,59 +39,19 @@ from opacus_dp.grad_sample.broadcast_inputs import BroadcastInputs
 from opacus_dp.grad_sample.compiled_modules import prepare_for_compile
 from opacus_dp.grad_sample.grad_sample_api import GradSampleModuleAPI
 from opacus_dp.grad_sample.outside_use_totals import OutsideUseTotals
-from opacus_dp.grad_sample.layer_call import (LayerCall, call_batch_dim, hook_output_grad,
+from opacus_dp.grad_sample.layer_call import (LayerCall, batch_first_backprops, call_batch_dim, hook_output_grad,
                                              per_sample_output_grads, separate_outputs)
+from opacus_dp.grad_sample.replicas import has_replicas, master_grad_samples, needs_weight_grads
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck, Switches
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import skip_weight_grads as install_skipping
 from opacus_dp.grad_sample.support import autocast_of, describe, same_autocast, unsupported_modules
+from opacus_dp.grad_sample.traced_taps import IDLE, LEARN, TAPPED, TracedTaps
 from opacus_dp.module_parameters import (has_trainable_parameters, own_parameters, register_canonical_if_sharded,
                                          to_canonical)
 
 _RECOMPUTING = threading.local()
-
-
-def _master_grad_samples(
-    master: nn.Module, layer: nn.Module, grad_samples: Dict[torch.Tensor, torch.Tensor]
-) -> Dict[torch.Tensor, torch.Tensor]:
-    """Re-key a sampler's result from ``layer``'s tensors to ``master``'s parameters.
-
-    ``layer`` is the module the hook was called with: ``master`` itself, or a replica
-    made by ``nn.DataParallel`` whose parameters are plain tensor attributes derived from
-    the master's (same names); the mapping goes through those names.
-    """
-    if layer is master:
-        return grad_samples  # keyed by the canonical tensors already (_per_sample_grads)
-    by_id = {id(getattr(layer, n)): p for n, p in own_parameters(master)}
-    return {by_id[id(t)]: gs for t, gs in grad_samples.items()}
-
-
-def _has_replicas(module: nn.Module) -> bool:
-    return any(isinstance(m, (nn.DataParallel, DistributedDataParallel)) for m in module.modules())
-
-
-def _needs_weight_grads(module: nn.Module) -> bool:
-    """True when autograd's weight gradients are used by something other than the optimizer: the
-    replicas of ``nn.DataParallel`` (their gradients reach the master parameters) and a DDP with
-    ``static_graph=True`` (it keeps its own synchronisation). Other DDP models have theirs
-    switched off by the engine (:mod:`opacus_dp.distributed.ddp_hooks`), so nothing reads them."""
-    return any(isinstance(m, nn.DataParallel) or (isinstance(m, DistributedDataParallel)
-                                                  and getattr(m, "static_graph", False))
-               for m in module.modules())
-
-
-def batch_first_backprops(call: LayerCall, hooked: Sequence[int], n_outputs: int, grads,
-                          scale: Optional[int] = None) -> Optional[List[Optional[torch.Tensor]]]:
-    """The call's output gradients, detached, batch on dim 0 (times ``scale`` if given; None for
-    an output without gradient); None if no output got one."""
-    backprops: List[Optional[torch.Tensor]] = [None] * n_outputs
-    for index, grad in zip(hooked, grads):
-        if grad is not None:
-            grad = grad.detach()
-            grad = grad.movedim(call.batch_dim, 0) if call.batch_dim != 0 else grad
-            backprops[index] = grad * scale if scale is not None else grad
-    return None if all(b is None for b in backprops) else backprops
 
 
 class GradSampleModule(GradSampleModuleAPI, nn.Module):
@@ -161,26 +120,31 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         self._finalizer.atexit = False
         data_parallel.refuse_unsupported_replicas(module, lambda m: self._sampler_for(m) is not None)
         self._broadcast = BroadcastInputs(batch_first, weakly(self._recording, False))
+        self._taps, self._traced = TracedTaps(batch_first), {}  # torch.compile: traced_taps
         self._add_hooks()
         self._store.show_absent([p for _, p in self.trainable_parameters()])  # as Opacus 1.x
         self._handles.extend(guard_running_statistics(module, weakly(self._recording, False)))
         if self._handles:
             data_parallel.acquire(self)
         self.configure_model_checks(check_sample_independence, public_buffers)
-        self.skips_weight_grads = bool(skip_weight_grads) and not _needs_weight_grads(module)
+        self.skips_weight_grads = bool(skip_weight_grads) and not needs_weight_grads(module)
         if self.skips_weight_grads:
             self._skip_weight_grads()
-        elif not _has_replicas(module) and not sharded:  # FSDP2 reduces p.grad across ranks
+        elif not has_replicas(module) and not sharded:  # FSDP2 reduces p.grad across ranks
             self._compare_pass_totals()
-        prepare_for_compile(module, self._handles)  # torch.compile: see compiled_modules
+        self._taps.skips_weight_grads = self.skips_weight_grads
+        self._taps.enabled = not has_replicas(module) and not sharded
+        prepare_for_compile(module, self._handles, self._traced)  # torch.compile: see compiled_modules
 
     def _skip_weight_grads(self) -> None:
         self._outside_use = OutsideUseCheck({id(p): n for n, p in self._module.named_parameters()})
         self._switches = self._attached.switches = Switches()
         for layer in self._hooked_layers():
-            self._handles.extend(install_skipping(
-                layer, weakly(self._recording, False), self._outside_use,
-                recomputing=lambda: getattr(_RECOMPUTING, "active", False), switches=self._switches))
+            handles = install_skipping(layer, weakly(self._recording, False), self._outside_use,
+                                       recomputing=lambda: getattr(_RECOMPUTING, "active", False),
+                                       switches=self._switches)
+            self._traced.update({handle.id: self._taps.passive for handle in handles})
+            self._handles.extend(handles)
         self._handles.append(self._outside_use)
 
     def _compare_pass_totals(self) -> None:
@@ -213,8 +177,11 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
             if not own_parameters(sub) or id(sub) in bad:
                 continue
             hook = self._make_forward_hook(path, sub)
-            self._handles.append(self._broadcast.attach_to_layer(sub))
-            self._handles.append(sub.register_forward_hook(hook, with_kwargs=True))
+            broadcast = self._broadcast.attach_to_layer(sub)
+            capture = sub.register_forward_hook(hook, with_kwargs=True)
+            self._traced[broadcast.id] = self._taps.passive
+            self._traced[capture.id] = self._taps.traced_hook(path, sub)
+            self._handles.extend([broadcast, capture])
             _HOOKED_BY[sub] = self._attached.token
         if self._handles:  # the model's forward: where broadcast calls learn the batch size
             self._handles.extend(self._broadcast.attach_to_model(self._module))
@@ -228,11 +195,14 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
 
         return forward_hook
 
-    def _capture(self, path, master, layer, args, kwargs, output):
+    def _capture(self, path, master, layer, args, kwargs, output, traced: bool = False):
         """Forward hook body: record the call and hook its outputs' gradients.
 
         Returns None (output unchanged) or, for a layer with several differentiable
         outputs, the output with those tensors replaced by clones (see ``separate_outputs``).
+        ``traced``: a call of a compiled forward recorded after it (its inputs are the graph's
+        outputs, ``output`` its tap: :mod:`~opacus_dp.grad_sample.traced_taps`); its inputs are
+        kept as they are and a norm layer's statistics computed again.
         """
         if not self.hooks_enabled or getattr(_RECOMPUTING, "active", False):
             return None
@@ -242,6 +212,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         if not hooked:
             return None
         batch_dim = call_batch_dim(layer, self.batch_first, outputs[hooked[0]])
+        self._taps.note(path, master, layer, args, kwargs, outputs, hooked, batch_dim)
         batch_size = self._batch_size(path, master, outputs[hooked[0]], batch_dim)
         if batch_size == 0:  # no per-sample gradients; the backward pass still is a batch
             for _, param in own_parameters(master):
@@ -250,13 +221,13 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
             hook_output_grad(outputs[hooked[0]], lambda grad: self._store.mark_empty_pass())
             return replaced
         call = LayerCall.capture(args, kwargs, batch_dim, batch_size,
-                                  track_producers=self._tracks_producers)
+                                  track_producers=self._tracks_producers and not traced)
         if self._store.totals is not None:
             self._store.totals.watch_layer(master, autocast_of(master) is not None)
         call.outer_task = torch._C._current_graph_task_id()
         if call.outer_task != -1:  # recomputed during a backward pass (activation checkpointing)
             self._open_outer_pass(call, describe(path, master))
-        reader = None if self.force_functorch else find_sampler(SAVED_STATISTICS, layer)
+        reader = None if self.force_functorch or traced else find_sampler(SAVED_STATISTICS, layer)
         if reader is not None:
             call.statistics = reader(layer, output)
         if self._sampler_for(layer) is None:
@@ -322,7 +293,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         call.check_unmodified(layer_name)
         grad_samples = self._per_sample_grads(layer, call, backprops)
         call.release()
-        for param, grad_sample in _master_grad_samples(master, layer, grad_samples).items():
+        for param, grad_sample in master_grad_samples(master, layer, grad_samples).items():
             self._store.add(param, grad_sample, layer_name, chunk, task=call.outer_task)
 
     def _per_sample_grads(self, layer, call: LayerCall, backprops) -> Dict:
@@ -355,7 +326,42 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
     # ------------------------------------------------------------- public API
     def forward(self, *args, **kwargs):
         self._restore_switches()
+        if torch.compiler.is_compiling() and self._taps.enabled:
+            return self._tapped_forward(args, kwargs)
         return self._module(*args, **kwargs)
+
+    def _tapped_forward(self, args, kwargs):
+        """The forward as dynamo traces it: the hooked calls tapped where their layout is known
+        (:mod:`~opacus_dp.grad_sample.traced_taps`)."""
+        plan = self._taps.prepare(args, kwargs, self._recording)
+        if plan == LEARN:
+            return self._taps.learn(self._module, args, kwargs)
+        if plan == IDLE and self.skips_weight_grads and torch.is_grad_enabled():
+            self._excuse_weight_grads()  # hooks disabled: ordinary gradients, as eagerly
+        output = self._module(*args, **kwargs)
+        if plan == TAPPED:
+            self._record_traced_calls(self._taps.finish())
+        else:
+            self._taps.end()
+        return output
+
+    @torch.compiler.disable
+    def _excuse_weight_grads(self) -> None:
+        for layer in self._hooked_layers():
+            for _, param in own_parameters(layer):
+                self._outside_use.excuse(param)
+
+    @torch.compiler.disable
+    def _record_traced_calls(self, records) -> None:
+        """Record the tapped calls of a compiled forward, as their eager hooks would have."""
+        layers = dict(self._module.named_modules())
+        for path, args, kwargs, tap in records:
+            master = layers[path]
+            self._capture(path, master, master, args, kwargs, tap, traced=True)
+            if self.skips_weight_grads:
+                for _, param in own_parameters(master):
+                    self._outside_use.watch(param)
+                    self._outside_use.note_grad(param)
 
     def __getattr__(self, name: str):
         try:

@@ -281,3 +281,16 @@ def per_sample_output_grads(layer: nn.Module,
     if param is None or param.dtype == torch.float16:
         return list(grads)
     return [g.to(torch.float32) if g is not None and g.dtype == torch.float16 else g for g in grads]
+
+
+def batch_first_backprops(call: LayerCall, hooked: Sequence[int], n_outputs: int, grads,
+                          scale: Optional[int] = None) -> Optional[List[Optional[torch.Tensor]]]:
+    """The call's output gradients, detached, batch on dim 0 (times ``scale`` if given; None for
+    an output without gradient); None if no output got one."""
+    backprops: List[Optional[torch.Tensor]] = [None] * n_outputs
+    for index, grad in zip(hooked, grads):
+        if grad is not None:
+            grad = grad.detach()
+            grad = grad.movedim(call.batch_dim, 0) if call.batch_dim != 0 else grad
+            backprops[index] = grad * scale if scale is not None else grad
+    return None if all(b is None for b in backprops) else backprops

@@ -58,7 +58,13 @@ class Block(nn.Module):
         return self.head((h + self.out(attention @ v)).mean(dim=1))
 
 
-MODELS = {"mlp": mlp, "cnn": CNN, "block": Block}
+def sequential_cnn() -> nn.Module:
+    """Convolutions, activations, pooling and a head in one ``nn.Sequential`` (a layer loop)."""
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2), nn.Conv2d(4, 4, 3, padding=1),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(16, 3))
+
+
+MODELS = {"mlp": mlp, "cnn": CNN, "block": Block, "sequential_cnn": sequential_cnn}
 
 
 def build(name: str) -> nn.Module:
@@ -73,6 +79,8 @@ def batch(name: str, n: int):
         return torch.randn(n, 6, generator=generator), y
     if name == "cnn":
         return torch.randn(n, 2, 5, 5, generator=generator), y
+    if name == "sequential_cnn":
+        return torch.randn(n, 2, 4, 4, generator=generator), y
     return torch.randint(0, 11, (n, 5), generator=generator), y
 
 

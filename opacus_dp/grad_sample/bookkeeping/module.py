@@ -36,7 +36,8 @@ from torch.nn.parallel import DataParallel
 from opacus_dp.grad_sample.bookkeeping.bookkeeper import Bookkeeper
 from opacus_dp.grad_sample.bookkeeping.passes import shared_layers
 from opacus_dp.grad_sample.attachments import weakly
-from opacus_dp.grad_sample.grad_sample_module import GradSampleModule, batch_first_backprops
+from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
+from opacus_dp.grad_sample.layer_call import batch_first_backprops
 from opacus_dp.grad_sample.support import describe
 from opacus_dp.maths.per_sample import is_loss_scaled
 from opacus_dp.module_parameters import has_trainable_parameters, is_sharded_model, local_part
@@ -98,10 +99,10 @@ class BookkeepingGradSampleModule(GradSampleModule):
         return self._bookkeeper.layer_rule
 
     # ------------------------------------------------------------------ hooks
-    def _capture(self, path, master, layer, args, kwargs, output):
+    def _capture(self, path, master, layer, args, kwargs, output, traced: bool = False):
         """The forward hook of GradSampleModule, plus: count the call as awaiting its backward
         (counted whenever it may have been hooked; an excess count only delays resolution)."""
-        replaced = super()._capture(path, master, layer, args, kwargs, output)
+        replaced = super()._capture(path, master, layer, args, kwargs, output, traced)
         if self._recording() and torch.is_grad_enabled() and has_trainable_parameters(master):
             self._bookkeeper.expect_call(master)
         return replaced

@@ -26,6 +26,7 @@ naming the parameter (parameters of calls that were not switched — a layer of 
 data, hooks disabled — are excused until the step consumes the batch).
 """
 
+import weakref
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -72,6 +73,7 @@ class OutsideUseCheck:
         self._names = names
         self._watched: set = set()
         self._excused: set = set()
+        self._noted: Dict[int, Optional[tuple]] = {}  # note_grad
         self._handles: List[object] = []
 
     def watch(self, param: torch.Tensor) -> None:
@@ -95,8 +97,22 @@ class OutsideUseCheck:
         """The per-sample state was consumed (a step): excuses end with the passes they covered."""
         self._excused.clear()
 
+    def note_grad(self, param: torch.Tensor) -> None:
+        """Note ``param.grad`` as it is now. A compiled backward (AOT autograd) runs the
+        accumulation hooks of every parameter that is an input of its graph, also of one it gives
+        no gradient (a tapped layer's, :mod:`~opacus_dp.grad_sample.traced_taps`); a gradient
+        accumulated since this call makes ``param.grad`` a new tensor or raises its version."""
+        grad = param.grad
+        self._noted[id(param)] = None if grad is None else (weakref.ref(grad), grad._version)
+
+    def _unchanged(self, param: torch.Tensor) -> bool:
+        if id(param) not in self._noted:
+            return False
+        noted, grad = self._noted[id(param)], param.grad
+        return grad is None if noted is None else (grad is noted[0]() and grad._version == noted[1])
+
     def _accumulated(self, param: torch.Tensor) -> None:
-        if id(param) in self._excused:
+        if id(param) in self._excused or self._unchanged(param):
             return
         name = self._names.get(id(param), str(tuple(param.shape)))
         raise RuntimeError(

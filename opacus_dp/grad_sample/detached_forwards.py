@@ -1,0 +1,63 @@
+"""A hooked layer's output computed again from detached parameters: what the traced taps
+(:mod:`~opacus_dp.grad_sample.traced_taps`) use in a compiled graph where the eager hooks would
+switch the layer's parameters off (``skip_weight_grads``,
+:mod:`~opacus_dp.grad_sample.bookkeeping.weight_grad_skipping`).
+
+``y = f(x; W)`` becomes ``f(x; W.detach())``: the same values, the same gradient with respect to
+``x``, and no weight gradient (the norms-only modes form the update from the recorded calls). The
+first ``y`` is then unused, and the graph drops it. Only layers whose ``forward`` is torch's own
+are covered, called as ``layer(x)``; :func:`detached_forward` returns None for any other.
+"""
+
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils.parametrize import is_parametrized
+
+
+def _detached(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if tensor is None else tensor.detach()
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.weight.detach(), _detached(layer.bias))
+
+
+def _conv(layer: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
+    return layer._conv_forward(x, layer.weight.detach(), _detached(layer.bias))
+
+
+def _embedding(layer: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    return F.embedding(x, layer.weight.detach(), layer.padding_idx, None, layer.norm_type,
+                       layer.scale_grad_by_freq, layer.sparse)
+
+
+def _layer_norm(layer: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, layer.normalized_shape, _detached(layer.weight), _detached(layer.bias), layer.eps)
+
+
+def _group_norm(layer: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
+    return F.group_norm(x, layer.num_groups, _detached(layer.weight), _detached(layer.bias), layer.eps)
+
+
+_FORWARDS: Dict[Callable, Callable] = {
+    nn.Linear.forward: _linear,
+    nn.Conv1d.forward: _conv,
+    nn.Conv2d.forward: _conv,
+    nn.Conv3d.forward: _conv,
+    nn.Embedding.forward: _embedding,
+    nn.LayerNorm.forward: _layer_norm,
+    nn.GroupNorm.forward: _group_norm,
+}
+
+
+def detached_forward(layer: nn.Module) -> Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]]:
+    """``f(layer, x)``, the layer's output from detached parameters, or None where not covered
+    (another ``forward``; a parametrized layer, whose ``weight`` is computed; an ``nn.Embedding``
+    with ``max_norm``, whose call rescales its weight)."""
+    forward = _FORWARDS.get(type(layer).forward)
+    if is_parametrized(layer) or (forward is _embedding and layer.max_norm is not None):
+        return None
+    return forward

@@ -1,0 +1,231 @@
+"""Hooked layers inside the graphs ``torch.compile`` builds: traced taps (``docs/compile.md``).
+
+Eagerly, a hooked layer's forward hook keeps the call's inputs and hooks its output's gradient
+(:mod:`~opacus_dp.grad_sample.grad_sample_module`). Neither can happen inside a compiled graph,
+whose tensors exist only while it runs: run outside it, each hook is a graph break, and dynamo
+runs a function with a graph break inside a loop (``nn.Sequential``, a model's layer loop)
+eagerly as a whole. Traced taps keep the hooked calls in the graph:
+
+* before the wrapper's compiled forward runs, the wrapper makes one *tap* ``t`` per hooked call:
+  a zero of the call's output shape that requires grad (a stride-0 view of one zero: no memory);
+* dynamo traces the hook as ``y + t``, and the call's inputs leave the graph as its outputs
+  (copies, as the call used them: code after the call may change them in place).
+  ``∂L/∂t = ∂L/∂y``: the compiled backward gives each call's output gradient to autograd as its
+  tap's gradient;
+* after the compiled forward, the wrapper records each call as its eager hook does, from the
+  graph's outputs, the tap standing in for the output; the tap's gradient hook then does what
+  the output's does eagerly.
+  Where the layers' weight gradients are skipped (``skip_weight_grads``), the traced hook computes
+  ``y`` again from detached parameters (:mod:`~opacus_dp.grad_sample.detached_forwards`), which is
+  what switching the parameters off does eagerly.
+
+The taps need the calls' output shapes before the graph runs. The first forward of each input
+signature (:func:`input_signature`: the inputs' shapes but their batch size, dtypes, devices, the
+other arguments) runs eagerly and learns them (:class:`CallLayout`); later forwards of the
+signature substitute their batch size. A signature with a call that cannot be tapped (a
+``DataParallel`` replica's call, several outputs, a broadcast call, a layer without a detached
+forward where weight gradients are skipped) keeps the hooks outside the graph, as before; so do
+the signatures past :data:`MAX_SIGNATURES`. A traced call that does not match its layout (an
+output shape that depends on more than the batch size) falls back to the eager hook.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from opacus_dp.grad_sample.detached_forwards import detached_forward
+from opacus_dp.torch_internals import current_graph_task_id
+
+LEARN, TAPPED, UNTAPPED, IDLE = "learn", "tapped", "untapped", "idle"
+MAX_SIGNATURES = 8
+_SCALARS = (bool, int, float, str, type(None))
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """One hooked call of a learned forward: the layer's path, its output's shape, batch
+    dimension, dtype and device."""
+
+    path: str
+    shape: Tuple[int, ...]
+    batch_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def tap(self, batch_size: int, zeros: Dict[tuple, torch.Tensor]) -> torch.Tensor:
+        """A zero of the output's shape for ``batch_size`` samples (a view of one zero) that
+        requires grad (:class:`_Tap`)."""
+        shape = list(self.shape)
+        shape[self.batch_dim] = batch_size
+        key = (self.dtype, self.device)
+        if key not in zeros:
+            zeros[key] = torch.zeros((), dtype=self.dtype, device=self.device)
+        return _Tap.apply(_ANCHOR, zeros[key], tuple(shape))
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+class _Tap(torch.autograd.Function):
+    """``zero`` expanded to ``shape``, requiring grad through ``anchor``; its backward passes
+    nothing on. A leaf would do as well, but autograd would copy each tap's gradient into the
+    leaf's layout and keep it as ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, anchor, zero, shape):
+        return zero.expand(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None
+
+
+def input_signature(args, kwargs, batch_dim: int) -> Tuple[tuple, Optional[int]]:
+    """``(signature, batch size)`` of a forward's arguments: each tensor's shape with its batch
+    dimension left out, dtype, device and ``requires_grad``; other scalars by value, other objects
+    by type. The batch size is the first tensor's size on ``batch_dim`` (None without one)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    parts: List[Any] = [str(spec)]
+    batch = None
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            shape = list(leaf.shape)
+            if leaf.dim() > batch_dim:
+                batch = shape[batch_dim] if batch is None else batch
+                shape[batch_dim] = None
+            parts.append((tuple(shape), leaf.dtype, leaf.device, leaf.requires_grad))
+        else:
+            parts.append(leaf if isinstance(leaf, _SCALARS) else type(leaf))
+    return tuple(parts), batch
+
+
+def _broadcast(args) -> bool:
+    """An argument expanded over the batch (stride 0 on dimension 0 or 1): a broadcast call."""
+    return any(isinstance(a, torch.Tensor) and a.dim() > 1 and 0 in a.stride()[:2] and a.numel() > 1
+               for a in args)
+
+
+def _values(args) -> tuple:
+    """``args`` with each tensor cloned: the values the call used, which code after it in the
+    graph may change in place (eagerly, the hooks refuse that; here the graph keeps both)."""
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+class TracedTaps:
+    """The traced taps of one wrapper (module doc). Holds no reference to the wrapper."""
+
+    def __init__(self, batch_first: bool):
+        self.batch_dim = 0 if batch_first else 1
+        self.enabled = True
+        self.skips_weight_grads = False
+        self.layouts: Dict[tuple, Optional[Tuple[CallLayout, ...]]] = {}
+        self.forwards: Dict[str, Callable] = {}  # detached forwards, by layer path
+        self.current: Optional[List[torch.Tensor]] = None  # the taps of the running forward
+        self.idle = False  # the running forward records nothing (hooks disabled, no grad)
+        self.paths: Tuple[str, ...] = ()
+        self.position = 0
+        self.records: List[tuple] = []
+        self._learned: Optional[List[Optional[CallLayout]]] = None
+        self._zeros: Dict[tuple, torch.Tensor] = {}
+
+    @torch.compiler.disable
+    def prepare(self, args, kwargs, recording: Callable[[], bool]) -> str:
+        """Before a traced forward: make its taps (``TAPPED``), or ask for a learning forward
+        (``LEARN``), or neither (``UNTAPPED``: the hooks stay outside the graph; ``IDLE``: they
+        have nothing to do, without grad or ``recording()``, whether the wrapper's hooks record)."""
+        self.current, self.position, self.records = None, 0, []
+        self.idle = not (torch.is_grad_enabled() and recording())
+        if self.idle:
+            return IDLE
+        if not self.enabled or current_graph_task_id() != -1:
+            return UNTAPPED
+        signature, batch = input_signature(args, kwargs, self.batch_dim)
+        if signature not in self.layouts:
+            return LEARN if batch is not None and len(self.layouts) < MAX_SIGNATURES else UNTAPPED
+        layouts = self.layouts[signature]
+        if layouts is None:
+            return UNTAPPED
+        self.current = [layout.tap(batch, self._zeros) for layout in layouts]
+        self.paths = tuple(layout.path for layout in layouts)
+        return TAPPED
+
+    @torch.compiler.disable
+    def learn(self, module: nn.Module, args, kwargs):
+        """Run ``module`` eagerly (its hooks note each call: :meth:`note`) and keep the layout."""
+        signature, batch = input_signature(args, kwargs, self.batch_dim)
+        self._learned = []
+        try:
+            output = module(*args, **kwargs)
+            learned = self._learned
+        finally:
+            self._learned = None
+        fits = learned and all(c is not None and c.shape[c.batch_dim] == batch for c in learned)
+        self.layouts[signature] = tuple(learned) if fits else None
+        return output
+
+    def note(self, path: str, master: nn.Module, layer: nn.Module, args, kwargs, outputs: list,
+             hooked: list, batch_dim: int) -> None:
+        """An eager call while a layout is learned (nothing otherwise): its layout, or None if
+        it cannot be tapped (module doc)."""
+        if self._learned is None:
+            return
+        forward = detached_forward(master)
+        tappable = (layer is master and len(outputs) == 1 and hooked == [0] and not _broadcast(args)
+                    and (not self.skips_weight_grads or (forward is not None and len(args) == 1 and not kwargs)))
+        if not tappable:
+            self._learned.append(None)
+            return
+        if forward is not None:
+            self.forwards[path] = forward
+        out = outputs[0]
+        self._learned.append(CallLayout(path, tuple(out.shape), batch_dim, out.dtype, out.device))
+
+    def traced_call(self, path: str, master: nn.Module, args, kwargs, output, eager: Callable, hook_args):
+        """The forward hook as dynamo traces it: ``y + t`` for a call that fits its layout, else
+        the eager hook (a graph break)."""
+        if self.idle or not torch.is_grad_enabled():  # what the eager hook would do: nothing
+            return None
+        current = self.current
+        index = self.position
+        if current is None or index >= len(current) or self.paths[index] != path \
+                or not isinstance(output, torch.Tensor) or current[index].shape != output.shape \
+                or current[index].dtype != output.dtype:
+            return eager(*hook_args)
+        tap = current[index]
+        self.position = index + 1
+        self.records.append((path, _values(args), {k: _values((v,))[0] for k, v in kwargs.items()}, tap))
+        if self.skips_weight_grads:
+            output = self.forwards[path](master, args[0])
+        return output + tap
+
+    def traced_hook(self, path: str, master: nn.Module) -> Callable[[Callable], Callable]:
+        """What dynamo traces of the forward hook of ``master`` (at ``path``), given the disabled
+        eager hook: :meth:`traced_call`."""
+        def traced(eager):
+            def hook(layer, args, kwargs, output):
+                return self.traced_call(path, master, args, kwargs, output, eager, (layer, args, kwargs, output))
+            return hook
+        return traced
+
+    def passive(self, eager: Callable) -> Callable:
+        """A per-layer hook with nothing to do for a tapped call or without grad (the broadcast
+        expansion, the weight-gradient switch); otherwise the eager hook."""
+        def traced(*hook_args):
+            if self.current is not None or self.idle or not torch.is_grad_enabled():
+                return None
+            return eager(*hook_args)
+        return traced
+
+    @torch.compiler.disable
+    def finish(self) -> List[tuple]:
+        """After a tapped forward: its traced calls ``(path, args, kwargs, tap)``, in order."""
+        records, self.records, self.current = self.records, [], None
+        return records
+
+    @torch.compiler.disable
+    def end(self) -> None:
+        """After a forward that was not tapped."""
+        self.current, self.idle = None, False
