@@ -5,8 +5,7 @@ switch the layer's parameters off (``skip_weight_grads``,
 
 ``y = f(x; W)`` becomes ``f(x; W.detach())``: the same values, the same gradient with respect to
 ``x``, and no weight gradient (the norms-only modes form the update from the recorded calls). The
-first ``y`` is then unused, and the graph drops it. Only layers whose ``forward`` is torch's own
-are covered, called as ``layer(x)``; :func:`detached_forward` returns None for any other.
+first ``y`` is then unused, and the graph drops it. Calls ``layer(x)`` only.
 """
 
 from typing import Callable, Dict, Optional
@@ -15,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
+from torch.nn.utils.stateless import _reparametrize_module
 
 
 def _detached(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -53,11 +53,23 @@ _FORWARDS: Dict[Callable, Callable] = {
 }
 
 
+def _any(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's own ``forward`` (not its hooks) with its parameters swapped for detached ones
+    for the call (``torch.nn.utils.stateless``, what ``torch.func.functional_call`` uses)."""
+    detached = {name: p.detach() for name, p in layer.named_parameters(recurse=False)}
+    with _reparametrize_module(layer, detached):
+        return layer.forward(x)
+
+
 def detached_forward(layer: nn.Module) -> Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]]:
-    """``f(layer, x)``, the layer's output from detached parameters, or None where not covered
-    (another ``forward``; a parametrized layer, whose ``weight`` is computed; an ``nn.Embedding``
-    with ``max_norm``, whose call rescales its weight)."""
+    """``f(layer, x)``, the layer's output from detached parameters: torch's layers above, any
+    other layer without buffers by :func:`_any` (its ``forward`` runs twice in the traced code, the
+    first result unused: a ``forward`` with side effects other than on buffers must not be
+    hooked); None for a parametrized layer, whose ``weight`` is computed, and an ``nn.Embedding``
+    with ``max_norm``, whose call rescales its weight."""
     forward = _FORWARDS.get(type(layer).forward)
     if is_parametrized(layer) or (forward is _embedding and layer.max_norm is not None):
         return None
+    if forward is None and next(layer.buffers(recurse=False), None) is None:
+        return _any
     return forward

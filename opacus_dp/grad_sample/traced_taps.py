@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from opacus_dp.grad_sample.detached_forwards import detached_forward
+from opacus_dp.module_parameters import has_trainable_parameters
 from opacus_dp.torch_internals import current_graph_task_id
 
 LEARN, TAPPED, UNTAPPED, IDLE = "learn", "tapped", "untapped", "idle"
@@ -123,10 +124,9 @@ class TracedTaps:
         self.skips_weight_grads = False
         self.layouts: Dict[tuple, Optional[Tuple[CallLayout, ...]]] = {}
         self.forwards: Dict[str, Callable] = {}  # detached forwards, by layer path
-        self.current: Optional[List[torch.Tensor]] = None  # the taps of the running forward
+        self.current: Optional[Dict[str, List[torch.Tensor]]] = None  # the running forward's taps, by path
+        self.used: Dict[str, int] = {}  # how many of them its calls took
         self.idle = False  # the running forward records nothing (hooks disabled, no grad)
-        self.paths: Tuple[str, ...] = ()
-        self.position = 0
         self.records: List[tuple] = []
         self._learned: Optional[List[Optional[CallLayout]]] = None
         self._zeros: Dict[tuple, torch.Tensor] = {}
@@ -136,7 +136,7 @@ class TracedTaps:
         """Before a traced forward: make its taps (``TAPPED``), or ask for a learning forward
         (``LEARN``), or neither (``UNTAPPED``: the hooks stay outside the graph; ``IDLE``: they
         have nothing to do, without grad or ``recording()``, whether the wrapper's hooks record)."""
-        self.current, self.position, self.records = None, 0, []
+        self.current, self.used, self.records = None, {}, []
         self.idle = not (torch.is_grad_enabled() and recording())
         if self.idle:
             return IDLE
@@ -148,8 +148,9 @@ class TracedTaps:
         layouts = self.layouts[signature]
         if layouts is None:
             return UNTAPPED
-        self.current = [layout.tap(batch, self._zeros) for layout in layouts]
-        self.paths = tuple(layout.path for layout in layouts)
+        self.current = {}
+        for layout in layouts:
+            self.current.setdefault(layout.path, []).append(layout.tap(batch, self._zeros))
         return TAPPED
 
     @torch.compiler.disable
@@ -184,18 +185,18 @@ class TracedTaps:
         self._learned.append(CallLayout(path, tuple(out.shape), batch_dim, out.dtype, out.device))
 
     def traced_call(self, path: str, master: nn.Module, args, kwargs, output, eager: Callable, hook_args):
-        """The forward hook as dynamo traces it: ``y + t`` for a call that fits its layout, else
-        the eager hook (a graph break)."""
-        if self.idle or not torch.is_grad_enabled():  # what the eager hook would do: nothing
-            return None
-        current = self.current
-        index = self.position
-        if current is None or index >= len(current) or self.paths[index] != path \
-                or not isinstance(output, torch.Tensor) or current[index].shape != output.shape \
-                or current[index].dtype != output.dtype:
+        """The forward hook as dynamo traces it: ``y + t`` with the layer's next tap where it fits
+        the call, else the eager hook (a graph break). Taps are matched by layer, in call order:
+        calls that ran eagerly (a function dynamo skips) take none."""
+        if self.idle or not torch.is_grad_enabled() or not has_trainable_parameters(master):
+            return None  # what the eager hook does: nothing
+        taps = None if self.current is None else self.current.get(path)
+        used = self.used.get(path, 0)
+        if taps is None or used >= len(taps) or not isinstance(output, torch.Tensor) \
+                or taps[used].shape != output.shape or taps[used].dtype != output.dtype:
             return eager(*hook_args)
-        tap = current[index]
-        self.position = index + 1
+        tap = taps[used]
+        self.used[path] = used + 1
         self.records.append((path, _values(args), {k: _values((v,))[0] for k, v in kwargs.items()}, tap))
         if self.skips_weight_grads:
             output = self.forwards[path](master, args[0])

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck
 from opacus_dp.grad_sample.traced_taps import TracedTaps, input_signature
+from tests.compile import helpers
 from tests.compile.helpers import (assert_same_training, batch, build, compile_after, compile_in_place, eager_training,
                                    initial, make_private, steps, train)
 
@@ -261,3 +262,24 @@ def test_signatures_past_the_limit_and_calls_that_differ_from_the_learned_ones(m
     torch.manual_seed(0)
     assert_same_training(_any_size_training(compiled=True), expected, [p.detach() for p in AnySize().parameters()])
     assert tapped == [2, 2]  # the 4x4 forwards after the first; the second taps two of its three calls
+
+
+class Scale(nn.Module):
+    """A layer type of its own (its per-sample gradients from the torch.func fallback)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_a_layer_type_of_its_own_is_tapped(mode, tapped, monkeypatch):
+    """In the modes that skip weight gradients the graph calls the layer's own forward with
+    detached parameters; its parameter gets no gradient from autograd, and training is eager."""
+    monkeypatch.setitem(helpers.MODELS, "mlp", lambda: nn.Sequential(nn.Linear(6, 5), Scale(5), nn.Linear(5, 3)))
+    expected = train("mlp", mode)
+    assert_same_training(train("mlp", mode, after=compile_after("aot_eager")), expected, initial("mlp"))
+    assert tapped == [3, 3]
