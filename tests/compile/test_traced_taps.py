@@ -5,8 +5,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import parametrizations
 
+from opacus_dp.grad_sample import GradSampleModule
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck
+from opacus_dp.grad_sample.detached_forwards import detached_forward
 from opacus_dp.grad_sample.traced_taps import TracedTaps, input_signature
 from tests.compile import helpers
 from tests.compile.helpers import (assert_same_training, batch, build, compile_after, compile_in_place, eager_training,
@@ -283,3 +286,29 @@ def test_a_layer_type_of_its_own_is_tapped(mode, tapped, monkeypatch):
     expected = train("mlp", mode)
     assert_same_training(train("mlp", mode, after=compile_after("aot_eager")), expected, initial("mlp"))
     assert tapped == [3, 3]
+
+
+def test_the_detached_forwards_give_the_layer_output_and_no_weight_gradient():
+    """Which layers the graph can call from detached parameters (others keep their hooks outside
+    the graph in the modes that skip weight gradients)."""
+    torch.manual_seed(0)
+    with_buffer = Scale(4)
+    with_buffer.register_buffer("offset", torch.zeros(4))
+    for layer, x in [(nn.Linear(4, 3), torch.randn(2, 4)), (nn.Conv1d(4, 2, 3), torch.randn(2, 4, 5)),
+                     (nn.Embedding(7, 3), torch.tensor([[1, 6]])), (nn.LayerNorm(4), torch.randn(2, 4)),
+                     (nn.GroupNorm(2, 4), torch.randn(2, 4, 3)), (Scale(4), torch.randn(2, 4))]:
+        x = x.requires_grad_() if x.is_floating_point() else x
+        y = detached_forward(layer)(layer, x)
+        torch.testing.assert_close(y, layer(x))
+        if x.requires_grad:  # the input's gradient is the layer's
+            expected = torch.autograd.grad(layer(x).sum(), x)[0]
+            y.sum().backward()
+            torch.testing.assert_close(x.grad, expected)
+        assert all(p.grad is None for p in layer.parameters())
+    for layer in [parametrizations.weight_norm(nn.Linear(4, 3)), nn.Embedding(7, 3, max_norm=1.0), with_buffer]:
+        assert detached_forward(layer) is None
+
+
+def test_models_with_replicas_inside_are_not_tapped():
+    assert GradSampleModule(nn.Sequential(nn.Linear(6, 3)))._taps.enabled
+    assert not GradSampleModule(nn.DataParallel(nn.Sequential(nn.Linear(6, 3))))._taps.enabled
