@@ -1,12 +1,16 @@
 """Traced taps (``opacus_dp.grad_sample.traced_taps``): the hooked calls of a compiled forward stay
 in its graph, and training is the eager training (the oracle) in every mode."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrizations
+from torch.utils.data import DataLoader, TensorDataset
 
+from opacus_dp import PrivacyEngine
 from opacus_dp.grad_sample import GradSampleModule
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck
 from opacus_dp.grad_sample.detached_forwards import detached_forward
@@ -312,3 +316,32 @@ def test_the_detached_forwards_give_the_layer_output_and_no_weight_gradient():
 def test_models_with_replicas_inside_are_not_tapped():
     assert GradSampleModule(nn.Sequential(nn.Linear(6, 3)))._taps.enabled
     assert not GradSampleModule(nn.DataParallel(nn.Sequential(nn.Linear(6, 3))))._taps.enabled
+
+
+def _cnn_training(compiled: bool, autocast: bool, per_layer: bool):
+    model = build("sequential_cnn")
+    x, y = batch("sequential_cnn", 8)
+    clipping = dict(clipping="per_layer", max_grad_norm=[0.05] * 6) if per_layer else dict(max_grad_norm=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        private, optimizer, _ = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=0.0,
+            poisson_sampling=False, grad_sample_mode="bk", **clipping)
+    if compiled:
+        private.compile(backend="aot_eager")
+    for n in (8, 6, 8):
+        x, y = batch("sequential_cnn", n)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(private(x).float(), y)
+        loss.backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("autocast, per_layer", [(True, False), (False, True)])
+def test_autocast_and_per_layer_clipping(autocast, per_layer, tapped):
+    expected = _cnn_training(False, autocast, per_layer)
+    assert_same_training(_cnn_training(True, autocast, per_layer), expected, initial("sequential_cnn"))
+    assert tapped == [SEQUENTIAL_CALLS] * 2
