@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
+from opacus_dp.grad_sample.traced_taps import TracedTaps
 
 MODES = ("hooks", "functorch", "ghost", "bk")
 SIZES = (8, 6, 8)
@@ -149,3 +150,18 @@ def assert_same_training(got: List[torch.Tensor], expected: List[torch.Tensor], 
 
 def initial(name: str) -> List[torch.Tensor]:
     return [p.detach().clone() for p in build(name).parameters()]
+
+
+def count_tapped_calls(monkeypatch) -> List[int]:
+    """The number of tapped calls of each compiled forward that was tapped (``traced_taps``),
+    appended as the forwards run."""
+    counts: List[int] = []
+    finish = TracedTaps.finish
+
+    def counting(self):
+        records = finish(self)
+        counts.append(len(records))
+        return records
+
+    monkeypatch.setattr(TracedTaps, "finish", torch.compiler.disable(counting))
+    return counts

@@ -14,10 +14,10 @@ from opacus_dp import PrivacyEngine
 from opacus_dp.grad_sample import GradSampleModule
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck
 from opacus_dp.grad_sample.detached_forwards import detached_forward
-from opacus_dp.grad_sample.traced_taps import TracedTaps, input_signature
+from opacus_dp.grad_sample.traced_taps import input_signature
 from tests.compile import helpers
-from tests.compile.helpers import (assert_same_training, batch, build, compile_after, compile_in_place, eager_training,
-                                   initial, make_private, steps, train)
+from tests.compile.helpers import (assert_same_training, batch, build, compile_after, compile_in_place, count_tapped_calls,
+                                   eager_training, initial, make_private, steps, train)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
 
@@ -27,16 +27,7 @@ SEQUENTIAL_CALLS = 3  # two convolutions and the head of tests.compile.helpers.s
 @pytest.fixture
 def tapped(monkeypatch):
     """The number of tapped calls of each compiled forward that was tapped."""
-    counts = []
-    finish = TracedTaps.finish
-
-    def counting(self):
-        records = finish(self)
-        counts.append(len(records))
-        return records
-
-    monkeypatch.setattr(TracedTaps, "finish", torch.compiler.disable(counting))
-    return counts
+    return count_tapped_calls(monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost", "bk"])

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
-from opacus_dp.grad_sample.traced_taps import TracedTaps
+from tests.compile.helpers import count_tapped_calls
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -41,15 +41,7 @@ def _lora_training(mode: str, compiled: bool):
 
 @pytest.mark.parametrize("mode", ["bk", "hooks"])
 def test_a_compiled_lora_fine_tuning_is_tapped_and_trains_as_eagerly(mode, monkeypatch):
-    counts = []
-    finish = TracedTaps.finish
-
-    def counting(self):
-        records = finish(self)
-        counts.append(len(records))
-        return records
-
-    monkeypatch.setattr(TracedTaps, "finish", torch.compiler.disable(counting))
+    counts = count_tapped_calls(monkeypatch)
     expected = _lora_training(mode, compiled=False)
     got = _lora_training(mode, compiled=True)
     assert all(e.abs().max() > 0 for e in expected)  # lora_B starts at zero: it was trained
