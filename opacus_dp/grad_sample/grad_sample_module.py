@@ -120,20 +120,20 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         self._finalizer.atexit = False
         data_parallel.refuse_unsupported_replicas(module, lambda m: self._sampler_for(m) is not None)
         self._broadcast = BroadcastInputs(batch_first, weakly(self._recording, False))
-        self._taps, self._traced = TracedTaps(batch_first), {}  # torch.compile: traced_taps
+        self.skips_weight_grads = bool(skip_weight_grads) and not needs_weight_grads(module)
+        self._taps = TracedTaps(batch_first, self.skips_weight_grads,  # torch.compile: traced_taps
+                                enabled=not has_replicas(module) and not sharded)
+        self._traced: Dict[int, object] = {}
         self._add_hooks()
         self._store.show_absent([p for _, p in self.trainable_parameters()])  # as Opacus 1.x
         self._handles.extend(guard_running_statistics(module, weakly(self._recording, False)))
         if self._handles:
             data_parallel.acquire(self)
         self.configure_model_checks(check_sample_independence, public_buffers)
-        self.skips_weight_grads = bool(skip_weight_grads) and not needs_weight_grads(module)
         if self.skips_weight_grads:
             self._skip_weight_grads()
         elif not has_replicas(module) and not sharded:  # FSDP2 reduces p.grad across ranks
             self._compare_pass_totals()
-        self._taps.skips_weight_grads = self.skips_weight_grads
-        self._taps.enabled = not has_replicas(module) and not sharded
         prepare_for_compile(module, self._handles, self._traced)  # torch.compile: see compiled_modules
 
     def _skip_weight_grads(self) -> None:

@@ -118,10 +118,10 @@ def _values(args) -> tuple:
 class TracedTaps:
     """The traced taps of one wrapper (module doc). Holds no reference to the wrapper."""
 
-    def __init__(self, batch_first: bool):
+    def __init__(self, batch_first: bool, skips_weight_grads: bool, enabled: bool = True):
         self.batch_dim = 0 if batch_first else 1
-        self.enabled = True
-        self.skips_weight_grads = False
+        self.skips_weight_grads = skips_weight_grads  # the graph computes tapped calls from detached parameters
+        self.enabled = enabled  # False: every forward keeps its hooks outside the graph
         self.layouts: Dict[tuple, Optional[Tuple[CallLayout, ...]]] = {}
         self.forwards: Dict[str, Callable] = {}  # detached forwards, by layer path
         self.current: Optional[Dict[str, List[torch.Tensor]]] = None  # the running forward's taps, by path
