@@ -193,7 +193,8 @@ class TracedTaps:
         taps = None if self.current is None else self.current.get(path)
         used = self.used.get(path, 0)
         if taps is None or used >= len(taps) or not isinstance(output, torch.Tensor) \
-                or taps[used].shape != output.shape or taps[used].dtype != output.dtype:
+                or taps[used].shape != output.shape or taps[used].dtype != output.dtype \
+                or (self.skips_weight_grads and (len(args) != 1 or kwargs)):  # as learned (note)
             return eager(*hook_args)
         tap = taps[used]
         self.used[path] = used + 1

@@ -269,8 +269,8 @@ class Scale(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
 
-    def forward(self, x):
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    def forward(self, x, factor: float = 1.0):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * factor
 
 
 @pytest.mark.parametrize("mode", ["bk", "hooks"])
@@ -336,3 +336,37 @@ def test_autocast_and_per_layer_clipping(autocast, per_layer, tapped):
     expected = _cnn_training(False, autocast, per_layer)
     assert_same_training(_cnn_training(True, autocast, per_layer), expected, initial("sequential_cnn"))
     assert tapped == [SEQUENTIAL_CALLS] * 2
+
+
+class WithKeyword(nn.Module):
+    """A layer called as ``layer(x)`` while the calls are learned, later with a keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 5)
+        self.scale = Scale(5)
+        self.head = nn.Linear(5, 3)
+        self.factor = None
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(self.scale(h) if self.factor is None else self.scale(h, factor=self.factor))
+
+
+def test_a_call_unlike_the_learned_one_keeps_its_eager_hook():
+    """The graph computes a tapped call again from detached parameters with the learned call's
+    arguments only: a call with other arguments runs its eager hook."""
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        model = WithKeyword()
+        private, optimizer, criterion = make_private(model, "bk", "mlp")
+        if compiled:
+            private.compile(backend="aot_eager")
+        steps(private, optimizer, criterion, "mlp", sizes=(8, 8))
+        model.factor = 3.0
+        steps(private, optimizer, criterion, "mlp", sizes=(8, 6))
+        return [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    start = [p.detach().clone() for p in WithKeyword().parameters()]
+    assert_same_training(run(True), run(False), start)
