@@ -14,7 +14,7 @@ from opacus_dp import PrivacyEngine
 from opacus_dp.grad_sample import GradSampleModule
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck
 from opacus_dp.grad_sample.detached_forwards import detached_forward
-from opacus_dp.grad_sample.traced_taps import input_signature
+from opacus_dp.grad_sample.traced_taps import TracedTaps, input_signature
 from tests.compile import helpers
 from tests.compile.helpers import (assert_same_training, batch, build, compile_after, compile_in_place, count_tapped_calls,
                                    eager_training, initial, make_private, steps, train)
@@ -370,3 +370,37 @@ def test_a_call_unlike_the_learned_one_keeps_its_eager_hook():
     torch.manual_seed(0)
     start = [p.detach().clone() for p in WithKeyword().parameters()]
     assert_same_training(run(True), run(False), start)
+
+
+class ThreeProjections(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(6, 4), nn.Linear(6, 4), nn.Linear(6, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = x * 2.0
+        return self.head(self.q(h) * self.k(h) + self.v(h))
+
+
+@pytest.mark.slow
+def test_calls_of_one_input_record_one_copy(monkeypatch):
+    """docs/compile.md, memory: inductor merges the copies of an input that several tapped calls
+    take into one tensor."""
+    recorded = []
+    finish = TracedTaps.finish
+
+    def keeping(self):
+        records = finish(self)
+        recorded.append({path: args[0] for path, args, _, _ in records})
+        return records
+
+    monkeypatch.setattr(TracedTaps, "finish", torch.compiler.disable(keeping))
+    torch.manual_seed(0)
+    private, optimizer, criterion = make_private(ThreeProjections(), "bk", "mlp")
+    private.compile()  # inductor
+    steps(private, optimizer, criterion, "mlp", sizes=(8, 8))
+    (inputs,) = recorded
+    storage = {path: value.untyped_storage().data_ptr() for path, value in inputs.items()}
+    assert storage["q"] == storage["k"] == storage["v"] != storage["head"]
+    torch.testing.assert_close(inputs["q"], batch("mlp", 8)[0] * 2.0)
