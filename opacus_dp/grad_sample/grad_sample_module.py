@@ -354,9 +354,8 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
     @torch.compiler.disable
     def _record_traced_calls(self, records) -> None:
         """Record the tapped calls of a compiled forward, as their eager hooks would have."""
-        layers = dict(self._module.named_modules())
         for path, args, kwargs, tap in records:
-            master = layers[path]
+            master = self._taps.layers[path]
             self._capture(path, master, master, args, kwargs, tap, traced=True)
             if self.skips_weight_grads:
                 for _, param in own_parameters(master):

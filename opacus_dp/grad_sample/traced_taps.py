@@ -124,6 +124,7 @@ class TracedTaps:
         self.enabled = enabled  # False: every forward keeps its hooks outside the graph
         self.layouts: Dict[tuple, Optional[Tuple[CallLayout, ...]]] = {}
         self.forwards: Dict[str, Callable] = {}  # detached forwards, by layer path
+        self.layers: Dict[str, nn.Module] = {}  # the hooked layers, by path (traced_hook)
         self.current: Optional[Dict[str, List[torch.Tensor]]] = None  # the running forward's taps, by path
         self.used: Dict[str, int] = {}  # how many of them its calls took
         self.idle = False  # the running forward records nothing (hooks disabled, no grad)
@@ -206,6 +207,8 @@ class TracedTaps:
     def traced_hook(self, path: str, master: nn.Module) -> Callable[[Callable], Callable]:
         """What dynamo traces of the forward hook of ``master`` (at ``path``), given the disabled
         eager hook: :meth:`traced_call`."""
+        self.layers[path] = master
+
         def traced(eager):
             def hook(layer, args, kwargs, output):
                 return self.traced_call(path, master, args, kwargs, output, eager, (layer, args, kwargs, output))
