@@ -13,6 +13,10 @@ what ``"auto"`` picks. ``make_private``, ``attach`` (:mod:`opacus_dp.engine.mode
 * ``"ghost"``: the same wrapper and per-layer rule, and, as in Opacus 1.6, ``make_private``
   also returns a criterion whose losses' ``backward()`` runs two passes (norms, then clipped
   sums; :mod:`~opacus_dp.grad_sample.bookkeeping.ghost_criterion`);
+* under FSDP2 (``fully_shard``), ``"hooks"``/``"ew"`` run as ``"bk"``: the same update without
+  ``B`` per-sample copies of every unsharded layer on every rank (``p.grad_sample`` is not set),
+  as ``"ghost"`` runs one backward pass there; ``"functorch"`` still materialises them, for those
+  who want them;
 * ``"auto"``: a rule from the model's structure, no measurement: ``"hooks"`` if the model
   contains ``nn.DataParallel`` (the norms-only modes do not support it), else ``"bk"``, which
   does the least arithmetic (per layer the cheaper computation, no autograd weight gradient, no
@@ -83,9 +87,11 @@ def wrap_for_engine(module: nn.Module, name: str, *, batch_first: bool, loss_red
                     skip_weight_grads: Optional[bool] = None) -> GradSampleModule:
     """The wrapper ``make_private`` / ``attach`` build for mode ``name`` (strict validation);
     ``skip_weight_grads=None``: the mode's default (module doc)."""
-    mode = mode_of(name, module)
+    mode, sharded = mode_of(name, module), is_sharded_model(module)
+    if sharded and mode is _HOOKS:  # FSDP2: the norms-only path (module doc)
+        mode = MODES["bk"]
     if skip_weight_grads is None:  # FSDP2: no ordinary gradient to reduce-scatter by default
-        skip_weight_grads = mode.skips_weight_grads or is_sharded_model(module)
+        skip_weight_grads = mode.skips_weight_grads or sharded
     elif not isinstance(skip_weight_grads, bool):
         raise TypeError(f"skip_weight_grads must be a bool or None, got {skip_weight_grads!r}")
     return mode.wrapper(module, batch_first=batch_first, loss_reduction=loss_reduction, strict=True,

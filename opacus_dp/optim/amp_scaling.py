@@ -53,7 +53,8 @@ SUMS_IN_BACKWARD = (
     "in the 'bk'/'ghost' modes, or the 'ghost' mode's two-pass loss.backward()): their clip "
     "factors came from norms still multiplied by the loss scale, known only at scaler.step(). Use "
     "flat clipping (in 'ghost': scaler.scale(loss.value).backward(), one book-keeping pass), the "
-    "'hooks'/'functorch' modes, or bfloat16 autocast without a scaler; nothing was updated")
+    "'hooks'/'functorch' modes (under FSDP2, where 'hooks' runs as 'bk': 'functorch'), or bfloat16 "
+    "autocast without a scaler; nothing was updated")
 
 
 def refuse_attribute_contract(optimizer) -> None:

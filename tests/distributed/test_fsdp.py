@@ -60,6 +60,18 @@ def test_sigma_zero_equals_one_process_on_the_concatenated_batch(ranks, mode, cl
     assert not torch.equal(reports[0]["final"][0], reports[0]["start"][0])
 
 
+def test_hooks_runs_as_bk_without_per_sample_copies_of_the_unsharded_layers(ranks):
+    """Opacus's default mode under FSDP2: the norms-only wrapper, no ``p.grad_sample`` (the update is
+    the oracle's: test above); ``functorch`` still keeps them, at the layers' full shapes."""
+    shapes = [tuple(p.shape) for p in make_model(seed=0).parameters()]
+    for report in (r[("per_sample_state", "hooks")] for r in ranks):
+        assert report["wrapper"] == "BookkeepingGradSampleModule"
+        assert report["kept"] == [None] * len(shapes)
+    for report in (r[("per_sample_state", "functorch")] for r in ranks):
+        assert report["wrapper"] == "GradSampleModule"
+        assert report["kept"] == [(report["rows"], *shape) for shape in shapes]
+
+
 def test_a_model_the_user_sharded_trains_as_the_flag_shards_it(ranks):
     by_hand = [r[("sigma0", "bk", "flat", "hand")] for r in ranks]
     assert_params_equal(by_hand, replay(by_hand, FLAT_C))

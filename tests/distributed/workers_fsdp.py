@@ -134,6 +134,17 @@ def train_sigma_zero(rank, world_size, mode, clipping, steps=3, physical=2, shar
             "bytes": optimizer.reducer.bytes_reduced, "grad_types": sorted({type(p.grad).__name__ for p in module.parameters()})}
 
 
+def per_sample_state(rank, world_size, mode):
+    """After one backward pass in ``mode``: the wrapper's class and the shapes of the per-sample
+    gradients it kept (``p.grad_sample``) per parameter, None where it kept none."""
+    engine, module, optimizer, criterion, loader = private(make_model(seed=0), mode=mode)
+    x, y = next(iter(loader))
+    criterion(module(x), y).backward()
+    kept = [getattr(p, "grad_sample", None) for p in module.parameters()]
+    return {"wrapper": type(module).__name__, "rows": len(x),
+            "kept": [None if g is None else tuple(g.shape) for g in kept]}
+
+
 def noise_samples(rank, world_size, steps=3, sigma=1.3, seed_everywhere=True, secure=False, fast_noise=False):
     """σ > 0 on a zero loss (``0 · output``): each step's gradient is the noise alone, divided by
     the global expected batch. Every rank seeds alike (and passes an identically seeded
@@ -324,6 +335,8 @@ def fsdp_job(rank, world_size, directory):
     for mode in ("bk", "ghost", "hooks", "functorch"):
         for clipping in ("flat", "per_layer"):
             results[("sigma0", mode, clipping)] = train_sigma_zero(rank, world_size, mode, clipping)
+    for mode in ("hooks", "functorch"):
+        results[("per_sample_state", mode)] = per_sample_state(rank, world_size, mode)
     results[("sigma0", "bk", "flat", "hand")] = train_sigma_zero(rank, world_size, "bk", "flat", sharding="hand")
     results["noise"] = noise_samples(rank, world_size)
     results["noise_secure"] = noise_samples(rank, world_size, secure=True)
