@@ -288,10 +288,12 @@ class DPOptimizerParts(WrappedOptimizer):
         for fn in list(hooks.values()):
             fn(self)
 
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Clear ``p.grad`` (zeros, or None with ``set_to_none``, as Opacus 1.x) and the
-        per-sample gradients; clipped sums of virtual steps are kept (and shown as
-        ``p.summed_grad`` in the 1.x lifecycle)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``p.grad`` (None, as ``torch.optim`` since PyTorch 2.0; zeros with
+        ``set_to_none=False``, Opacus 1.x's default: a tensor of the parameters' size then stays
+        allocated through the next forward and backward pass) and the per-sample gradients;
+        clipped sums of virtual steps are kept (and shown as ``p.summed_grad`` in the 1.x
+        lifecycle)."""
         self.grad_source.clear(self.params)
         self.summed_grad_views.show_kept(self.params, self.logical_batch.sums)
         self._inner_zero_grad(set_to_none)

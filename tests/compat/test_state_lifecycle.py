@@ -100,8 +100,10 @@ def test_modern_api_lifecycle(mode):
         torch.testing.assert_close(p.grad, expected / BATCH, rtol=1e-5, atol=1e-7)  # σ = 0
     with pytest.raises(RuntimeError, match="no per-sample gradients"):
         optimizer.step()  # the consumed gradients are never taken twice
-    optimizer.zero_grad()
+    optimizer.zero_grad(set_to_none=False)  # Opacus 1.x's default: p.grad zeroed
     assert all(p.grad_sample is None and p.summed_grad is None and not p.grad.any() for p in params)
+    optimizer.zero_grad()  # torch.optim's default since 2.0
+    assert all(p.grad is None for p in params)
 
 
 @pytest.mark.parametrize("mode", MATERIALISED)

@@ -176,10 +176,11 @@ def test_zero_grad_clears_per_sample_state():
     nn.functional.cross_entropy(gsm(x), y).backward()
     assert all(p.grad_sample is not None for p in gsm.parameters())
     assert all(p.grad is not None for p in gsm.parameters())  # autograd's own gradient, as Opacus
-    opt.zero_grad()  # Opacus 1.x: p.grad zeroed, per-sample state None
+    opt.zero_grad(set_to_none=False)  # Opacus 1.x's default: p.grad zeroed, per-sample state None
     assert all(p.grad_sample is None and not p.grad.any() and p.summed_grad is None for p in gsm.parameters())
-    opt.zero_grad(set_to_none=True)
-    assert all(p.grad is None for p in gsm.parameters())
+    nn.functional.cross_entropy(gsm(x), y).backward()
+    opt.zero_grad()  # torch.optim's default since 2.0: the gradients' memory is freed
+    assert all(p.grad is None and p.grad_sample is None for p in gsm.parameters())
     with pytest.raises(RuntimeError, match="no per-sample gradients"):
         opt.step()
 
