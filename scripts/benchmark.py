@@ -47,6 +47,10 @@ and prints each compiled variant's time divided by its eager time and by compile
 with the graphs and graph breaks Dynamo counts in two of its steps on fresh caches after the timed
 rounds (:mod:`compile_stats`; also in the JSON, ``raw_timing[variant]["graphs"]``).
 
+``--ddp`` wraps every model (non-private included) in ``DistributedDataParallel`` in a process
+group of the benchmark's process alone (:mod:`ddp_single_process`), the private ones before
+``make_private``, as a DDP script on one rank: with ``--compile``, compiled DDP.
+
 Usage::
 
     python scripts/benchmark.py [--models convnet,sequence] [--repeats 10] [--json out.json]
@@ -71,6 +75,7 @@ from benchmark_models import WORKLOADS  # noqa: E402
 from benchmark_report import THEIRS, print_table, summarise  # noqa: E402
 from memory_probe import allocated_peak_mib, status_kb  # noqa: E402
 from compile_stats import COMPILED, add_compile_ratios, allow_recompiles, counting, print_compile_ratios  # noqa: E402
+from ddp_single_process import ddp_kwargs  # noqa: E402
 
 SIGMA, CLIP, LR = 1.0, 1.0, 0.01
 OURS = ("hooks", "ghost", "bk")
@@ -128,11 +133,11 @@ def _theirs(model, optimizer, loader, mode, criterion):
     return model, optimizer, criterion
 
 
-def build_step(workload, variant: str, x, y, precision: str = "fp32") -> Callable[[], None]:
+def build_step(workload, variant: str, x, y, precision: str = "fp32", wrap=None) -> Callable[[], None]:
     """One training step of ``variant`` on a fresh copy of ``workload``'s model, on ``x``'s device.
     ``<name>@<backend>``: the step of ``name`` (one of ours, or non-private) with the model it
     trains compiled in place (``model.compile(backend=...)``; the private model after
-    ``make_private``; docs/compile.md)."""
+    ``make_private``; docs/compile.md); ``wrap``: applied to the model first (``--ddp``)."""
     name, _, backend = variant.partition(COMPILED)
     theirs = name.startswith("opacus:")
     if theirs:
@@ -141,6 +146,7 @@ def build_step(workload, variant: str, x, y, precision: str = "fp32") -> Callabl
         import opacus_dp.layers as layers
     torch.manual_seed(0)
     model = workload.build(layers).to(x.device)
+    model = wrap(model) if wrap is not None else model
     optimizer, criterion = torch.optim.SGD(model.parameters(), lr=LR), workload.criterion()
     if name != "non-private":
         loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
@@ -165,9 +171,9 @@ def auto_choice(workload) -> str:
 
 # ----------------------------------------------------------------------------- timing
 def _precision(args) -> dict:
-    """``build_step``'s keyword for ``--precision`` (none for fp32, the default)."""
+    """``build_step``'s keywords for ``--precision`` (none for fp32, the default) and ``--ddp``."""
     precision = getattr(args, "precision", "fp32")
-    return {} if precision == "fp32" else {"precision": precision}
+    return ddp_kwargs(args) if precision == "fp32" else {"precision": precision, **ddp_kwargs(args)}
 
 
 def _timer(kind: str) -> Callable[[], float]:
@@ -244,7 +250,7 @@ def probe_memory(model_name: str, variant: str, args) -> dict:
     (``tensor_peak_mib``: on CPU over as many further steps, :func:`allocated_peak_mib`)."""
     workload = WORKLOADS[model_name]
     x, y = _batch(workload, args)
-    step, steps = build_step(workload, variant, x, y, args.precision), args.memory_steps
+    step, steps = build_step(workload, variant, x, y, args.precision, **ddp_kwargs(args)), args.memory_steps
 
     def run():
         for _ in range(steps):
@@ -272,6 +278,7 @@ def measure_memory(model_name: str, variant: str, args) -> dict:
            "--precision", getattr(args, "precision", "fp32"), "--device", getattr(args, "device", "cpu")]
     if getattr(args, "batch_size", None):
         cmd += ["--batch-size", str(args.batch_size)]
+    cmd += ["--ddp"] if getattr(args, "ddp", False) else []
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1][:160]}
@@ -310,6 +317,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="run models and batches there (cuda: the timer is the synchronised wall clock)")
     parser.add_argument("--batch-size", type=int, help="only the first B samples of each model's batch")
+    parser.add_argument("--ddp", action="store_true", help="every model (non-private too) in DistributedDataParallel, "
+                        "in a process group of this process alone (scripts/ddp_single_process.py)")
     parser.add_argument("--json", help="also write the report to this file")
     parser.add_argument("--probe", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)

@@ -41,7 +41,7 @@ from opacus_dp.grad_sample.grad_sample_api import GradSampleModuleAPI
 from opacus_dp.grad_sample.outside_use_totals import OutsideUseTotals
 from opacus_dp.grad_sample.layer_call import (LayerCall, batch_first_backprops, call_batch_dim, hook_output_grad,
                                              per_sample_output_grads, separate_outputs)
-from opacus_dp.grad_sample.replicas import has_replicas, master_grad_samples, needs_weight_grads
+from opacus_dp.grad_sample.replicas import has_data_parallel, has_replicas, master_grad_samples, needs_weight_grads
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck, Switches
@@ -122,7 +122,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         self._broadcast = BroadcastInputs(batch_first, weakly(self._recording, False))
         self.skips_weight_grads = bool(skip_weight_grads) and not needs_weight_grads(module)
         self._taps = TracedTaps(batch_first, self.skips_weight_grads,  # torch.compile: traced_taps
-                                enabled=not has_replicas(module) and not sharded)
+                                enabled=not has_data_parallel(module) and not sharded)
         self._traced: Dict[int, object] = {}
         self._add_hooks()
         self._store.show_absent([p for _, p in self.trainable_parameters()])  # as Opacus 1.x

@@ -30,6 +30,11 @@ def has_replicas(module: nn.Module) -> bool:
     return any(isinstance(m, (nn.DataParallel, DistributedDataParallel)) for m in module.modules())
 
 
+def has_data_parallel(module: nn.Module) -> bool:
+    """Whether ``module`` holds an ``nn.DataParallel`` (whose replicas' calls are not traced)."""
+    return any(isinstance(m, nn.DataParallel) for m in module.modules())
+
+
 def needs_weight_grads(module: nn.Module) -> bool:
     """True when autograd's weight gradients are used by something other than the optimizer: the
     replicas of ``nn.DataParallel`` (their gradients reach the master parameters) and a DDP with

@@ -100,14 +100,17 @@ def private(model, *, mode="bk", clipping="flat", sigma=0.0, fsdp=True, seed=7, 
     return engine, out[0], out[1], criterion, out[-1]
 
 
-def record_logical_steps(engine, module, optimizer, criterion, batches, steps: int):
-    """Train on ``batches`` until ``steps`` released steps; the physical batches of each, in order."""
+def record_logical_steps(engine, module, optimizer, criterion, batches, steps: int, grad_types=None):
+    """Train on ``batches`` until ``steps`` released steps; the physical batches of each, in order
+    (``grad_types``: a set given the type names of ``p.grad`` after each released step)."""
     logical, current = [], []
     for x, y in batches:
         current.append((x, y))
         criterion(module(x), y).backward()
         before = len(engine.accountant)
         optimizer.step()
+        if grad_types is not None and len(engine.accountant) > before:  # a released step set p.grad
+            grad_types.update(type(p.grad).__name__ for p in module.parameters())
         optimizer.zero_grad()
         if len(engine.accountant) > before:
             logical.append(current)
@@ -126,12 +129,13 @@ def train_sigma_zero(rank, world_size, mode, clipping, steps=3, physical=2, shar
     engine, module, optimizer, criterion, loader = private(model, mode=mode, clipping=clipping,
                                                            fsdp=sharding == "flag", seed=11 + rank)
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as pieces:
-        logical = record_logical_steps(engine, module, optimizer, criterion, pieces, steps)
+        grad_types = set()
+        logical = record_logical_steps(engine, module, optimizer, criterion, pieces, steps, grad_types)
     return {"start": start, "batches": logical, "final": full_params(module),
             "global_batch": optimizer.expected_batch_size * world_size,
             "epsilon": engine.get_epsilon(DELTA), "sample_rate": loader.sample_rate, "steps": len(logical),
             "reduce_scatters": optimizer.reducer.num_reduce_scatters,
-            "bytes": optimizer.reducer.bytes_reduced, "grad_types": sorted({type(p.grad).__name__ for p in module.parameters()})}
+            "bytes": optimizer.reducer.bytes_reduced, "grad_types": sorted(grad_types)}
 
 
 def per_sample_state(rank, world_size, mode):
