@@ -3,7 +3,6 @@ with ``--ddp``'s wrapper, on the tiny model of ``tests/ghost/test_benchmark_scri
 
 from types import SimpleNamespace
 
-import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.ghost.test_benchmark_script import _workload
