@@ -13,10 +13,10 @@ what ``"auto"`` picks. ``make_private``, ``attach`` (:mod:`opacus_dp.engine.mode
 * ``"ghost"``: the same wrapper and per-layer rule, and, as in Opacus 1.6, ``make_private``
   also returns a criterion whose losses' ``backward()`` runs two passes (norms, then clipped
   sums; :mod:`~opacus_dp.grad_sample.bookkeeping.ghost_criterion`);
-* under FSDP2 (``fully_shard``), ``"hooks"``/``"ew"`` run as ``"bk"``: the same update without
-  ``B`` per-sample copies of every unsharded layer on every rank (``p.grad_sample`` is not set),
-  as ``"ghost"`` runs one backward pass there; ``"functorch"`` still materialises them, for those
-  who want them;
+* under FSDP2 (``fully_shard``), the engines (:func:`wrap_for_engine`) run ``"hooks"``/``"ew"``
+  as ``"bk"``: the same update without ``B`` per-sample copies of every unsharded layer on every
+  rank (``p.grad_sample`` is not set), as ``"ghost"`` runs one backward pass there;
+  ``"functorch"`` still materialises them, for those who want them;
 * ``"auto"``: a rule from the model's structure, no measurement: ``"hooks"`` if the model
   contains ``nn.DataParallel`` (the norms-only modes do not support it), else ``"bk"``, which
   does the least arithmetic (per layer the cheaper computation, no autograd weight gradient, no
