@@ -4,7 +4,8 @@ run uncompiled, with the same ε.
 
 One spawned job runs every case of ``workers_compile.CASES``: DDP and DPDDP, ``bk``/``hooks``/
 ``ghost``, flat and per-layer clipping, a DDP with ``static_graph=True`` (its own gradient
-synchronisation kept), the ``aot_eager`` and ``inductor`` backends.
+synchronisation kept) and one with ``find_unused_parameters=True``, the ``aot_eager`` and
+``inductor`` backends.
 """
 
 import pytest

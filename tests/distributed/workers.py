@@ -56,6 +56,8 @@ def wrap(model: nn.Module, wrapper: str) -> nn.Module:
         return DistributedDataParallel(model)
     if wrapper == "ddp_static_graph":
         return DistributedDataParallel(model, static_graph=True)
+    if wrapper == "ddp_find_unused":
+        return DistributedDataParallel(model, find_unused_parameters=True)
     return DifferentiallyPrivateDistributedDataParallel(model)
 
 

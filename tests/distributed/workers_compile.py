@@ -22,6 +22,7 @@ CASES = [  # (wrapper, grad_sample_mode, clipping, backend)
     ("ddp", "ghost", "flat", "aot_eager"),
     ("dpddp", "bk", "flat", "aot_eager"),
     ("ddp_static_graph", "hooks", "flat", "aot_eager"),
+    ("ddp_find_unused", "bk", "flat", "aot_eager"),
     ("ddp", "bk", "flat", "inductor"),
 ]
 
