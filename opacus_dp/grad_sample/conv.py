@@ -143,10 +143,16 @@ def conv_windows(layer: ConvNd, x: torch.Tensor) -> torch.Tensor:
 
 def im2col_weight_grad(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
     """Per-sample weight gradients as ``gy_i,g @ windows_i,g^T`` (one matrix product per
-    sample and group)."""
+    sample and group), computed as ``(windows_i,g @ gy_i,g^T)^T`` when the windows have fewer
+    rows than the outputs (a layer with few input channels): the product with the smaller side
+    as its rows was the faster layout on CPU, and the transposed copy is one weight per sample."""
     windows = conv_windows(layer, x)
     gy = gy.reshape(gy.shape[0], layer.groups, -1, windows.shape[-1])
-    return torch.matmul(gy, windows.transpose(-1, -2)).view(x.shape[0], *layer.weight.shape)
+    if windows.shape[-2] < gy.shape[-2]:
+        grads = torch.matmul(windows, gy.transpose(-1, -2)).transpose(-1, -2).contiguous()
+    else:
+        grads = torch.matmul(gy, windows.transpose(-1, -2))
+    return grads.view(x.shape[0], *layer.weight.shape)
 
 
 # Output positions (4x4) up to which ungrouped layers use im2col on CPU: with so few positions and

@@ -86,6 +86,15 @@ def test_matches_oracle_for_generated_layers(case):
     assert_matches_oracle(layer, x)
 
 
+@pytest.mark.parametrize("in_channels,out_channels", [(1, 16), (3, 32), (16, 4)])
+def test_im2col_orientations_match_oracle(in_channels, out_channels):
+    """Windows with fewer rows than the outputs (1·9 < 16, 3·9 < 32) take the transposed product,
+    the others the direct one: both give the oracle's per-sample gradients."""
+    torch.manual_seed(3)
+    layer = nn.Conv2d(in_channels, out_channels, 3, padding=1).double()
+    assert_matches_oracle(layer, torch.randn(5, in_channels, 6, 7, dtype=torch.float64))
+
+
 @pytest.mark.parametrize(
     "layer, shape",
     [
