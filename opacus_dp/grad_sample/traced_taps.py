@@ -111,8 +111,10 @@ def _broadcast(args) -> bool:
 
 def _values(args) -> tuple:
     """``args`` with each tensor cloned: the values the call used, which code after it in the
-    graph may change in place (eagerly, the hooks refuse that; here the graph keeps both)."""
-    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    graph may change in place (eagerly, the hooks refuse that; here the graph keeps both).
+    Detached: no gradient flows to a recorded value, and AOT autograd would otherwise hand the
+    compiled backward a zero-filled gradient for each (one per differentiable graph output)."""
+    return tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 class TracedTaps:
