@@ -328,6 +328,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         self._restore_switches()
         if torch.compiler.is_compiling() and self._taps.enabled:
             return self._tapped_forward(args, kwargs)
+        self._taps.compiled_forward = False
         return self._module(*args, **kwargs)
 
     def _tapped_forward(self, args, kwargs):

@@ -133,6 +133,7 @@ class TracedTaps:
         self.records: List[tuple] = []
         self._learned: Optional[List[Optional[CallLayout]]] = None
         self._zeros: Dict[tuple, torch.Tensor] = {}
+        self.compiled_forward = False  # whether the wrapper's last forward ran compiled
 
     @torch.compiler.disable
     def prepare(self, args, kwargs, recording: Callable[[], bool]) -> str:
@@ -140,6 +141,7 @@ class TracedTaps:
         (``LEARN``), or neither (``UNTAPPED``: the hooks stay outside the graph; ``IDLE``: they
         have nothing to do, without grad or ``recording()``, whether the wrapper's hooks record)."""
         self.current, self.used, self.records = None, {}, []
+        self.compiled_forward = True
         self.idle = not (torch.is_grad_enabled() and recording())
         if self.idle:
             return IDLE

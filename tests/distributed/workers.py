@@ -81,6 +81,26 @@ def _adaptive_args(clipping: str, unclipped_num_std: float):
     return dict(ADAPTIVE, unclipped_num_std=unclipped_num_std) if clipping == "adaptive" else {}
 
 
+def record_logical_steps(engine, module, optimizer, criterion, batches, steps: int, grad_types=None):
+    """Train on ``batches`` until ``steps`` released steps; the physical batches of each, in order
+    (``grad_types``: a set given the type names of ``p.grad`` after each released step)."""
+    logical, current = [], []
+    for x, y in batches:
+        current.append((x, y))
+        criterion(module(x), y).backward()
+        before = len(engine.accountant)
+        optimizer.step()
+        if grad_types is not None and len(engine.accountant) > before:  # a released step set p.grad
+            grad_types.update(type(p.grad).__name__ for p in module.parameters())
+        optimizer.zero_grad()
+        if len(engine.accountant) > before:
+            logical.append(current)
+            current = []
+        if len(logical) == steps:
+            break
+    return logical
+
+
 # --------------------------------------------------------------------------- σ = 0 runs
 def train_modern(rank, world_size, wrapper, clipping, steps=3, sigma=0.0, physical=2, buffered=False,
                  unclipped_num_std=0.0):

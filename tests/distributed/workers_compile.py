@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from opacus_dp.data import BatchMemoryManager
 from opacus_dp.grad_sample.traced_taps import TracedTaps
-from tests.distributed.workers import FLAT_C, LAYER_C, LR, _quiet_engine, dataset, params_of, wrap
+from tests.distributed.workers import (FLAT_C, LAYER_C, LR, _quiet_engine, dataset, params_of, record_logical_steps,
+                                      wrap)
 
 CASES = [  # (wrapper, grad_sample_mode, clipping, backend)
     ("ddp", "bk", "flat", "aot_eager"),
@@ -61,19 +62,8 @@ def train(rank, world_size, wrapper, mode, clipping, backend, steps=3):
     criterion = out[2] if mode == "ghost" else nn.CrossEntropyLoss()
     if backend is not None:
         gsm.compile(backend=backend)
-    logical, current = [], []
     with BatchMemoryManager(data_loader=dp_loader, max_physical_batch_size=2, optimizer=optimizer) as pieces:
-        for x, y in pieces:
-            current.append((x, y))
-            optimizer.zero_grad()
-            criterion(gsm(x), y).backward()
-            before = len(engine.accountant)
-            optimizer.step()
-            if len(engine.accountant) > before:
-                logical.append(current)
-                current = []
-            if len(logical) == steps:
-                break
+        logical = record_logical_steps(engine, gsm, optimizer, criterion, pieces, steps)
     return {"start": start, "batches": logical, "final": params_of(gsm), "epsilon": engine.get_epsilon(1e-5),
             "global_batch": optimizer.expected_batch_size * world_size}
 

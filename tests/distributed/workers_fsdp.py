@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
 from opacus_dp.data import BatchMemoryManager
+from tests.distributed.workers import record_logical_steps
 
 N_IN, WIDTH, N_CLASSES, N_SAMPLES = 6, 7, 3, 64
 LR = 0.5
@@ -98,26 +99,6 @@ def private(model, *, mode="bk", clipping="flat", sigma=0.0, fsdp=True, seed=7, 
                               grad_sample_mode=mode, fsdp=fsdp, noise_generator=generator, fast_noise=fast_noise)
     criterion = out[2] if mode == "ghost" else nn.CrossEntropyLoss()
     return engine, out[0], out[1], criterion, out[-1]
-
-
-def record_logical_steps(engine, module, optimizer, criterion, batches, steps: int, grad_types=None):
-    """Train on ``batches`` until ``steps`` released steps; the physical batches of each, in order
-    (``grad_types``: a set given the type names of ``p.grad`` after each released step)."""
-    logical, current = [], []
-    for x, y in batches:
-        current.append((x, y))
-        criterion(module(x), y).backward()
-        before = len(engine.accountant)
-        optimizer.step()
-        if grad_types is not None and len(engine.accountant) > before:  # a released step set p.grad
-            grad_types.update(type(p.grad).__name__ for p in module.parameters())
-        optimizer.zero_grad()
-        if len(engine.accountant) > before:
-            logical.append(current)
-            current = []
-        if len(logical) == steps:
-            break
-    return logical
 
 
 def train_sigma_zero(rank, world_size, mode, clipping, steps=3, physical=2, sharding="flag"):

@@ -9,7 +9,8 @@ test compares the result with one process replaying the concatenated batches.
 
 
 from opacus_dp.data import BatchMemoryManager
-from tests.distributed.workers_fsdp import full_params, make_model, private, record_logical_steps
+from tests.distributed.workers import record_logical_steps
+from tests.distributed.workers_fsdp import full_params, make_model, private
 
 MODES = ("bk", "ghost", "hooks", "functorch")
 LOOPS = ("plain", "bmm")

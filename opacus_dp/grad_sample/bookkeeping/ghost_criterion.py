@@ -57,7 +57,8 @@ def _backward_keeping_graph(value: torch.Tensor) -> None:
         raise RuntimeError(
             "grad_sample_mode='ghost' runs two backward passes through the same graph "
             "(retain_graph=True), which this torch.compile'd model's backward does not allow "
-            "(donated buffers). Use grad_sample_mode='bk' (one backward pass, the same clipped "
+            "(donated buffers). Compile the private model instead (private_model.compile(): the ghost "
+            "loss then runs one pass), use grad_sample_mode='bk' (one backward pass, the same clipped "
             "update), or set torch._functorch.config.donated_buffer = False before compiling"
         ) from error
 

@@ -216,8 +216,10 @@ class BookkeepingGradSampleModule(GradSampleModule):
         second backward through ``DistributedDataParallel`` would reduce twice) and no FSDP2
         model: there every backward pass is a collective (all-gathers), so a rank whose local
         batch is empty (no second pass needed) would leave the others waiting; one pass is
-        equally correct and gathers the shards once."""
-        return self.skips_weight_grads and not is_sharded_model(self._module) and self.unit_channel is None
+        equally correct and gathers the shards once. Nor after a compiled forward (traced taps):
+        a compiled backward may free ("donate") the buffers a second pass through it needs."""
+        return (self.skips_weight_grads and not is_sharded_model(self._module) and self.unit_channel is None
+                and not self._taps.compiled_forward)
 
     @contextmanager
     def norms_pass(self):
