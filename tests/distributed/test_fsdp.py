@@ -72,6 +72,14 @@ def test_hooks_runs_as_bk_without_per_sample_copies_of_the_unsharded_layers(rank
         assert report["kept"] == [(report["rows"], *shape) for shape in shapes]
 
 
+def test_hooks_with_autograd_weight_gradients_trains_as_the_oracle(ranks):
+    """``skip_weight_grads=False``: FSDP2 reduce-scatters autograd's gradients as well; the step's
+    private gradient replaces them."""
+    reports = [r[("sigma0", "hooks", "flat", "weight_grads")] for r in ranks]
+    assert_params_equal(reports, replay(reports, FLAT_C))
+    assert reports[0]["grad_types"] == ["DTensor"]
+
+
 def test_a_model_the_user_sharded_trains_as_the_flag_shards_it(ranks):
     by_hand = [r[("sigma0", "bk", "flat", "hand")] for r in ranks]
     assert_params_equal(by_hand, replay(by_hand, FLAT_C))

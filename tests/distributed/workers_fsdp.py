@@ -88,7 +88,8 @@ def _engine(**kwargs) -> PrivacyEngine:
 
 
 def private(model, *, mode="bk", clipping="flat", sigma=0.0, fsdp=True, seed=7, batch_size=8,
-            generator=None, secure=False, accountant="rdp", optimizer_class=torch.optim.SGD, fast_noise=False):
+            generator=None, secure=False, accountant="rdp", optimizer_class=torch.optim.SGD, fast_noise=False,
+            skip_weight_grads=None):
     """``make_private`` on ``model``; returns ``(engine, module, optimizer, criterion, loader)``."""
     optimizer = optimizer_class(model.parameters(), lr=LR)
     engine = _engine(accountant=accountant, secure_mode=secure)
@@ -96,19 +97,21 @@ def private(model, *, mode="bk", clipping="flat", sigma=0.0, fsdp=True, seed=7, 
     torch.manual_seed(seed)
     out = engine.make_private(module=model, optimizer=optimizer, data_loader=DataLoader(dataset(), batch_size=batch_size),
                               noise_multiplier=sigma, max_grad_norm=bound, clipping=clipping,
-                              grad_sample_mode=mode, fsdp=fsdp, noise_generator=generator, fast_noise=fast_noise)
+                              grad_sample_mode=mode, fsdp=fsdp, noise_generator=generator, fast_noise=fast_noise,
+                              skip_weight_grads=skip_weight_grads)
     criterion = out[2] if mode == "ghost" else nn.CrossEntropyLoss()
     return engine, out[0], out[1], criterion, out[-1]
 
 
-def train_sigma_zero(rank, world_size, mode, clipping, steps=3, physical=2, sharding="flag"):
-    """σ = 0 with BatchMemoryManager virtual steps; ``sharding``: "flag" (fsdp=True) or "hand"."""
+def train_sigma_zero(rank, world_size, mode, clipping, steps=3, physical=2, sharding="flag", skip_weight_grads=None):
+    """σ = 0 with BatchMemoryManager virtual steps; ``sharding``: "flag" (fsdp=True) or "hand";
+    ``skip_weight_grads``: ``make_private``'s."""
     model = make_model(seed=0)
     start = full_params(model)
     if sharding == "hand":
         shard_by_hand(model)
-    engine, module, optimizer, criterion, loader = private(model, mode=mode, clipping=clipping,
-                                                           fsdp=sharding == "flag", seed=11 + rank)
+    engine, module, optimizer, criterion, loader = private(model, mode=mode, clipping=clipping, fsdp=sharding == "flag",
+                                                           seed=11 + rank, skip_weight_grads=skip_weight_grads)
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as pieces:
         grad_types = set()
         logical = record_logical_steps(engine, module, optimizer, criterion, pieces, steps, grad_types)
@@ -322,6 +325,8 @@ def fsdp_job(rank, world_size, directory):
             results[("sigma0", mode, clipping)] = train_sigma_zero(rank, world_size, mode, clipping)
     for mode in ("hooks", "functorch"):
         results[("per_sample_state", mode)] = per_sample_state(rank, world_size, mode)
+    results[("sigma0", "hooks", "flat", "weight_grads")] = train_sigma_zero(rank, world_size, "hooks", "flat",
+                                                                            skip_weight_grads=False)
     results[("sigma0", "bk", "flat", "hand")] = train_sigma_zero(rank, world_size, "bk", "flat", sharding="hand")
     results["noise"] = noise_samples(rank, world_size)
     results["noise_secure"] = noise_samples(rank, world_size, secure=True)
