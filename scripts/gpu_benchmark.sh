@@ -8,7 +8,8 @@
 #   2. the same models under bfloat16 autocast (time only);
 #   3. the compile comparison (scripts/benchmark.py --compile inductor on convnet): compiled
 #      variants against their eager selves and against compiled non-private, with the graphs and
-#      graph breaks Dynamo counts (scripts/compile_stats.py);
+#      graph breaks Dynamo counts (scripts/compile_stats.py); the same with the model in DDP in a
+#      process group of one process (--ddp);
 #   4. scripts/benchmark_distributed.py --fsdp on one GPU (W = 1): the 16.8 M-parameter residual
 #      MLP (8 blocks of width 1024, Adam, B = 32) under FSDP2 and DDP.
 #
@@ -66,6 +67,7 @@ run() {  # run NAME ARGS...: scripts/benchmark.py with the common settings, its 
 run fp32 --models "$MODELS" "${OPACUS[@]}"
 run bf16 --models "$MODELS" "${OPACUS[@]}" --precision bf16 --no-memory
 run compile --models convnet --no-opacus --no-memory --compile "$BACKEND"
+run compile_ddp --models convnet --no-opacus --no-memory --compile "$BACKEND" --ddp
 echo "== fsdp: scripts/benchmark_distributed.py --fsdp --world-sizes 1 ${FSDP_SIZES[*]}" >&2
 "$PYTHON" scripts/benchmark_distributed.py --fsdp --device "$DEVICE" --world-sizes 1 "${FSDP_SIZES[@]}" \
   > "$WORK/fsdp.log" 2>&1 || { tail -20 "$WORK/fsdp.log" >&2; exit 1; }
@@ -136,7 +138,8 @@ def cpu_name():
 def main():
     name = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
     rows = [*benchmark_rows("fp32", "fp32"), *benchmark_rows("bf16", "bf16"),
-            *benchmark_rows("compile", f"fp32, compile ({backend})"), *fsdp_rows()]
+            *benchmark_rows("compile", f"fp32, compile ({backend})"),
+            *benchmark_rows("compile_ddp", f"fp32, DDP W=1, compile ({backend})"), *fsdp_rows()]
     lines = [f"# DP-SGD against non-private training on {name}", "",
              f"Device: {name}; torch {torch.__version__}; {seconds} s in all "
              f"(`scripts/gpu_benchmark.sh --device {device}`).", "",

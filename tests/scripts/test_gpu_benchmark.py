@@ -89,6 +89,11 @@ def test_cpu_pipeline_writes_one_table_with_a_row_per_workload(tmp_path):
         _check_quotient(row, "x eager", compiled[variant], 1)
         assert int(row["graphs"]) >= 1 and int(row["graph breaks"]) >= 0
     assert compiled["non-private@aot_eager"]["graph breaks"] == "0"
+    in_ddp = {k[2]: r for k, r in by_key.items() if k[1].startswith("fp32, DDP W=1, compile")}
+    for variant in OURS:  # the same model in DDP (a process group of one process)
+        row = in_ddp[f"{variant}@aot_eager"]
+        _check_quotient(row, "x non-private", in_ddp["non-private@aot_eager"], 1)
+        _check_quotient(row, "x eager", in_ddp[variant], 1)
     for row in fsdp:
         base = "ddp" if "ddp" in row["variant"] else "fsdp"
         _check_quotient(row, "x non-private", next(r for r in fsdp if r["variant"] == base), 2)
