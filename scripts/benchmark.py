@@ -173,7 +173,7 @@ def auto_choice(workload) -> str:
 def _precision(args) -> dict:
     """``build_step``'s keywords for ``--precision`` (none for fp32, the default) and ``--ddp``."""
     precision = getattr(args, "precision", "fp32")
-    return ddp_kwargs(args) if precision == "fp32" else {"precision": precision, **ddp_kwargs(args)}
+    return {**({} if precision == "fp32" else {"precision": precision}), **ddp_kwargs(args)}
 
 
 def _timer(kind: str) -> Callable[[], float]:

@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import tempfile
 import time
 import warnings
@@ -37,7 +36,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from benchmark_fsdp import add_fsdp_arguments, run_fsdp_benchmark, write_gathered
+from benchmark_fsdp import add_fsdp_arguments, free_port, run_fsdp_benchmark, write_gathered
 
 MODES = ("ddp", "dp-ddp", "dp-dpddp", "dp-2x", "bk-ddp", "bk-dpddp")
 
@@ -153,12 +152,6 @@ def worker(rank: int, world_size: int, port: int, args, out_path: str):
         write_gathered(time_modes(rank, args.width, args.batch_size, args.steps), rank, world_size, out_path)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_world(world_size: int, args) -> dict:

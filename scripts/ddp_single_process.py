@@ -3,21 +3,18 @@ group of one process (gloo; NCCL on CUDA), as a DDP training script has it on ea
 process DDP sends nothing, so the ratios show what the wrapper and (with ``--compile``) dynamo's
 handling of DDP add, not the network."""
 
-import socket
-
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
+
+from benchmark_fsdp import free_port
 
 
 def join_single_process_group(device: str = "cpu") -> None:
     """A process group of this process alone (rank 0 of 1), unless one exists."""
     if dist.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                             rank=0, world_size=1)
 
 

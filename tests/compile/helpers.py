@@ -152,16 +152,23 @@ def initial(name: str) -> List[torch.Tensor]:
     return [p.detach().clone() for p in build(name).parameters()]
 
 
-def count_tapped_calls(monkeypatch) -> List[int]:
-    """The number of tapped calls of each compiled forward that was tapped (``traced_taps``),
-    appended as the forwards run."""
-    counts: List[int] = []
+def watch_tapped_calls(set_attribute: Callable, on_records: Callable[[list], None]) -> None:
+    """Hand ``on_records`` the records of each tapped compiled forward (``traced_taps``: ``(path,
+    args, kwargs, tap)`` per call) as the forwards run; ``set_attribute``: ``monkeypatch.setattr``,
+    or ``setattr`` in a process of its own."""
     finish = TracedTaps.finish
 
-    def counting(self):
+    def watching(self):
         records = finish(self)
-        counts.append(len(records))
+        on_records(records)
         return records
 
-    monkeypatch.setattr(TracedTaps, "finish", torch.compiler.disable(counting))
+    set_attribute(TracedTaps, "finish", torch.compiler.disable(watching))
+
+
+def count_tapped_calls(monkeypatch) -> List[int]:
+    """The number of tapped calls of each compiled forward that was tapped, appended as the
+    forwards run."""
+    counts: List[int] = []
+    watch_tapped_calls(monkeypatch.setattr, lambda records: counts.append(len(records)))
     return counts

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
-from opacus_dp.grad_sample.traced_taps import TracedTaps
+from tests.compile.helpers import watch_tapped_calls
 from tests.script_loading import load_script
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
@@ -46,14 +46,8 @@ def private_step(compiled: bool):
 
 def test_recorded_inputs_do_not_require_grad(monkeypatch):
     seen = []
-    finish = TracedTaps.finish
-
-    def recording(self):
-        records = finish(self)
-        seen.extend(t for _, args, _, _ in records for t in args if isinstance(t, torch.Tensor))
-        return records
-
-    monkeypatch.setattr(TracedTaps, "finish", torch.compiler.disable(recording))
+    watch_tapped_calls(monkeypatch.setattr, lambda records: seen.extend(
+        t for _, args, _, _ in records for t in args if isinstance(t, torch.Tensor)))
     step = private_step(compiled=True)
     for _ in range(3):
         step()

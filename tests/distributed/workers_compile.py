@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from opacus_dp.data import BatchMemoryManager
-from opacus_dp.grad_sample.traced_taps import TracedTaps
+from tests.compile.helpers import watch_tapped_calls
 from tests.distributed.workers import (FLAT_C, LAYER_C, LR, _quiet_engine, dataset, params_of, record_logical_steps,
                                       wrap)
 
@@ -32,19 +32,6 @@ def model_of(seed: int) -> nn.Module:
     """Two hooked layers in an ``nn.Sequential`` (a loop dynamo compiles as one graph when tapped)."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
-
-
-def count_taps() -> list:
-    """The number of tapped calls of each tapped forward, appended as forwards run."""
-    counts, finish = [], TracedTaps.finish
-
-    def counting(self):
-        records = finish(self)
-        counts.append(len(records))
-        return records
-
-    TracedTaps.finish = torch.compiler.disable(counting)
-    return counts
 
 
 def train(rank, world_size, wrapper, mode, clipping, backend, steps=3):
@@ -71,7 +58,8 @@ def train(rank, world_size, wrapper, mode, clipping, backend, steps=3):
 def compile_job(rank, world_size):
     """Every case compiled and uncompiled, with the tapped calls of the compiled runs."""
     torch._dynamo.config.cache_size_limit = 64  # one frame per case and batch size
-    counts = count_taps()
+    counts = []
+    watch_tapped_calls(setattr, lambda records: counts.append(len(records)))
     results = {}
     for case in CASES:
         del counts[:]
