@@ -8,13 +8,21 @@ one process, interleaved rounds, median of each:
 * ``non-private``: zero_grad, forward, sum-of-squares loss, backward, SGD step;
 * ``private <mode>``: the same through ``make_private(grad_sample_mode=<mode>)``, σ = 1, with the
   noise of ``--fast-noise`` (``off``: the default generator, ``threads``: ``fast_noise=True``,
-  ``philox``: ``fast_noise="philox"``, drawn and added in one pass);
-* ``noise``: ``torch.normal`` of the parameter's size (what the default noise draws);
+  ``philox``: ``fast_noise="philox"``, drawn and added in one pass); with ``--api classic`` through
+  ``PrivacyEngine(model, ...).attach(optimizer)`` instead, whose 0.x lifecycle shows no
+  ``p.summed_grad`` after the step, so the noise goes into the clipped sum in place (``make_private``
+  keeps the sum readable as ``p.summed_grad`` until ``zero_grad()``: one more tensor of the
+  parameter's size is written, a new one each step);
+* ``noise``: the draw of ``--fast-noise`` for the parameter's size: ``torch.normal`` (what the
+  default noise draws), else the fast generator's noise added in place into a tensor of that size;
 * ``add_``: one in-place addition of that size.
 
 Printed: ``overhead = private − non-private``, ``overhead − noise``, and both in units of ``add_``.
 
     OMP_NUM_THREADS=1 python scripts/benchmark_step_overhead.py --repeats 15
+
+``--timer cpu`` (default) times the process's CPU (all threads together: the work); ``--timer
+wall`` the wall clock (what a step takes with the machine's threads, e.g. ``OMP_NUM_THREADS=2``).
 """
 
 import argparse
@@ -30,13 +38,20 @@ from torch.utils.data import DataLoader, TensorDataset
 FAST_NOISE = {"off": False, "threads": True, "philox": "philox"}
 
 
-def build(mode, d: int, loss_reduction: str, fast_noise=False):
+def build(mode, d: int, loss_reduction: str, fast_noise=False, api: str = "modern"):
     """A step function of the non-private (``mode=None``) or private model."""
     torch.manual_seed(0)
     model = nn.Linear(d, d, bias=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(2, d), torch.randn(2, d)
-    if mode is not None:
+    if mode is not None and api == "classic":
+        from opacus_dp import PrivacyEngine
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            PrivacyEngine(model, batch_size=2, sample_size=64, noise_multiplier=1.0, max_grad_norm=1.0,
+                          grad_sample_mode=mode, loss_reduction=loss_reduction, fast_noise=fast_noise).attach(optimizer)
+    elif mode is not None:
         from opacus_dp import PrivacyEngine
 
         with warnings.catch_warnings():
@@ -51,7 +66,24 @@ def build(mode, d: int, loss_reduction: str, fast_noise=False):
         loss = ((model(x) - y) ** 2).sum()
         (loss if loss_reduction == "sum" else loss / 2).backward()
         optimizer.step()
+    step.weight = model.weight if mode is None or api == "classic" else model._module.weight
     return step
+
+
+def noise_draw(fast_noise: str, d: int):
+    """One step's noise of the ``--fast-noise`` setting for ``d × d`` coordinates (module doc)."""
+    if fast_noise == "off":
+        return lambda: torch.normal(0.0, 1.0, size=(d, d))
+    from opacus_dp.optim.parallel_noise import ParallelGaussianNoise
+    from opacus_dp.optim.philox_noise import PhiloxGaussianNoise
+
+    noise = (PhiloxGaussianNoise if fast_noise == "philox" else ParallelGaussianNoise)(seed=1)
+    target = torch.zeros(d, d)
+
+    def draw():
+        noise.begin_step(target.device)
+        noise.add_sample_(target, 1.0)
+    return draw
 
 
 def main(argv=None) -> dict:
@@ -62,21 +94,26 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--fast-noise", choices=sorted(FAST_NOISE), default="off")
+    parser.add_argument("--timer", choices=("cpu", "wall"), default="cpu")
+    parser.add_argument("--api", choices=("modern", "classic"), default="modern")
     args = parser.parse_args(argv)
+    clock = time.process_time if args.timer == "cpu" else time.perf_counter
     d = args.dim
     buffer = torch.empty(d * d)
     variants = {"non-private": build(None, d, args.loss_reduction),
-                **{f"private {m}": build(m, d, args.loss_reduction, FAST_NOISE[args.fast_noise]) for m in args.modes.split(",")},
-                "noise": lambda: torch.normal(0.0, 1.0, size=(d, d)), "add_": lambda: buffer.add_(buffer)}
+                **{f"private {m}": build(m, d, args.loss_reduction, FAST_NOISE[args.fast_noise], args.api) for m in args.modes.split(",")},
+                "noise": noise_draw(args.fast_noise, d), "add_": lambda: buffer.add_(buffer)}
     samples = {name: [] for name in variants}
     for round_ in range(args.warmup + args.repeats):
         for name, fn in variants.items():
-            start = time.process_time()
+            start = clock()
             fn()
             if round_ >= args.warmup:
-                samples[name].append(1000 * (time.process_time() - start))
+                samples[name].append(1000 * (clock() - start))
     ms = {name: statistics.median(values) for name, values in samples.items()}
-    print(f"Linear({d}, {d}), batch 2, loss {args.loss_reduction}, noise {args.fast_noise}; median process CPU ms of {args.repeats} rounds")
+    print(f"Linear({d}, {d}), batch 2, loss {args.loss_reduction}, noise {args.fast_noise}, {args.api} API; median "
+          f"{'process CPU' if args.timer == 'cpu' else 'wall-clock'} ms of {args.repeats} rounds, "
+          f"{torch.get_num_threads()} threads")
     for name, value in ms.items():
         print(f"  {name:14s} {value:8.1f} ms")
     result = {"ms": ms}

@@ -59,7 +59,8 @@ class ClassicPrivacyEngine:
     :mod:`opacus_dp.grad_sample.mode_selection`) and its ``skip_weight_grads``; ``fsdp=True`` (or a
     dict of ``fully_shard`` options) shards the model with FSDP2 here and ``attach`` points the
     optimizer at the shards (``docs/distributed.md``); ``check_sample_independence`` and
-    ``public_buffers``: as for ``make_private``. ``p.grad_sample``
+    ``public_buffers``: as for ``make_private``; ``fast_noise`` (``True``: parallel threads,
+    ``"philox"``: the counter-based noise fused with its add; as for ``make_private``). ``p.grad_sample``
     and ``p.summed_grad`` follow 0.x's lifecycle (:mod:`opacus_dp.state_views`).
     """
 
@@ -75,7 +76,8 @@ class ClassicPrivacyEngine:
                  noise_generator: Optional[torch.Generator] = None, grad_sample_mode: str = "hooks",
                  enable_stat: bool = False, experimental: bool = False, clipping_method=None,
                  clipping_ratio=None, clipping_momentum=None, skip_weight_grads: Optional[bool] = None,
-                 fsdp=False, check_sample_independence: bool = True, public_buffers: Sequence[str] = ()):
+                 fsdp=False, check_sample_independence: bool = True, public_buffers: Sequence[str] = (),
+                 fast_noise: Union[bool, str] = False):
         check_misc_settings(enable_stat=enable_stat, experimental=experimental, clipping_method=clipping_method,
                             clipping_ratio=clipping_ratio, clipping_momentum=clipping_momentum)
         self.secure_mode = self.secure_rng = bool(secure_rng)
@@ -105,7 +107,7 @@ class ClassicPrivacyEngine:
                 sample_rate=self.sample_rate, epochs=epochs, alphas=self.alphas)
         self._noise_multiplier = noise_multiplier
         self.max_epsilon, self.max_epsilon_delta = max_epsilon, target_delta
-        self.noise_generator = noise_generator
+        self.noise_generator, self.fast_noise = noise_generator, fast_noise
         self.grad_sample_mode, self.skip_weight_grads = grad_sample_mode, skip_weight_grads
         self._model_checks = (check_sample_independence, public_buffers)
         self.plan()  # every setting checked now
@@ -181,7 +183,8 @@ class ClassicPrivacyEngine:
         ``expected_batch_size``)."""
         return PrivatePlan(
             noise_multiplier=self._noise_multiplier, max_grad_norm=self._max_grad_norm, clipping=self.clipping,
-            noise_generator=self.noise_generator, secure_mode=self.secure_mode, poisson_sampling=bool(self.poisson),
+            noise_generator=self.noise_generator, secure_mode=self.secure_mode, fast_noise=self.fast_noise,
+            poisson_sampling=bool(self.poisson),
             loss_reduction=self.loss_reduction, batch_first=self.batch_first, grad_sample_mode=self.grad_sample_mode,
             skip_weight_grads=self.skip_weight_grads, check_sample_independence=self._model_checks[0],
             public_buffers=self._model_checks[1])

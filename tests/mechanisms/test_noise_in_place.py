@@ -9,9 +9,12 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
+from opacus_dp.optim.parallel_noise import ParallelGaussianNoise
+from opacus_dp.optim.philox_noise import PhiloxGaussianNoise
 from opacus_dp.optim.summed_grad_views import SummedGradViews
 
 BOUND, SIGMA, BATCH = 0.5, 1.0, 8
+NOISES = {True: ParallelGaussianNoise, "philox": PhiloxGaussianNoise}
 
 
 def data():
@@ -19,7 +22,7 @@ def data():
     return torch.randn(32, 6, generator=generator), torch.randint(0, 3, (32,), generator=generator)
 
 
-def modern_run(fast_noise, steps=2):
+def modern_run(fast_noise, steps=2, seed=None):
     torch.manual_seed(0)
     model = nn.Linear(6, 3)
     x, y = data()
@@ -28,7 +31,8 @@ def modern_run(fast_noise, steps=2):
         warnings.simplefilter("ignore")
         model, optimizer, loader = PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
-            noise_multiplier=SIGMA, max_grad_norm=BOUND, fast_noise=fast_noise, poisson_sampling=False)
+            noise_multiplier=SIGMA, max_grad_norm=BOUND, fast_noise=fast_noise, poisson_sampling=False,
+            noise_generator=None if seed is None else torch.Generator().manual_seed(seed))
     for step, (xb, yb) in enumerate(loader):
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(xb), yb).backward()
@@ -37,16 +41,19 @@ def modern_run(fast_noise, steps=2):
             return model, optimizer, (xb, yb)
 
 
-def classic_run(fast_noise_unused=None, steps=2):
+def classic_run(fast_noise=False, steps=2, seed=None, kinds=None):
     torch.manual_seed(0)
     model = nn.Linear(6, 3)
     x, y = data()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = PrivacyEngine(model, batch_size=BATCH, sample_size=32, noise_multiplier=SIGMA,
-                               max_grad_norm=BOUND, poisson=False)
+                               max_grad_norm=BOUND, poisson=False, fast_noise=fast_noise,
+                               noise_generator=None if seed is None else torch.Generator().manual_seed(seed))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         engine.attach(optimizer)
+    if kinds is not None:
+        kinds.append(type(optimizer.privacy_engine._dp_optimizer.noise))
     for step in range(steps):
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x[step * BATCH:(step + 1) * BATCH]),
@@ -112,3 +119,22 @@ def test_modern_lifecycle_noises_into_new_tensors(monkeypatch, fast_noise):
     seen = record_reuse(monkeypatch, never_in_place=False)
     modern_run(fast_noise)
     assert seen and not any(seen)  # make_private shows p.summed_grad: never written with noise
+
+
+@pytest.mark.parametrize("fast_noise", [True, "philox"])
+def test_classic_engine_draws_the_fast_noise_of_make_private(monkeypatch, fast_noise):
+    in_place, kinds = record_reuse(monkeypatch, never_in_place=False), []
+    classic = classic_run(fast_noise, steps=2, seed=11, kinds=kinds)
+    assert kinds == [NOISES[fast_noise]] and in_place and all(in_place)
+    model, _, _ = modern_run(fast_noise, steps=2, seed=11)  # same data order, seed and divisor
+    for a, b in zip(classic, model.parameters()):
+        assert torch.equal(a, b.detach())  # the same numbers, in place or not
+    default = classic_run(False, steps=2, seed=11)
+    assert not any(torch.allclose(a, b) for a, b in zip(classic, default))  # another stream
+
+
+def test_classic_engine_refuses_other_fast_noise_values():
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="fast_noise"):
+        warnings.simplefilter("ignore")
+        PrivacyEngine(nn.Linear(2, 2), batch_size=2, sample_size=8, noise_multiplier=1.0, max_grad_norm=1.0,
+                      fast_noise="fast")

@@ -179,6 +179,7 @@ def test_fill_is_the_same_for_any_threads_and_chunks(workers, chunk, monkeypatch
     native_kernel()
     if chunk is not None:
         monkeypatch.setattr(draws, "CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(draws, "CHUNKS_PER_WORKER", 1000)  # chunks of exactly CHUNK_ELEMENTS
     n = 20 * 256 + 9
     base = torch.randn(n, generator=torch.Generator().manual_seed(4))
     out = torch.empty(n)
@@ -187,6 +188,14 @@ def test_fill_is_the_same_for_any_threads_and_chunks(workers, chunk, monkeypatch
     summed = base.clone()
     draws.fill(summed, summed, WORDS, STD, workers)
     assert torch.equal(summed, run_reference(n, 0, base=base))
+
+
+def test_chunks_are_whole_tiles_a_few_per_worker():
+    assert draws.chunk_elements(1 << 24, 2) == (1 << 24) // 8
+    assert draws.chunk_elements(1 << 24, 1) == (1 << 24) // 4
+    assert draws.chunk_elements(100, 8) == draws.CHUNK_ELEMENTS  # never below the smallest chunk
+    size = draws.chunk_elements(3 * (1 << 20) + 7, 3)
+    assert size % 256 == 0 and size * 12 >= 3 * (1 << 20) + 7 > size * 11
 
 
 def test_stream_words_follow_shake256_and_positions_get_distinct_words():

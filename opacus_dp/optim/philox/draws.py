@@ -22,10 +22,11 @@ import torch
 from opacus_dp.optim.chunked_draws import thread_pool
 from opacus_dp.optim.philox import native, reference
 from opacus_dp.maths.huge_pages import empty_like_on_huge_pages
-from opacus_dp.optim.philox.reference import Words
+from opacus_dp.optim.philox.reference import TILE, Words
 
 DOMAIN = b"opacus_dp philox noise v1\0"
-CHUNK_ELEMENTS = 1 << 18  # elements per kernel call (a multiple of TILE): the unit of work of a thread
+CHUNK_ELEMENTS = 1 << 16  # the fewest elements of a kernel call (a multiple of TILE): the smallest unit of work
+CHUNKS_PER_WORKER = 4  # a tensor is cut into about this many chunks per thread (each thread's start costs)
 _warned = False
 
 
@@ -54,18 +55,27 @@ def fill(out: torch.Tensor, base: Optional[torch.Tensor], words: Words, std: flo
     n = out.numel()
     out_address = out.data_ptr()
     base_address = None if base is None else base.data_ptr()
+    size = chunk_elements(n, workers)
 
     def chunk(start: int) -> None:
-        count = min(CHUNK_ELEMENTS, n - start)
+        count = min(size, n - start)
         kernel(out_address + 4 * start, None if base_address is None else base_address + 4 * start,
                start, count, *words, std, divisor)
 
-    starts = range(0, n, CHUNK_ELEMENTS)
+    starts = range(0, n, size)
     if len(starts) == 1 or workers == 1:
         for start in starts:
             chunk(start)
     else:
         list(thread_pool(workers).map(chunk, starts))  # waits for every chunk, raises the first error
+
+
+def chunk_elements(n: int, workers: int) -> int:
+    """The elements of one kernel call for a tensor of ``n`` on ``workers`` threads: about
+    ``CHUNKS_PER_WORKER`` chunks per thread (a few, so that a thread held up elsewhere is made up
+    for by the others), in tiles, at least ``CHUNK_ELEMENTS``. Any size gives the same numbers."""
+    share = -(-n // (CHUNKS_PER_WORKER * max(1, workers)))
+    return max(CHUNK_ELEMENTS, -(-share // TILE) * TILE)
 
 
 def draw(target: torch.Tensor, std: float, position, draws: int, add: bool, workers: int) -> None:
