@@ -308,14 +308,15 @@ def test_clip_per_layer_with_one_bound_clips_each_tensor():
     assert engine._dp_optimizer.max_grad_norm == pytest.approx(0.1 * math.sqrt(4))
 
 
+@pytest.mark.parametrize("fast_noise", [False, True, "philox"])
 @pytest.mark.parametrize("load_before_attach", [False, True])
-def test_state_dict_restores_the_noise_stream_before_or_after_attach(load_before_attach):
+def test_state_dict_restores_the_noise_stream_before_or_after_attach(load_before_attach, fast_noise):
     """A resumed classic run draws the noise the uninterrupted run would have drawn, whether its
-    state is loaded before ``attach`` (kept until then) or after."""
+    state is loaded before ``attach`` (kept until then) or after, with each noise generator."""
     def engine_and_model(noise_seed):
         model = nn.Linear(5, 2)
         engine = PrivacyEngine(model, batch_size=8, sample_size=80, noise_multiplier=1.0, max_grad_norm=1.0,
-                               noise_generator=torch.Generator().manual_seed(noise_seed))
+                               noise_generator=torch.Generator().manual_seed(noise_seed), fast_noise=fast_noise)
         return engine, model, SGD(model.parameters(), lr=0.1)
 
     def noise_of_one_step(model, optimizer):  # zero data gradient: p.grad is the noise
@@ -338,6 +339,37 @@ def test_state_dict_restores_the_noise_stream_before_or_after_attach(load_before
         resumed.load_state_dict(state)
     torch.testing.assert_close(noise_of_one_step(model2, optimizer2), expected, rtol=0, atol=0)
     assert resumed.steps == 2
+    other = engine_and_model(99)
+    other[0].attach(other[2])
+    assert not torch.equal(noise_of_one_step(*other[1:]), noise_of_one_step(model2, optimizer2))  # seeds matter
+
+
+@pytest.mark.parametrize("fast_noise", [True, "philox"])
+def test_fast_noise_is_seeded_by_set_seed_and_keyed_by_the_os_in_secure_mode(fast_noise, monkeypatch):
+    """``_set_seed`` keys the fast noise (two engines seeded alike draw alike); with
+    ``secure_rng=True`` every step takes its key from the operating system, never a seed."""
+    def noise_after_set_seed(seed, **options):
+        model = nn.Linear(5, 2)
+        engine = PrivacyEngine(model, batch_size=8, sample_size=80, noise_multiplier=1.0, max_grad_norm=1.0,
+                               fast_noise=fast_noise, **options)
+        optimizer = SGD(model.parameters(), lr=0.1)
+        engine.attach(optimizer)
+        if seed is not None:
+            engine._set_seed(seed)
+        (0 * model(torch.zeros(8, 5)).sum()).backward()
+        optimizer.step()
+        return engine, model.weight.grad.clone()
+
+    assert torch.equal(noise_after_set_seed(5)[1], noise_after_set_seed(5)[1])
+    assert not torch.equal(noise_after_set_seed(5)[1], noise_after_set_seed(6)[1])
+    import secrets
+    keys = []
+    original = secrets.randbits
+    monkeypatch.setattr(secrets, "randbits", lambda bits: keys.append(bits) or original(bits))
+    engine, _ = noise_after_set_seed(None, secure_rng=True)
+    assert keys and engine._dp_optimizer.noise.secure_mode
+    with pytest.raises(ValueError, match="secure_rng"):
+        engine._set_seed(5)
 
 
 def test_opacus_0x_misc_settings():
