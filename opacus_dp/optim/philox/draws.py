@@ -25,7 +25,7 @@ from opacus_dp.maths.huge_pages import empty_like_on_huge_pages
 from opacus_dp.optim.philox.reference import TILE, Words
 
 DOMAIN = b"opacus_dp philox noise v1\0"
-CHUNK_ELEMENTS = 1 << 16  # the fewest elements of a kernel call (a multiple of TILE): the smallest unit of work
+CHUNK_ELEMENTS = 1 << 18  # the fewest elements of a kernel call (a multiple of TILE): the smallest unit of work
 CHUNKS_PER_WORKER = 4  # a tensor is cut into about this many chunks per thread (each thread's start costs)
 _warned = False
 
