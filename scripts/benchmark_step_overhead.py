@@ -39,34 +39,32 @@ FAST_NOISE = {"off": False, "threads": True, "philox": "philox"}
 
 
 def build(mode, d: int, loss_reduction: str, fast_noise=False, api: str = "modern"):
-    """A step function of the non-private (``mode=None``) or private model."""
+    """A step function of the non-private (``mode=None``) or private model (``step.weight``: the
+    weight it trains)."""
     torch.manual_seed(0)
-    model = nn.Linear(d, d, bias=False)
+    model = layer = nn.Linear(d, d, bias=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(2, d), torch.randn(2, d)
-    if mode is not None and api == "classic":
+    if mode is not None:
         from opacus_dp import PrivacyEngine
 
+        privacy = dict(noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode, loss_reduction=loss_reduction,
+                       fast_noise=fast_noise)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            PrivacyEngine(model, batch_size=2, sample_size=64, noise_multiplier=1.0, max_grad_norm=1.0,
-                          grad_sample_mode=mode, loss_reduction=loss_reduction, fast_noise=fast_noise).attach(optimizer)
-    elif mode is not None:
-        from opacus_dp import PrivacyEngine
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model, optimizer, _ = PrivacyEngine().make_private(
-                module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x, y), batch_size=2),
-                noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode, loss_reduction=loss_reduction,
-                fast_noise=fast_noise)
+            if api == "classic":
+                PrivacyEngine(model, batch_size=2, sample_size=64, **privacy).attach(optimizer)
+            else:
+                model, optimizer, _ = PrivacyEngine().make_private(
+                    module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x, y), batch_size=2),
+                    **privacy)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
         loss = ((model(x) - y) ** 2).sum()
         (loss if loss_reduction == "sum" else loss / 2).backward()
         optimizer.step()
-    step.weight = model.weight if mode is None or api == "classic" else model._module.weight
+    step.weight = layer.weight
     return step
 
 
