@@ -198,6 +198,15 @@ def test_chunks_are_whole_tiles_a_few_per_worker():
     assert size % 256 == 0 and size * 12 >= 3 * (1 << 20) + 7 > size * 11
 
 
+def test_chunks_are_whole_tiles_whatever_the_smallest_chunk(monkeypatch):
+    monkeypatch.setattr(draws, "CHUNK_ELEMENTS", 1000)  # not a multiple of the tile
+    assert draws.chunk_elements(10_000, 8) == 1024
+    n = 5000
+    out = torch.empty(n)
+    draws.fill(out, None, WORDS, STD, 2)
+    assert torch.equal(out, run_reference(n, 0))  # no chunk repeats another's draws
+
+
 def test_stream_words_follow_shake256_and_positions_get_distinct_words():
     key, step, slot, draw = 2 ** 100 + 5, 7, 2, 3
     message = (b"opacus_dp philox noise v1\0" + key.to_bytes(16, "little")

@@ -74,8 +74,8 @@ def chunk_elements(n: int, workers: int) -> int:
     """The elements of one kernel call for a tensor of ``n`` on ``workers`` threads: about
     ``CHUNKS_PER_WORKER`` chunks per thread (a few, so that a thread held up elsewhere is made up
     for by the others), in tiles, at least ``CHUNK_ELEMENTS``. Any size gives the same numbers."""
-    share = -(-n // (CHUNKS_PER_WORKER * max(1, workers)))
-    return max(CHUNK_ELEMENTS, -(-share // TILE) * TILE)
+    share = max(CHUNK_ELEMENTS, -(-n // (CHUNKS_PER_WORKER * max(1, workers))))
+    return -(-share // TILE) * TILE  # whole tiles: a chunk starting inside a tile would repeat its draws
 
 
 def draw(target: torch.Tensor, std: float, position, draws: int, add: bool, workers: int) -> None:
