@@ -168,6 +168,28 @@ def classic_epsilon_run(rank, world_size, steps=3, per_process_batch=4):
             "final": params_of(model)}
 
 
+def classic_noise_run(rank, world_size, fast_noise, per_process_batch=8):
+    """Opacus 0.x API under DDP with σ = 1 and a fast noise: one step on disjoint rows per rank
+    (for the noise std of the global step)."""
+    torch.manual_seed(900 + rank)
+    model = wrap(nn.Linear(NOISE_FEATURES, NOISE_CLASSES, bias=False).double(), "ddp")
+    start = params_of(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine(model, batch_size=per_process_batch, sample_size=NOISE_SAMPLES,
+                               noise_multiplier=1.0, max_grad_norm=1.0, fast_noise=fast_noise)
+        engine.attach(optimizer)
+    data = dataset(NOISE_SAMPLES, NOISE_FEATURES, seed=98)
+    rows = slice(rank * per_process_batch, (rank + 1) * per_process_batch)
+    x, y = data.tensors[0][rows], data.tensors[1][rows] * 33
+    optimizer.zero_grad()
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    optimizer.step()
+    return {"start": start, "batch": (x, y), "after_first": params_of(model), "sigma": 1.0,
+            "global_batch": per_process_batch * world_size}
+
+
 def _error_of(fn):
     try:
         fn()
@@ -249,6 +271,8 @@ def privacy_job(rank, world_size, checkpoint_dir):
         "classic": classic_epsilon_run(rank, world_size),
         "secure": secure_run(rank, world_size),
         "secure_philox": secure_run(rank, world_size, fast_noise="philox"),
+        "classic_philox": classic_noise_run(rank, world_size, fast_noise="philox"),
+        "classic_threads": classic_noise_run(rank, world_size, fast_noise=True),
         "empty_poisson": empty_poisson_run(rank, world_size),
         "sampler": sampler_run(rank, world_size),
         "checkpoint": checkpoint_run(rank, world_size, os.path.join(checkpoint_dir, "ckpt.pt")),
