@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from opacus_dp.optim.chunked_draws import thread_pool
-from opacus_dp.optim.philox import native, reference
+from opacus_dp.optim.philox import native, openmp, reference
 from opacus_dp.maths.huge_pages import empty_like_on_huge_pages
 from opacus_dp.optim.philox.reference import TILE, Words
 
@@ -46,7 +46,8 @@ def fill(out: torch.Tensor, base: Optional[torch.Tensor], words: Words, std: flo
          divisor: float = 1.0) -> None:
     """``out = base + std·stream`` (``out = std·stream`` without ``base``; ``base`` may be ``out``),
     divided by ``divisor`` unless it is 1, 1-D contiguous float32 CPU tensors; by the native kernel
-    in chunks on ``workers`` threads, else by the torch reference (same numbers)."""
+    in chunks on ``workers`` threads (torch's OpenMP threads where :mod:`.openmp` finds them, else
+    a pool of our own), else by the torch reference (same numbers)."""
     kernel = native.kernel()
     if kernel is None:
         _warn_reference()
@@ -63,7 +64,10 @@ def fill(out: torch.Tensor, base: Optional[torch.Tensor], words: Words, std: flo
                start, count, *words, std, divisor)
 
     starts = range(0, n, size)
-    if len(starts) == 1 or workers == 1:
+    team = openmp.gomp_parallel() if len(starts) > 1 and workers > 1 else None
+    if team is not None:  # torch's OpenMP threads take the chunks in turn (openmp.py)
+        kernel.parallel(team, workers, size, out_address, base_address, 0, n, *words, std, divisor)
+    elif len(starts) == 1 or workers == 1:
         for start in starts:
             chunk(start)
     else:

@@ -110,4 +110,37 @@ void opacus_dp_philox_normal(float *out, const float *base, int64_t start, int64
     }
 }
 
-int opacus_dp_philox_version(void) { return 2; }
+/* The same elements on a team of threads: `gomp_parallel` is GOMP_parallel of the OpenMP runtime
+ * torch runs its operations on (found by the loader, never linked here), which runs `run_chunks`
+ * on `threads` threads, the caller among them, and returns when all are done. The threads take
+ * chunks of `chunk` elements (a multiple of 256) in turn from a shared counter: every chunk is
+ * drawn once, by one thread, each element the same as in one call of opacus_dp_philox_normal. */
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+
+struct chunked_job {
+    float *out;
+    const float *base;
+    int64_t start, count, chunk, next;
+    uint32_t k0, k1, c2, c3;
+    float std, divisor;
+};
+
+static void run_chunks(void *data) {
+    struct chunked_job *job = data;
+    for (;;) {
+        int64_t done = __atomic_fetch_add(&job->next, job->chunk, __ATOMIC_RELAXED);
+        if (done >= job->count) return;
+        int64_t n = job->count - done < job->chunk ? job->count - done : job->chunk;
+        opacus_dp_philox_normal(job->out + done, job->base ? job->base + done : 0, job->start + done, n,
+                                job->k0, job->k1, job->c2, job->c3, job->std, job->divisor);
+    }
+}
+
+void opacus_dp_philox_normal_parallel(void *gomp_parallel, unsigned threads, int64_t chunk, float *out,
+                                      const float *base, int64_t start, int64_t count, uint32_t k0,
+                                      uint32_t k1, uint32_t c2, uint32_t c3, float std, float divisor) {
+    struct chunked_job job = {out, base, start, count, chunk, 0, k0, k1, c2, c3, std, divisor};
+    ((gomp_parallel_fn)gomp_parallel)(run_chunks, &job, threads, 0u);
+}
+
+int opacus_dp_philox_version(void) { return 3; }

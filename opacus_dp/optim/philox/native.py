@@ -28,7 +28,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 SOURCE = Path(__file__).with_name("kernel.c")
-KERNEL_VERSION = 2
+KERNEL_VERSION = 3
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd")
 _X86_LEVELS = {"AVX512": "-march=x86-64-v4", "AVX2": "-march=x86-64-v3"}
 _lock = threading.Lock()
@@ -84,16 +84,23 @@ def build(compiler: Optional[str] = None, flags: Optional[List[str]] = None, dir
     return target
 
 
+_STREAM_ARGUMENTS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32,
+                     ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_float, ctypes.c_float]
+
+
 def load(path: Path) -> Callable:
-    """The kernel function of the library at ``path`` (its version checked)."""
+    """The kernel function of the library at ``path`` (its version checked):
+    ``kernel(out, base, start, count, k0, k1, c2, c3, std, divisor)``; its form on a team of
+    OpenMP threads as ``kernel.parallel(gomp_parallel, threads, chunk, out, base, start, ...)``
+    (``kernel.c``)."""
     library = ctypes.CDLL(str(path))
     if library.opacus_dp_philox_version() != KERNEL_VERSION:
         raise RuntimeError(f"{path} is not version {KERNEL_VERSION} of the Philox kernel")
     kernel = library.opacus_dp_philox_normal
-    kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_float,
-                       ctypes.c_float]
-    kernel.restype = None
+    kernel.argtypes, kernel.restype = _STREAM_ARGUMENTS, None
+    parallel = library.opacus_dp_philox_normal_parallel
+    parallel.argtypes, parallel.restype = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_int64] + _STREAM_ARGUMENTS, None
+    kernel.parallel = parallel
     return kernel
 
 
