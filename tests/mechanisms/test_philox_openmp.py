@@ -43,7 +43,7 @@ def test_team_draws_every_coordinate_once_as_the_reference(threads, n, chunk):
     kernel = native_kernel()
     base = torch.randn(n, generator=torch.Generator().manual_seed(n))
     out = torch.full((n,), float("nan"))
-    kernel.parallel(team, threads, chunk, out.data_ptr(), None, 0, n, *WORDS, STD, 1.0)
+    assert kernel.parallel(team, threads, chunk, out.data_ptr(), None, 0, n, *WORDS, STD, 1.0) >= n  # it ran
     assert torch.equal(out, run_reference(n, 0))
     summed = base.clone()
     kernel.parallel(team, threads, chunk, summed.data_ptr(), summed.data_ptr(), 0, n, *WORDS, STD, 3.0)
@@ -76,6 +76,31 @@ def test_fill_uses_the_team_when_found(monkeypatch):
     small = torch.zeros(1000)  # one chunk: drawn on the calling thread, no team asked for
     draws.fill(small, None, WORDS, STD, 2)
     assert calls == [team]
+
+
+def test_a_team_that_runs_nothing_falls_back_to_the_pool_once_and_for_all(monkeypatch):
+    """A GOMP_parallel that returns without running the kernel (the counter stays 0) must not leave
+    the tensor un-noised: the pool draws it, and the team is not asked again."""
+    team_or_skip()
+    kernel = native_kernel()
+
+    def run_nothing(*args):
+        return 0
+    monkeypatch.setattr(kernel, "parallel", run_nothing)
+    n = 2 * draws.CHUNK_ELEMENTS + 9
+    base = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    out = base.clone()
+    draws.fill(out, out, WORDS, STD, 2)
+    assert torch.equal(out, run_reference(n, 0, base=base))
+    assert openmp.gomp_parallel() is None
+
+
+def test_a_team_that_stops_part_way_is_an_error(monkeypatch):
+    team_or_skip()
+    kernel = native_kernel()
+    monkeypatch.setattr(kernel, "parallel", lambda *args: draws.CHUNK_ELEMENTS)
+    with pytest.raises(RuntimeError, match="incomplete"):
+        draws.fill(torch.zeros(2 * draws.CHUNK_ELEMENTS + 9), None, WORDS, STD, 2)
 
 
 def test_switched_off_by_the_environment(monkeypatch):

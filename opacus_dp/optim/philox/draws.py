@@ -66,8 +66,13 @@ def fill(out: torch.Tensor, base: Optional[torch.Tensor], words: Words, std: flo
     starts = range(0, n, size)
     team = openmp.gomp_parallel() if len(starts) > 1 and workers > 1 else None
     if team is not None:  # torch's OpenMP threads take the chunks in turn (openmp.py)
-        kernel.parallel(team, workers, size, out_address, base_address, 0, n, *words, std, divisor)
-    elif len(starts) == 1 or workers == 1:
+        reached = kernel.parallel(team, workers, size, out_address, base_address, 0, n, *words, std, divisor)
+        if reached >= n:
+            return
+        if reached:  # cannot happen: a thread that ran took chunks until the counter passed n
+            raise RuntimeError("the Philox noise's OpenMP team stopped part-way: this tensor's noise is incomplete")
+        openmp.give_up()  # the team ran nothing, so nothing was written: the pool, from now on
+    if len(starts) == 1 or workers == 1:
         for start in starts:
             chunk(start)
     else:

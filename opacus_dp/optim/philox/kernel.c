@@ -136,11 +136,13 @@ static void run_chunks(void *data) {
     }
 }
 
-void opacus_dp_philox_normal_parallel(void *gomp_parallel, unsigned threads, int64_t chunk, float *out,
-                                      const float *base, int64_t start, int64_t count, uint32_t k0,
-                                      uint32_t k1, uint32_t c2, uint32_t c3, float std, float divisor) {
+/* Returns the shared counter at the end: at least `count` once the team has run (0: it did not). */
+int64_t opacus_dp_philox_normal_parallel(void *gomp_parallel, unsigned threads, int64_t chunk, float *out,
+                                         const float *base, int64_t start, int64_t count, uint32_t k0,
+                                         uint32_t k1, uint32_t c2, uint32_t c3, float std, float divisor) {
     struct chunked_job job = {out, base, start, count, chunk, 0, k0, k1, c2, c3, std, divisor};
     ((gomp_parallel_fn)gomp_parallel)(run_chunks, &job, threads, 0u);
+    return __atomic_load_n(&job.next, __ATOMIC_SEQ_CST);
 }
 
 int opacus_dp_philox_version(void) { return 3; }

@@ -91,15 +91,15 @@ _STREAM_ARGUMENTS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_
 def load(path: Path) -> Callable:
     """The kernel function of the library at ``path`` (its version checked):
     ``kernel(out, base, start, count, k0, k1, c2, c3, std, divisor)``; its form on a team of
-    OpenMP threads as ``kernel.parallel(gomp_parallel, threads, chunk, out, base, start, ...)``
-    (``kernel.c``)."""
+    OpenMP threads as ``kernel.parallel(gomp_parallel, threads, chunk, out, base, start, ...)``,
+    which returns its chunk counter (at least ``count`` once the team ran; ``kernel.c``)."""
     library = ctypes.CDLL(str(path))
     if library.opacus_dp_philox_version() != KERNEL_VERSION:
         raise RuntimeError(f"{path} is not version {KERNEL_VERSION} of the Philox kernel")
     kernel = library.opacus_dp_philox_normal
     kernel.argtypes, kernel.restype = _STREAM_ARGUMENTS, None
     parallel = library.opacus_dp_philox_normal_parallel
-    parallel.argtypes, parallel.restype = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_int64] + _STREAM_ARGUMENTS, None
+    parallel.argtypes, parallel.restype = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_int64] + _STREAM_ARGUMENTS, ctypes.c_int64
     kernel.parallel = parallel
     return kernel
 

@@ -45,6 +45,13 @@ def gomp_parallel() -> Optional[int]:
         return _found[0]
 
 
+def give_up() -> None:
+    """Use the pool from now on (the team found did not run the kernel)."""
+    global _found
+    with _lock:
+        _found = [None]
+
+
 def forget() -> None:
     """Look up again at the next call (after the environment changed)."""
     global _found
