@@ -11,7 +11,8 @@ torch's own ``lib`` directory, else the only libgomp, is mapped into the process
 ``/proc/self/maps``), opened again without loading anything (``RTLD_NOLOAD``). Elsewhere (another
 OpenMP runtime, macOS, Windows) :func:`gomp_parallel` is None and the noise uses its thread pool.
 ``OPACUS_DP_NOISE_OPENMP=0`` turns this off, and so does a fork: GNU OpenMP's threads are not
-in a forked child, whose noise uses a new pool of its own.
+in a forked child, whose noise uses a new pool of its own. A team that runs nothing (the kernel
+reports how far its chunks got) is given up for the pool (:func:`give_up`).
 """
 
 import ctypes
