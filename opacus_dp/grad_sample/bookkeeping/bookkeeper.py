@@ -58,6 +58,8 @@ from opacus_dp.grad_sample.broadcast_inputs import BROADCAST_HINT
 from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.per_sample_store import second_batch_error
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import materialise
+from opacus_dp.grad_sample.bookkeeping.norm_rules import norm_rule_of
+from opacus_dp.grad_sample.bookkeeping.shared_input_grams import SharedInputGrams
 from opacus_dp.module_parameters import own_tensors
 from opacus_dp.maths.per_sample import any_dropped, finite_factors, weighted_sum
 from opacus_dp.torch_internals import current_graph_task_id, queue_end_of_backward_callback
@@ -101,14 +103,19 @@ class Bookkeeper:
         self._summing: Optional[_SumsPass] = None
         self.units = None  # UnitChannel: rows grouped into privacy units (norms formed at the step)
         self._chunk_buffer = ChunkBuffer()  # per-layer clipping's chunked sums (under the lock)
+        self._input_grams = SharedInputGrams()  # Gram products of inputs several calls read
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ recording
-    def expect_call(self, layer: nn.Module) -> None:
-        """A forward call of ``layer`` now awaits its output gradients (counted, so that a
-        call known to be the last pending one can be resolved at once)."""
+    def expect_call(self, layer: nn.Module, inputs=()) -> None:
+        """A forward call of ``layer`` on ``inputs`` (its positional arguments) now awaits its
+        output gradients (counted, so that a call known to be the last pending one can be
+        resolved at once, and calls reading the same input share its Gram products)."""
         with self._lock:
             self._pending[layer] = self._pending.get(layer, 0) + 1
+            rule = norm_rule_of(layer)
+            if rule is not None and rule.shares_input_products:
+                self._input_grams.expect(inputs)
 
     def record(self, layer: nn.Module, name: str, call, backprops: List[Optional[torch.Tensor]],
                scale: float) -> None:
@@ -168,15 +175,16 @@ class Bookkeeper:
     def _resolve(self, current: Pass, layer: nn.Module, calls: List[Call]) -> None:
         """Privacy units of several rows need the norms of sums over rows, formed at the step
         (:mod:`~opacus_dp.grad_sample.bookkeeping.grouped_units`)."""
-        if self.units is not None:
-            resolve_grouped(current, layer, calls, per_sample_grads=self._per_sample_grads,
-                            layer_rule=self.layer_rule, shared=layer in self.shared_layers)
-            return
-        resolve_calls(current, layer, calls, per_sample_grads=self._per_sample_grads,
-                      layer_rule=self.layer_rule, shared=layer in self.shared_layers,
-                      keep_ghost_calls=self.keep_ghost_calls,
-                      factor_function=self.factor_function if self.keep_ghost_calls else None,
-                      chunk_buffer=self._chunk_buffer)
+        with self._input_grams.resolving(calls):
+            if self.units is not None:
+                resolve_grouped(current, layer, calls, per_sample_grads=self._per_sample_grads,
+                                layer_rule=self.layer_rule, shared=layer in self.shared_layers)
+                return
+            resolve_calls(current, layer, calls, per_sample_grads=self._per_sample_grads,
+                          layer_rule=self.layer_rule, shared=layer in self.shared_layers,
+                          keep_ghost_calls=self.keep_ghost_calls,
+                          factor_function=self.factor_function if self.keep_ghost_calls else None,
+                          chunk_buffer=self._chunk_buffer)
 
     def _close(self, task: int) -> None:
         with self._lock:
@@ -189,6 +197,7 @@ class Bookkeeper:
                 self._resolve(finished, layer, calls)
                 self._release(calls)
             finished.deferred.clear()
+            self._input_grams.end_pass()
             _settle(finished)
             self._resolved.append(finished)
 
@@ -297,6 +306,7 @@ class Bookkeeper:
         with self._lock:
             taken, self._resolved = self._resolved, []
             self.tasks.clear()
+            self._input_grams.end_pass()
             return taken
 
     def clear(self) -> None:
@@ -306,6 +316,7 @@ class Bookkeeper:
             self._resolved = []
             self.tasks.clear()
             self._summing = None
+            self._input_grams.end_pass()
 
 
 def _settle(current: Pass) -> None:

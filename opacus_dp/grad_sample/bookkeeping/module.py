@@ -104,7 +104,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
         (counted whenever it may have been hooked; an excess count only delays resolution)."""
         replaced = super()._capture(path, master, layer, args, kwargs, output, traced)
         if self._recording() and torch.is_grad_enabled() and has_trainable_parameters(master):
-            self._bookkeeper.expect_call(master)
+            self._bookkeeper.expect_call(master, args)
         return replaced
 
     def _open_outer_pass(self, call, layer_name: str) -> None:

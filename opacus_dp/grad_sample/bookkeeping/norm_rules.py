@@ -31,7 +31,10 @@ when its record has both
     the per-sample gradients of a few samples at a time, written into reused buffers, clipped
     and summed at once where ``prefers_chunks`` holds (``whole``: ``{param: (B, *shape)}``
     of the small parameters, such as a bias, formed for the whole batch)
-    (:mod:`~opacus_dp.grad_sample.bookkeeping.chunked_sums`).
+    (:mod:`~opacus_dp.grad_sample.bookkeeping.chunked_sums`);
+  - ``shares_input_products`` (default False): the norm sampler takes its input Gram products
+    through :func:`~opacus_dp.grad_sample.bookkeeping.shared_input_grams.input_products`, so
+    that calls on the same input tensor in one backward pass compute them once.
 
 A type with only a norm sampler is materialised by the norms-only modes.
 
@@ -62,6 +65,7 @@ class NormRule:
     materialise_if_kept: Optional[Callable] = None
     chunk_grads: Optional[Callable] = None
     prefers_chunks: Optional[Callable] = None
+    shares_input_products: bool = False
 
     @property
     def has_ghost_path(self) -> bool:

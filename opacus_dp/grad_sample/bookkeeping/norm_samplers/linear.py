@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping.norm_rules import register_norm_rule
+from opacus_dp.grad_sample.bookkeeping.shared_input_grams import input_products
 from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import (
     bound_from_diagonal, materialised_sq_norms, trusted_sq_norms)
 from opacus_dp.grad_sample.support import sum_over_positions
@@ -76,18 +77,18 @@ def _gram_sq_norms_and_diagonal(a: torch.Tensor, g: torch.Tensor) -> Tuple[torch
     With the positions cut into row blocks ``I_1 … I_k``, each block's rows of both Grams
     against the columns from the block's start on, ``R = A[I_j] A[I_j:]ᵀ``, hold its diagonal
     block once and its upper off-diagonal blocks, which stand for themselves and their
-    transposes: ``⟨AAᵀ, GGᵀ⟩ = Σ_j 2⟨R_A, R_G⟩ − ⟨R_A, R_G⟩_diagonal block``.
+    transposes: ``⟨AAᵀ, GGᵀ⟩ = Σ_j 2⟨R_A, R_G⟩ − ⟨R_A, R_G⟩_diagonal block``. The input products
+    ``R_A`` may come from another call on the same input
+    (:mod:`~opacus_dp.grad_sample.bookkeeping.shared_input_grams`): they are only read.
     """
     positions = a.shape[1]
     blocks = row_blocks(positions)
-    if blocks == 1:
-        product = torch.bmm(a, a.transpose(1, 2)).mul_(torch.bmm(g, g.transpose(1, 2)))
-        return product.sum(dim=(1, 2)), product.diagonal(dim1=1, dim2=2)
     bounds = [positions * j // blocks for j in range(blocks + 1)]
     total, diagonals = None, []
-    for low, high in zip(bounds[:-1], bounds[1:]):
-        product = torch.bmm(a[:, low:high], a[:, low:].transpose(1, 2))
-        product.mul_(torch.bmm(g[:, low:high], g[:, low:].transpose(1, 2)))
+    for low, high, a_product in zip(bounds[:-1], bounds[1:], input_products(a, bounds)):
+        product = torch.bmm(g[:, low:high], g[:, low:].transpose(1, 2)).mul_(a_product)
+        if blocks == 1:
+            return product.sum(dim=(1, 2)), product.diagonal(dim1=1, dim2=2)
         own_block = product[:, :, : high - low]
         part = 2 * product.sum(dim=(1, 2)) - own_block.sum(dim=(1, 2))
         total = part if total is None else total + part
@@ -220,4 +221,5 @@ def linear_materialise_if_kept(layer: nn.Linear, activations: List[torch.Tensor]
 register_norm_rule(LINEAR_TYPES, weighted_grad=linear_weighted_grad,
                      merge_calls=linear_merge_calls, prefers_ghost=linear_prefers_ghost,
                      materialise_if_kept=linear_materialise_if_kept,
-                     chunk_grads=linear_chunk_grads, prefers_chunks=linear_prefers_chunks)
+                     chunk_grads=linear_chunk_grads, prefers_chunks=linear_prefers_chunks,
+                     shares_input_products=True)

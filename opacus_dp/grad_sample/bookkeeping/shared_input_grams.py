@@ -1,0 +1,132 @@
+"""Input Gram products shared by the layer calls of one backward pass that read the same input.
+
+The ghost norm of a ``Linear`` call multiplies, per sample, the Gram matrix of its inputs,
+``A_i A_iᵀ`` (``T² d`` multiply-adds), by that of its output gradients
+(:mod:`~opacus_dp.grad_sample.bookkeeping.norm_samplers.linear`). Calls on the same tensor — an
+attention block's query, key and value projections, a gated MLP's gate and up projections —
+have the same ``A``: the first of them to be resolved keeps its input products, the others take
+them, and the last one drops them. For a Llama-style block with ghost norms this saves two of
+the six Gram products of the q/k/v projections and one of the four of gate/up.
+
+How many hooked calls read an input is counted in the forward pass (:meth:`SharedInputGrams.expect`,
+by the input's storage and view: the records are detached views of it, alive until resolved);
+a resolution keeps products only while another such call is still to come. An entry is used only for the very tensor it was computed from: it holds
+that tensor (so its memory cannot be reused by another one) and a lookup must match its storage,
+offset, shape, strides, dtype, device and version counter. Anything else — a copy in another
+dtype under autocast, positions merged from several calls, an input written in place — computes
+its own products. Taking an entry changes no number: the products are the same operations on
+the same values.
+"""
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+_ACTIVE = threading.local()  # the resolution running on this thread: (SharedInputGrams, key, keep)
+Key = Tuple[int, int, tuple, tuple, torch.dtype, torch.device]
+
+
+@dataclass
+class _Entry:
+    source: torch.Tensor  # the tensor the products were computed from (held: see the module doc)
+    version: int
+    bounds: tuple
+    products: List[torch.Tensor]
+
+    def matches(self, a: torch.Tensor, bounds: tuple) -> bool:
+        s = self.source
+        return (bounds == self.bounds and a.device == s.device and a.dtype == s.dtype
+                and a.shape == s.shape and a.stride() == s.stride()
+                and a.storage_offset() == s.storage_offset()
+                and a.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
+                and a._version == self.version == s._version)
+
+
+def input_key(call) -> Optional[Key]:
+    """Storage and view of the first positional tensor of a call (a ``LayerCall`` or the forward
+    ``args``), or None (no such tensor, or one without storage of its own, such as a tensor
+    subclass or a tensor traced by the compiler)."""
+    args = getattr(call, "args", call)
+    x = args[0] if isinstance(args, (tuple, list)) and args else None
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type == "meta":
+        return None
+    try:
+        pointer = x.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # e.g. functionalised or sparse tensors
+        return None
+    return pointer, x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device
+
+
+class SharedInputGrams:
+    """Counts the calls per input and keeps input products between their resolutions."""
+
+    def __init__(self):
+        self._uses: Dict[Key, int] = {}  # input -> its calls not yet resolved
+        self._entries: Dict[Key, _Entry] = {}
+        self.taken = 0  # products taken from an entry instead of computed (tests, profiling)
+
+    def expect(self, inputs) -> None:
+        """A forward call on ``inputs`` (its positional arguments) awaits its backward pass."""
+        key = input_key(inputs)
+        if key is not None:
+            self._uses[key] = self._uses.get(key, 0) + 1
+
+    @contextmanager
+    def resolving(self, calls: Sequence) -> Iterator[None]:
+        """Around the resolution of ``calls`` (``Call`` records) of one layer: products of a
+        single call's input are kept while another call of that input is still to come."""
+        key, keep = None, False
+        for c in calls:
+            counted = input_key(c.call)
+            if counted is None:
+                continue
+            left = self._uses.get(counted, 1) - 1
+            if left > 0:
+                self._uses[counted] = left
+            else:
+                self._uses.pop(counted, None)
+            if len(calls) == 1:
+                key, keep = counted, left > 0
+        _ACTIVE.scope = (self, key, keep) if key is not None else None
+        try:
+            yield
+        finally:
+            _ACTIVE.scope = None
+            if key is not None and not keep:
+                self._entries.pop(key, None)
+
+    def end_pass(self) -> None:
+        """Drop every kept product and count: none outlives its backward pass (a call whose
+        output got no gradient leaves a count that would only keep products for nothing)."""
+        self._entries.clear()
+        self._uses.clear()
+
+    def _products(self, key: Key, keep: bool, a: torch.Tensor, bounds: tuple):
+        entry = self._entries.get(key)
+        if entry is not None and entry.matches(a, bounds):
+            self.taken += 1
+            return entry.products
+        if not keep or a.numel() == 0:
+            return _block_products(a, bounds)
+        products = list(_block_products(a, bounds))
+        self._entries[key] = _Entry(a, a._version, bounds, products)
+        return products
+
+
+def _block_products(a: torch.Tensor, bounds: Sequence[int]) -> Iterator[torch.Tensor]:
+    for low, high in zip(bounds[:-1], bounds[1:]):
+        yield torch.bmm(a[:, low:high], a[:, low:].transpose(1, 2))
+
+
+def input_products(a: torch.Tensor, bounds: Sequence[int]):
+    """``A[:, lo:hi] A[:, lo:]ᵀ`` for the row blocks ``bounds`` of ``A (B, T, d)``, in order: taken
+    from the entry kept for ``a`` by the resolution running on this thread, else computed (one
+    block at a time, unless kept for a later call). The products must not be written to."""
+    scope = getattr(_ACTIVE, "scope", None)
+    if scope is None:
+        return _block_products(a, bounds)
+    shared, key, keep = scope
+    return shared._products(key, keep, a, tuple(bounds))
