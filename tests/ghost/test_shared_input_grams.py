@@ -209,3 +209,26 @@ def test_merged_calls_and_a_forward_without_backward_change_nothing(monkeypatch)
     wrapper = _wrap("ghost", model)
     run_backward(wrapper, (x,), "mean", 3)
     assert_norms_and_sums(wrapper, oracle)
+
+
+def test_a_resolution_inside_another_restores_the_outer_scope():
+    """A resolution nested on the same thread (another model's, say) neither leaks its scope
+    into the outer one nor leaves the outer one without its own when it ends."""
+    outer, inner = shared.SharedInputGrams(), shared.SharedInputGrams()
+    a = torch.randn(2, 5, 4)
+
+    class Recorded:
+        def __init__(self, x):
+            self.call = type("Call", (), {"args": (x,)})()
+
+    outer.expect((a,))
+    outer.expect((a,))
+    with outer.resolving([Recorded(a)]):
+        with inner.resolving([Recorded(torch.randn(2, 5, 4))]):
+            list(shared.input_products(torch.randn(2, 5, 4), [0, 5]))
+        kept = shared.input_products(a, [0, 5])
+        assert isinstance(kept, list) and outer._entries and not inner._entries
+    assert getattr(shared._ACTIVE, "scope", None) is None
+    with outer.resolving([Recorded(a)]):
+        assert shared.input_products(a, [0, 5]) is kept and outer.taken == 1
+    assert not outer._entries  # the last call of ``a``: dropped

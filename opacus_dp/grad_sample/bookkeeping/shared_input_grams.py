@@ -90,11 +90,12 @@ class SharedInputGrams:
                 self._uses.pop(counted, None)
             if len(calls) == 1:
                 key, keep = counted, left > 0
+        outer = getattr(_ACTIVE, "scope", None)
         _ACTIVE.scope = (self, key, keep) if key is not None else None
         try:
             yield
         finally:
-            _ACTIVE.scope = None
+            _ACTIVE.scope = outer
             if key is not None and not keep:
                 self._entries.pop(key, None)
 
