@@ -232,3 +232,30 @@ def test_a_resolution_inside_another_restores_the_outer_scope():
     with outer.resolving([Recorded(a)]):
         assert shared.input_products(a, [0, 5]) is kept and outer.taken == 1
     assert not outer._entries  # the last call of ``a``: dropped
+
+
+class Conv1DPair(nn.Module):
+    """Two Hugging Face ``Conv1D`` layers (GPT-2's linear layers) and a ``Linear`` on one input."""
+
+    def __init__(self, conv1d, d=8):
+        super().__init__()
+        self.a, self.b, self.c = conv1d(d, d), conv1d(2 * d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return (self.a(x).tanh() + self.b(x)[..., :8] * self.c(x)).mean(dim=1)
+
+
+def test_hugging_face_conv1d_shares_with_linear(monkeypatch):
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    torch.manual_seed(0)
+    model = Conv1DPair(conv1d).double()
+    x = torch.randn(3, 6, 8, dtype=torch.float64)
+    oracle = model_oracle(model, (x,))
+    taken, modes, norms, sums = _run("ghost", model, x, True, monkeypatch)
+    _, _, plain_norms, plain_sums = _run("ghost", model, x, False, monkeypatch)
+    assert set(modes.values()) == {"ghost"} and taken == 2
+    for a, b in zip(norms + sums, plain_norms + plain_sums):
+        assert torch.equal(a, b)
+    wrapper = _wrap("ghost", model)
+    run_backward(wrapper, (x,), "mean", 3)
+    assert_norms_and_sums(wrapper, oracle)

@@ -66,4 +66,4 @@ CONV1D_NORM_RULE = dict(
     norm_sampler=linear_norm_sample, weighted_grad=conv1d_weighted_grad,
     merge_calls=linear_merge_calls, prefers_ghost=conv1d_prefers_ghost,
     materialise_if_kept=conv1d_materialise_if_kept, chunk_grads=conv1d_chunk_grads,
-    prefers_chunks=conv1d_prefers_chunks)
+    prefers_chunks=conv1d_prefers_chunks, shares_input_products=True)
