@@ -40,7 +40,7 @@ from opacus_dp.grad_sample.compiled_modules import prepare_for_compile
 from opacus_dp.grad_sample.grad_sample_api import GradSampleModuleAPI
 from opacus_dp.grad_sample.outside_use_totals import OutsideUseTotals
 from opacus_dp.grad_sample.layer_call import (LayerCall, batch_first_backprops, call_batch_dim, hook_output_grad,
-                                             per_sample_output_grads, separate_outputs)
+                                             per_sample_output_grads, refuse_inference_tensors, separate_outputs)
 from opacus_dp.grad_sample.replicas import has_data_parallel, has_replicas, master_grad_samples, needs_weight_grads
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
@@ -220,6 +220,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
                     self._store.add_empty(param)
             hook_output_grad(outputs[hooked[0]], lambda grad: self._store.mark_empty_pass())
             return replaced
+        refuse_inference_tensors(args, kwargs, describe(path, master))
         call = LayerCall.capture(args, kwargs, batch_dim, batch_size,
                                   track_producers=self._tracks_producers and not traced)
         if self._store.totals is not None:

@@ -68,6 +68,18 @@ def _plain_tensors(values) -> bool:
     return all(isinstance(v, torch.Tensor) for v in values)
 
 
+def refuse_inference_tensors(args, kwargs, layer_name: str) -> None:
+    """Raise if an input of a hooked call was created under ``torch.inference_mode()``: its
+    per-sample gradients need the input kept, which autograd refuses for such tensors."""
+    values = args if not kwargs and _plain_tensors(args) else tree_leaves((list(args), kwargs))
+    if any(isinstance(v, torch.Tensor) and v.is_inference() for v in values):
+        raise RuntimeError(
+            f"{layer_name}: an input was created under torch.inference_mode(); autograd cannot keep "
+            "it for the per-sample gradients (nor for its own backward pass). Compute it under "
+            "torch.no_grad() instead, or pass a clone (tensor.clone() outside inference mode)."
+        )
+
+
 def _signature(layer: nn.Module) -> inspect.Signature:
     cls = type(layer)
     if cls not in _SIGNATURES:

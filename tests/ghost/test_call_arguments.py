@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from opacus_dp.grad_sample import BookkeepingGradSampleModule
 from tests.engine.helpers import clipped_sum_oracle
 from tests.ghost.test_outside_use import median_flat_bound
 from tests.ghost.test_user_modifications import assert_update_matches, private, snapshot
@@ -107,3 +108,21 @@ def test_fallback_layer_with_a_none_before_a_tensor_argument(mode):
     g = torch.Generator().manual_seed(3)
     inputs = (torch.randn(BATCH, DIM, generator=g), torch.rand(BATCH, DIM, generator=g))
     assert_step_matches_oracle(GatedModel(), inputs, mode)
+
+
+@pytest.mark.parametrize("rule", ["mixed", "ghost"])
+def test_an_input_from_inference_mode_is_refused_naming_the_layer_and_the_fix(rule):
+    """Frozen features computed under ``torch.inference_mode()`` cannot be kept for the
+    per-sample gradients (autograd refuses to save them too): a clear error, not the version
+    counter's, and the same features under ``torch.no_grad()`` train."""
+    model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 2))
+    with torch.inference_mode():
+        frozen = torch.randn(3, 8)
+    wrapper = BookkeepingGradSampleModule(model, layer_rule=rule)
+    with pytest.raises(RuntimeError, match=r"0 \(Linear\).*inference_mode.*torch\.no_grad\(\).*clone"):
+        wrapper(frozen)
+    with torch.no_grad():
+        features = torch.randn(3, 8)
+    wrapper(features).sum().backward()
+    assert set(wrapper.layer_modes()) == {"0 (Linear)", "2 (Linear)"}
+    wrapper.close()
