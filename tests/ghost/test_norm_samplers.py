@@ -180,6 +180,7 @@ def test_norm_samplers_return_bias_gradients_per_sample_and_weights_as_norms(lay
 def test_linear_gram_norms_with_and_without_row_blocks(positions):
     """The ghost identity (in 1, 2, 4 or 8 row blocks, uneven ones included) against ‖G_iᵀ A_i‖²."""
     assert [row_blocks(n) for n in (5, 127, 131, 259, 517, 1031)] == [1, 1, 2, 4, 8, 8]  # every path
+    assert [row_blocks(n, "cuda") for n in (131, 259, 517, 1031)] == [1, 2, 4, 8]  # 128-row floor
     a = torch.randn(3, positions, 4, dtype=torch.float64)
     g = torch.randn(3, positions, 5, dtype=torch.float64)
     expected = torch.einsum("btp,btd->bpd", g, a).pow(2).sum(dim=(1, 2))

@@ -43,21 +43,25 @@ def sequences(activations, backprops) -> Tuple[torch.Tensor, torch.Tensor]:
     return a.reshape(batch, -1, a.shape[-1]), g.reshape(batch, -1, g.shape[-1])
 
 
-# Fewest rows of a block of the Gram products (see row_blocks).
+# Fewest rows of a block of the Gram products (see row_blocks): on CPU, and on other devices.
 MIN_BLOCK_ROWS = 64
+MIN_BLOCK_ROWS_ELSEWHERE = 128
 
 
-def row_blocks(positions: int) -> int:
+def row_blocks(positions: int, device_type: str = "cpu") -> int:
     """How many row blocks :func:`gram_sq_norms` splits ``positions`` into: symmetry leaves
     ``(k + 1) / 2k`` of the Gram products, but a product of few rows does less work per element
     it loads and uses the matrix-product kernel poorly, so each block keeps at least
-    ``MIN_BLOCK_ROWS`` = 64 rows (k = 1, 2, 4, 8 from T = 1, 128, 256, 512 on). Measured on CPU
-    (one thread, AVX-512), the norms of ``Linear`` layers of 256–1024 features took 0.76–0.88 ×
-    the one-block time at T = 128 in two blocks, and 64-row blocks beat 128-row ones at T = 256
-    to 1024; 32-row blocks gained little more, and fewer rows risk the kernel's efficiency on
-    other machines."""
+    ``MIN_BLOCK_ROWS`` = 64 rows on CPU (k = 1, 2, 4, 8 from T = 1, 128, 256, 512 on). Measured
+    on CPU (one thread, AVX-512), the norms of ``Linear`` layers of 256–1024 features took
+    0.76–0.88 × the one-block time at T = 128 in two blocks, and 64-row blocks beat 128-row ones
+    at T = 256 to 1024; 32-row blocks gained little more, and fewer rows risk the kernel's
+    efficiency on other machines (``scripts/benchmark_row_blocks.py`` compares them). On other
+    devices, where every block is a kernel launch and nothing was measured, the earlier floor of
+    ``MIN_BLOCK_ROWS_ELSEWHERE`` = 128 rows."""
+    rows = MIN_BLOCK_ROWS if device_type == "cpu" else MIN_BLOCK_ROWS_ELSEWHERE
     blocks = 1
-    while blocks < 8 and positions >= 2 * MIN_BLOCK_ROWS * blocks:
+    while blocks < 8 and positions >= 2 * rows * blocks:
         blocks *= 2
     return blocks
 
@@ -88,7 +92,7 @@ def _gram_sq_norms_and_diagonal(a: torch.Tensor, g: torch.Tensor) -> Tuple[torch
     (:mod:`~opacus_dp.grad_sample.bookkeeping.shared_input_grams`): they are only read.
     """
     positions = a.shape[1]
-    blocks = row_blocks(positions)
+    blocks = row_blocks(positions, a.device.type)
     bounds = [positions * j // blocks for j in range(blocks + 1)]
     total, diagonals = None, []
     for low, high, a_product in zip(bounds[:-1], bounds[1:], input_products(a, bounds)):
