@@ -8,11 +8,12 @@ have the same ``A``: the first of them to be resolved keeps its input products, 
 them, and the last one drops them. For a Llama-style block with ghost norms this saves two of
 the six Gram products of the q/k/v projections and one of the four of gate/up.
 
-How many hooked calls read an input is counted in the forward pass (:meth:`SharedInputGrams.expect`,
-by the input's storage and view: the records are detached views of it, alive until resolved);
-a resolution keeps products only while another such call is still to come. An entry is used only for the very tensor it was computed from: it holds
-that tensor (so its memory cannot be reused by another one) and a lookup must match its storage,
-offset, shape, strides, dtype, device and version counter. Anything else — a copy in another
+How many hooked calls read an input is counted in the forward pass
+(:meth:`SharedInputGrams.expect`, by the input's storage and view: the records are detached views
+of it, alive until resolved); a resolution keeps products only while another such call is still
+to come. An entry is used only for the very tensor it was computed from: it holds that tensor (so
+its memory cannot be reused by another one) and a lookup must match its storage, offset, shape,
+strides, dtype, device and version counter. Anything else — a copy in another
 dtype under autocast, positions merged from several calls, an input written in place — computes
 its own products. Taking an entry changes no number: the products are the same operations on
 the same values.
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+
+from opacus_dp.torch_internals import version_counter
 
 _ACTIVE = threading.local()  # the resolution running on this thread: (SharedInputGrams, key, keep)
 Key = Tuple[int, int, tuple, tuple, torch.dtype, torch.device]
@@ -42,7 +45,7 @@ class _Entry:
                 and a.shape == s.shape and a.stride() == s.stride()
                 and a.storage_offset() == s.storage_offset()
                 and a.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
-                and a._version == self.version == s._version)
+                and version_counter(a) == self.version == version_counter(s))
 
 
 def input_key(call) -> Optional[Key]:
@@ -113,7 +116,7 @@ class SharedInputGrams:
         if not keep or a.numel() == 0:
             return _block_products(a, bounds)
         products = list(_block_products(a, bounds))
-        self._entries[key] = _Entry(a, a._version, bounds, products)
+        self._entries[key] = _Entry(a, version_counter(a), bounds, products)
         return products
 
 
