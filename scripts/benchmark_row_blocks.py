@@ -6,9 +6,11 @@ The Gram products ``A_i A_iᵀ`` and ``G_i G_iᵀ`` are formed in row blocks (sy
 norms of typical layers with each candidate floor side by side (interleaved, median of the
 repetitions, ratio to the 128-row floor), and with ``--models`` one ``bk`` training step of the
 benchmark models with each floor, alternating on the same model (median of the per-round ratios
-to the non-private step)::
+to the non-private step). With ``--device cuda`` the layers' norms are timed on the GPU (wall clock,
+synchronised), against the floor used there (``MIN_BLOCK_ROWS_ELSEWHERE``)::
 
     OMP_NUM_THREADS=1 python scripts/benchmark_row_blocks.py [--models sequence,llama]
+    python scripts/benchmark_row_blocks.py --device cuda
 """
 
 import argparse
@@ -32,38 +34,47 @@ SHAPES = ((32, 128, 256, 1024), (32, 128, 1024, 256), (16, 128, 256, 688), (16, 
 
 
 @contextmanager
-def block_rows(rows: int):
-    """``linear.MIN_BLOCK_ROWS`` set to ``rows`` for the duration."""
-    released = linear.MIN_BLOCK_ROWS
-    linear.MIN_BLOCK_ROWS = rows
+def block_rows(rows: int, device_type: str = "cpu"):
+    """The floor of ``device_type`` (``linear.MIN_BLOCK_ROWS`` on CPU, else
+    ``linear.MIN_BLOCK_ROWS_ELSEWHERE``) set to ``rows`` for the duration."""
+    name = "MIN_BLOCK_ROWS" if device_type == "cpu" else "MIN_BLOCK_ROWS_ELSEWHERE"
+    released = getattr(linear, name)
+    setattr(linear, name, rows)
     try:
         yield
     finally:
-        linear.MIN_BLOCK_ROWS = released
+        setattr(linear, name, released)
 
 
-def _clock_ms(function) -> float:
-    start = time.process_time()
+def _clock_ms(function, device: torch.device = torch.device("cpu")) -> float:
+    """Process CPU time on CPU; wall clock between synchronisations on a GPU."""
+    if device.type == "cpu":
+        start = time.process_time()
+        function()
+        return (time.process_time() - start) * 1e3
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
     function()
-    return (time.process_time() - start) * 1e3
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
 
 
-def time_norms(shape, repeats: int, warmup: int) -> Dict:
+def time_norms(shape, repeats: int, warmup: int, device: torch.device = torch.device("cpu")) -> Dict:
     """Median ms of the norms of one layer call ``(B, T, d, p)`` per floor, interleaved."""
     batch, positions, d, p = shape
     torch.manual_seed(0)
-    a, g = torch.randn(batch, positions, d), torch.randn(batch, positions, p)
+    a, g = torch.randn(batch, positions, d, device=device), torch.randn(batch, positions, p, device=device)
     times: Dict[int, List[float]] = {rows: [] for rows in FLOORS}
     for rep in range(warmup + repeats):
         for rows in FLOORS:
-            with block_rows(rows):
-                elapsed = _clock_ms(lambda: linear.gram_sq_norms(a, g))
+            with block_rows(rows, device.type):
+                elapsed = _clock_ms(lambda: linear.gram_sq_norms(a, g), device)
             if rep >= warmup:
                 times[rows].append(elapsed)
     blocks = {}
     for rows in FLOORS:
-        with block_rows(rows):
-            blocks[rows] = linear.row_blocks(positions)
+        with block_rows(rows, device.type):
+            blocks[rows] = linear.row_blocks(positions, device.type)
     return {"shape": shape, "ms": {rows: statistics.median(t) for rows, t in times.items()}, "blocks": blocks}
 
 
@@ -114,17 +125,23 @@ def main(argv=None) -> Dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--models", default="", help="comma-separated benchmark models for the step A/B")
     parser.add_argument("--shapes", default="", help="B,T,d,p;... instead of the default layer shapes")
+    parser.add_argument("--device", default="cpu", help="where the layers' norms are timed (cpu, cuda)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
+    device = torch.device(args.device)
+    if args.models and device.type != "cpu":
+        parser.error("--models times the CPU benchmark models: leave --device at cpu")
     shapes = [tuple(int(v) for v in item.split(",")) for item in args.shapes.split(";") if item] or SHAPES
     if any(len(shape) != 4 or min(shape) < 1 for shape in shapes):
         parser.error("--shapes: B,T,d,p with positive integers, separated by ';'")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU time, released floor "
-          f"{linear.MIN_BLOCK_ROWS} rows")
+    floor = linear.MIN_BLOCK_ROWS if device.type == "cpu" else linear.MIN_BLOCK_ROWS_ELSEWHERE
+    clock = "CPU time" if device.type == "cpu" else f"wall clock on {device}"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock}, released floor "
+          f"{floor} rows")
     print(f"{'B, T, d, p':22} " + " ".join(f"{f'{rows} rows ms (k)':>18}" for rows in FLOORS)
           + " " + " ".join(f"{f'x {rows}':>7}" for rows in FLOORS[1:]))
-    layers = [time_norms(shape, args.repeats, args.warmup) for shape in shapes]
+    layers = [time_norms(shape, args.repeats, args.warmup, device) for shape in shapes]
     for row in layers:
         cells = " ".join(f"{row['ms'][rows]:13.2f} ({row['blocks'][rows]})" for rows in FLOORS)
         ratios = " ".join(f"{row['ms'][rows] / row['ms'][FLOORS[0]]:7.3f}" for rows in FLOORS[1:])

@@ -32,7 +32,17 @@ def test_a_floor_is_set_only_for_its_block():
     assert linear.MIN_BLOCK_ROWS == released
 
 
-def test_bad_shapes_are_refused():
+def test_bad_shapes_and_models_off_cpu_are_refused():
     module = load_script("benchmark_row_blocks.py", "benchmark_row_blocks")
     with pytest.raises(SystemExit):
         module.main(["--shapes", "2,130,8"])
+    with pytest.raises(SystemExit):
+        module.main(["--device", "cuda", "--models", "lstm"])
+
+
+def test_the_floor_of_other_devices_is_the_one_set_for_them():
+    module = load_script("benchmark_row_blocks.py", "benchmark_row_blocks")
+    cpu, elsewhere = linear.MIN_BLOCK_ROWS, linear.MIN_BLOCK_ROWS_ELSEWHERE
+    with module.block_rows(32, "cuda"):
+        assert linear.row_blocks(64, "cuda") == 2 and linear.row_blocks(64) == 1
+    assert (linear.MIN_BLOCK_ROWS, linear.MIN_BLOCK_ROWS_ELSEWHERE) == (cpu, elsewhere)
