@@ -45,12 +45,16 @@ __all__ = ["DPRNNBase", "DPRNN", "DPGRU", "DPLSTM", "DPRNNCellBase", "DPRNNCell"
 
 def _run_direction(cell: DPRNNCellBase, x: torch.Tensor, state: State,
                    valid: Optional[torch.Tensor], reverse: bool) -> Tuple[torch.Tensor, State]:
-    """Runs ``cell`` over ``x`` (B, T, F); returns outputs (B, T, H_out) and the final state."""
-    input_gates = cell.ih(x)
+    """Runs ``cell`` over ``x`` (B, T, F); returns outputs (B, T, H_out) and the final state.
+
+    The input projection of all steps is cut into steps once (``unbind``): its backward stacks
+    the steps' gradients, where indexing ``[:, t]`` at every step would make each step's backward
+    write a zero gradient of the whole sequence (``T`` times the projection's size per step)."""
+    input_gates = cell.ih(x).unbind(1)
     steps = x.shape[1]
     outputs: List[Optional[torch.Tensor]] = [None] * steps
     for t in (reversed(range(steps)) if reverse else range(steps)):
-        new_state = cell.recurrence(input_gates[:, t], state)
+        new_state = cell.recurrence(input_gates[t], state)
         if valid is not None:
             keep = valid[:, t : t + 1]
             new_state = tuple(torch.where(keep, new, old) for new, old in zip(new_state, state))

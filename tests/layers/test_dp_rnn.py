@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from opacus_dp.layers import DPGRU, DPLSTM, DPRNN
 from tests.layers.common import (
@@ -159,3 +160,37 @@ def test_bad_arguments_raise_clear_errors(build, call, message):
 def test_proj_size_is_refused_outside_lstm():
     with pytest.raises(TypeError):
         DPGRU(3, 4, proj_size=2)
+
+
+class _SequenceSizedOutputs(TorchDispatchMode):
+    """Counts the operations that write a tensor of at least ``elements`` elements."""
+
+    def __init__(self, elements: int):
+        super().__init__()
+        self.elements, self.names = elements, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.numel() >= self.elements:
+            self.names.append(func.overloadpacket.__name__)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN_TANH"])
+def test_the_backward_pass_does_not_zero_the_whole_sequence_at_every_step(mode):
+    """The input projection of all steps is cut into steps once: its backward stacks the steps'
+    gradients. Indexing it at every step made each step's backward write a zero gradient of the
+    whole sequence (T of them, T² memory traffic: most of a DPLSTM step's time)."""
+    layer = {"LSTM": DPLSTM, "GRU": DPGRU, "RNN_TANH": DPRNN}[mode](8, 16, batch_first=True)
+    x = torch.randn(4, 32, 8)
+    out = layer(x)[0]
+    projection = 4 * 32 * {"LSTM": 4, "GRU": 3, "RNN_TANH": 1}[mode] * 16  # B · T · (gates · H)
+    with _SequenceSizedOutputs(projection) as written:
+        out.sum().backward()
+    # the steps' gradients stacked once (and viewed), not a sequence-sized tensor per step
+    assert len(written.names) < 32 // 4, written.names
+    reference = getattr(nn, mode.split("_")[0])(8, 16, batch_first=True)
+    reference.load_state_dict(layer.state_dict())
+    reference(x)[0].sum().backward()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(getattr(layer, name).grad, p.grad, rtol=1e-5, atol=1e-6)
