@@ -180,3 +180,53 @@ def test_float32_norms_match_float64_oracle_to_1e5_relative():
     wrapper = BookkeepingGradSampleModule(model)
     run_backward(wrapper, (tokens,), "mean", 6)
     assert_norms_and_sums(wrapper, oracle, rtol=1e-5, atol=1e-6)
+
+
+class ThreeCalls(nn.Module):
+    """One Linear called at three steps, as a recurrent cell's projection is."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.step = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = x
+        for _ in range(3):
+            h = torch.tanh(self.step(h))
+        return h.sum(dim=1)
+
+
+def test_merged_calls_free_their_records_before_the_norms(monkeypatch):
+    """The calls of a layer merged into one ghost call are dropped once merged: while the norms
+    are formed only the merged copy holds their inputs and output gradients (a DPLSTM's step
+    projection held both its 64 calls and their concatenation). The two-pass ``ghost`` mode's
+    norms pass keeps them for its second pass."""
+    import opacus_dp.grad_sample.bookkeeping.bookkeeper as bookkeeper
+    import opacus_dp.grad_sample.bookkeeping.passes as passes
+
+    model = build(ThreeCalls)
+    x = torch.randn(4, 5, 6, dtype=torch.float64)
+    oracle = model_oracle(model, (x,))
+    resolved, held_at_norms = [], []
+    resolve, norms = bookkeeper.resolve_calls, passes.ghost_norms
+
+    def spy_resolve(current, layer, calls, **options):
+        resolved.append(calls)
+        return resolve(current, layer, calls, **options)
+
+    def spy_norms(layer, activations, backprops):
+        held_at_norms.append([(c.backprops[0] is not None, not c.call.released) for c in resolved[-1]])
+        return norms(layer, activations, backprops)
+
+    monkeypatch.setattr(bookkeeper, "resolve_calls", spy_resolve)
+    monkeypatch.setattr(passes, "ghost_norms", spy_norms)
+    wrapper = BookkeepingGradSampleModule(model, layer_rule="ghost")
+    run_backward(wrapper, (x,), "mean", 4)
+    assert held_at_norms == [[(False, False)] * 3]
+    assert_norms_and_sums(wrapper, oracle)
+    wrapper.zero_grad_sample()
+    resolved.clear(), held_at_norms.clear()
+    with wrapper.norms_pass():
+        run_backward(wrapper, (x,), "mean", 4)
+    assert held_at_norms == [[(True, True)] * 3]
+    wrapper.close()

@@ -91,6 +91,8 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
             _sum_materialised_now(current, layer, factor_function)
         return
     activations, backprops, scale = merged
+    if keep_ghost_calls and len(calls) > 1:
+        _drop_merged_records(calls)
     for p, result in ghost_norms(layer, activations, backprops).items():
         if isinstance(result, PerSampleGrads):
             _check_new(current, p)
@@ -114,6 +116,15 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
     for p, s in ghost_weighted_grad(layer, activations, backprops, wanted).items():
         add_to(current.sums, p, s)
     _sum_grads_now(current, {p: f for p, f in factors.items() if p in current.grads})
+
+
+def _drop_merged_records(calls: List[Call]) -> None:
+    """Free the inputs and output gradients of calls merged into one (the merged copy holds what
+    the norms and the clipped sum need), before the norms are formed: a layer called at every
+    step of a sequence would otherwise hold both its calls and their concatenation."""
+    for c in calls:
+        c.backprops = [None] * len(c.backprops)
+        c.call.release()
 
 
 def _in_sum_dtype(activations: list, backprops: torch.Tensor):
