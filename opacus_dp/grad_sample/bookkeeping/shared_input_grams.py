@@ -29,7 +29,7 @@ import torch
 from opacus_dp.torch_internals import version_counter
 
 _ACTIVE = threading.local()  # the resolution running on this thread: (SharedInputGrams, key, keep)
-Key = Tuple[int, int, tuple, tuple, torch.dtype, torch.device]
+Key = Tuple[int, tuple, tuple, torch.dtype, torch.device]
 
 
 @dataclass
@@ -49,18 +49,19 @@ class _Entry:
 
 
 def input_key(call) -> Optional[Key]:
-    """Storage and view of the first positional tensor of a call (a ``LayerCall`` or the forward
-    ``args``), or None (no such tensor, or one without storage of its own, such as a tensor
-    subclass or a tensor traced by the compiler)."""
+    """Memory and view of the first positional tensor of a call (a ``LayerCall`` or the forward
+    ``args``), or None (no such tensor, or one without memory of its own, such as a tensor
+    subclass or a tensor traced by the compiler). It only counts calls: an entry is taken after
+    :meth:`_Entry.matches` alone."""
     args = getattr(call, "args", call)
     x = args[0] if isinstance(args, (tuple, list)) and args else None
     if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type == "meta":
         return None
     try:
-        pointer = x.untyped_storage().data_ptr()
+        pointer = x.data_ptr()
     except (RuntimeError, NotImplementedError):  # e.g. functionalised or sparse tensors
         return None
-    return pointer, x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device
+    return pointer, tuple(x.shape), x.stride(), x.dtype, x.device
 
 
 class SharedInputGrams:
@@ -82,17 +83,15 @@ class SharedInputGrams:
         """Around the resolution of ``calls`` (``Call`` records) of one layer: products of a
         single call's input are kept while another call of that input is still to come."""
         key, keep = None, False
-        for c in calls:
-            counted = input_key(c.call)
-            if counted is None:
-                continue
-            left = self._uses.get(counted, 1) - 1
-            if left > 0:
-                self._uses[counted] = left
+        if len(calls) == 1:  # merged calls take nothing (their inputs are concatenated copies)
+            key = input_key(calls[0].call)
+        if key is not None:
+            left = self._uses.get(key, 1) - 1
+            keep = left > 0
+            if keep:
+                self._uses[key] = left
             else:
-                self._uses.pop(counted, None)
-            if len(calls) == 1:
-                key, keep = counted, left > 0
+                self._uses.pop(key, None)
         outer = getattr(_ACTIVE, "scope", None)
         _ACTIVE.scope = (self, key, keep) if key is not None else None
         try:
