@@ -133,11 +133,13 @@ def _theirs(model, optimizer, loader, mode, criterion):
     return model, optimizer, criterion
 
 
-def build_step(workload, variant: str, x, y, precision: str = "fp32", wrap=None) -> Callable[[], None]:
+def build_step(workload, variant: str, x, y, precision: str = "fp32", wrap=None,
+               fast_noise=False) -> Callable[[], None]:
     """One training step of ``variant`` on a fresh copy of ``workload``'s model, on ``x``'s device.
     ``<name>@<backend>``: the step of ``name`` (one of ours, or non-private) with the model it
     trains compiled in place (``model.compile(backend=...)``; the private model after
-    ``make_private``; docs/compile.md); ``wrap``: applied to the model first (``--ddp``)."""
+    ``make_private``; docs/compile.md); ``wrap``: applied to the model first (``--ddp``);
+    ``fast_noise``: ``make_private``'s setting for our variants."""
     name, _, backend = variant.partition(COMPILED)
     theirs = name.startswith("opacus:")
     if theirs:
@@ -152,8 +154,9 @@ def build_step(workload, variant: str, x, y, precision: str = "fp32", wrap=None)
         loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            make = _theirs if theirs else _ours
-            model, optimizer, criterion = make(model, optimizer, loader, name.split(":")[-1], criterion)
+            mode = name.split(":")[-1]
+            model, optimizer, criterion = (_theirs(model, optimizer, loader, mode, criterion) if theirs
+                                           else _ours(model, optimizer, loader, mode, criterion, fast_noise))
     if backend:
         model.compile(backend=backend)
     return _private_step(model, optimizer, criterion, x, y, precision)

@@ -5,8 +5,8 @@ The Gram products ``A_i A_iᵀ`` and ``G_i G_iᵀ`` are formed in row blocks (sy
 (:func:`opacus_dp.grad_sample.bookkeeping.norm_samplers.linear.row_blocks`). This script times the
 norms of typical layers with each candidate floor side by side (interleaved, median of the
 repetitions, ratio to the 128-row floor), and with ``--models`` one ``bk`` training step of the
-benchmark models with each floor, alternating on the same model (median of the per-round ratios
-to the non-private step). With ``--device cuda`` the layers' norms are timed on the GPU (wall clock,
+benchmark models (``fast_noise="philox"``) with each floor, alternating on the same model (median
+of the per-round ratios to the non-private step). With ``--device cuda`` the layers' norms are timed on the GPU (wall clock,
 synchronised), against the floor used there (``MIN_BLOCK_ROWS_ELSEWHERE``)::
 
     OMP_NUM_THREADS=1 python scripts/benchmark_row_blocks.py [--models sequence,llama]
@@ -17,14 +17,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
-import warnings
 from contextlib import contextmanager
 from typing import Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchmark_layers import CLOCKS, _timed  # noqa: E402
 
 from opacus_dp.grad_sample.bookkeeping.norm_samplers import linear  # noqa: E402
 
@@ -48,15 +48,7 @@ def block_rows(rows: int, device_type: str = "cpu"):
 
 def _clock_ms(function, device: torch.device = torch.device("cpu")) -> float:
     """Process CPU time on CPU; wall clock between synchronisations on a GPU."""
-    if device.type == "cpu":
-        start = time.process_time()
-        function()
-        return (time.process_time() - start) * 1e3
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    function()
-    torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) * 1e3
+    return _timed(function, device, CLOCKS["cpu" if device.type == "cpu" else "wall"]) * 1e3
 
 
 def time_norms(shape, repeats: int, warmup: int, device: torch.device = torch.device("cpu")) -> Dict:
@@ -80,34 +72,13 @@ def time_norms(shape, repeats: int, warmup: int, device: torch.device = torch.de
 
 def time_model_steps(name: str, repeats: int, warmup: int) -> Dict:
     """Per-round ratios of a ``bk`` step to the non-private step, for each floor, one model."""
-    from benchmark import _ours
+    from benchmark import build_step
     from benchmark_models import WORKLOADS
-    from torch.utils.data import DataLoader, TensorDataset
-
-    import opacus_dp.layers as layers
 
     workload = WORKLOADS[name]
     torch.manual_seed(1)
     x, y = workload.batch()
-
-    def step_of(private: bool):
-        torch.manual_seed(0)
-        model = workload.build(layers)
-        optimizer, criterion = torch.optim.SGD(model.parameters(), lr=0.05), workload.criterion()
-        if private:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                model, optimizer, criterion = _ours(model, optimizer,
-                                                    DataLoader(TensorDataset(x, y), batch_size=len(x)),
-                                                    "bk", criterion, "philox")
-
-        def step():
-            optimizer.zero_grad()
-            criterion(model(x), y).backward()
-            optimizer.step()
-        return step
-
-    plain, private = step_of(False), step_of(True)
+    plain, private = build_step(workload, "non-private", x, y), build_step(workload, "bk", x, y, fast_noise="philox")
     ratios: Dict[int, List[float]] = {rows: [] for rows in FLOORS}
     for rep in range(warmup + repeats):
         base = _clock_ms(plain)
