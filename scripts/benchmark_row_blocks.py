@@ -6,8 +6,9 @@ The Gram products ``A_i A_iᵀ`` and ``G_i G_iᵀ`` are formed in row blocks (sy
 norms of typical layers with each candidate floor side by side (interleaved, median of the
 repetitions, ratio to the 128-row floor), and with ``--models`` one ``bk`` training step of the
 benchmark models (``fast_noise="philox"``) with each floor, alternating on the same model (median
-of the per-round ratios to the non-private step). With ``--device cuda`` the layers' norms are timed on the GPU (wall clock,
-synchronised), against the floor used there (``MIN_BLOCK_ROWS_ELSEWHERE``)::
+of the per-round ratios to the non-private step). With ``--device cuda`` the layers' norms are
+timed on the GPU (wall clock, synchronised), against the floor used there
+(``MIN_BLOCK_ROWS_ELSEWHERE``)::
 
     OMP_NUM_THREADS=1 python scripts/benchmark_row_blocks.py [--models sequence,llama]
     python scripts/benchmark_row_blocks.py --device cuda
