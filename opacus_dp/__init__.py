@@ -18,6 +18,7 @@ _LAZY = {
     "BatchMemoryManager": "opacus_dp.data",
     "PrivacyBudgetExceededError": "opacus_dp.errors",
     "install_as_opacus": "opacus_dp.integrations",
+    "set_cpu_products": "opacus_dp.maths.cpu_products",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -76,6 +76,7 @@ from benchmark_report import THEIRS, print_table, summarise  # noqa: E402
 from memory_probe import allocated_peak_mib, status_kb  # noqa: E402
 from compile_stats import COMPILED, add_compile_ratios, allow_recompiles, counting, print_compile_ratios  # noqa: E402
 from ddp_single_process import ddp_kwargs  # noqa: E402
+from opacus_dp.maths.cpu_products import cpu_products  # noqa: E402
 
 SIGMA, CLIP, LR = 1.0, 1.0, 0.01
 OURS = ("hooks", "ghost", "bk")
@@ -295,7 +296,8 @@ def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "load_average": os.getloadavg(),
-            "allocator": {k: os.environ[k] for k in ALLOCATOR_SETTINGS if k in os.environ}}
+            "allocator": {k: os.environ[k] for k in ALLOCATOR_SETTINGS if k in os.environ},
+            "cpu_products": cpu_products()}
 
 
 def parse_args(argv=None):
@@ -359,7 +361,7 @@ def main(argv=None) -> None:
         print(f"done: {model_name}", file=sys.stderr)
     report["machine"]["load_average_after"] = os.getloadavg()
     print(f"allocator settings of the timed process: {report['machine']['allocator'] or 'defaults'}; "
-          f"precision: {args.precision}")
+          f"precision: {args.precision}; clipped sums' CPU products: {report['machine']['cpu_products']}")
     print_table(report)
     if args.compile:
         print_compile_ratios(report)

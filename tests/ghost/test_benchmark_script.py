@@ -194,7 +194,12 @@ def test_short_run_reports_every_variant_consistently(bench, tmp_path, capsys):
         raw = entry["raw_timing"][variant]["samples_ms"]
         assert len(raw) == 1 and row["ms"] == pytest.approx(raw[0]) and row["ms"] > 0
         assert row["x_non_private"] == pytest.approx(row["ms"] / rows["non-private"]["ms"])
-    assert "lstm" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "lstm" in printed
+    from opacus_dp.maths.cpu_products import cpu_products  # the backend in effect is reported
+
+    assert report["machine"]["cpu_products"] == cpu_products()
+    assert f"clipped sums' CPU products: {cpu_products()}" in printed
 
 
 def test_allocated_peak_counts_the_tensors_alive_at_once(bench):

@@ -68,11 +68,11 @@ def test_philox_samples_on_advised_memory_draw_the_same_numbers(monkeypatch):
 def test_linear_clipped_sums_are_formed_on_advised_memory(monkeypatch):
     """The weight-sized clipped sum of a Linear layer (bk/ghost) is written into a new tensor advised
     before the product writes it; the numbers are those of a plain product."""
-    from opacus_dp.grad_sample.bookkeeping.norm_samplers import linear
+    from opacus_dp.maths.cpu_products import matrix_product
 
     calls = recorder(monkeypatch)
     left, right = torch.randn(1024, 6), torch.randn(6, 2048)  # an 8 MiB sum
-    out = linear.product(left, right)
+    out = matrix_product(left, right)
     assert torch.equal(out, left.mm(right))
     assert len(calls) == 1
     start, length, _ = calls[0]

@@ -21,6 +21,7 @@ import torch.nn as nn
 from opacus_dp.grad_sample.bookkeeping.norm_samplers.linear import (
     chunk_grads_of, chunks_pay, ghost_is_cheaper, linear_merge_calls, linear_norm_sample, linear_weighted_grad,
     materialising_is_lean, positions_of, scaled, sequences)
+from opacus_dp.maths.cpu_products import matrix_product
 from opacus_dp.module_parameters import trainable
 
 
@@ -38,9 +39,9 @@ def conv1d_weighted_grad(layer: nn.Module, activations: List[torch.Tensor], back
         a, g = sequences(activations, backprops)
         d, p = a.shape[-1], g.shape[-1]
         if d <= p:  # scale the smaller side
-            sums[layer.weight] = scaled(a, f).reshape(-1, d).t().mm(g.reshape(-1, p))
+            sums[layer.weight] = matrix_product(scaled(a, f).reshape(-1, d).t(), g.reshape(-1, p))
         else:
-            sums[layer.weight] = a.reshape(-1, d).t().mm(scaled(g, f).reshape(-1, p))
+            sums[layer.weight] = matrix_product(a.reshape(-1, d).t(), scaled(g, f).reshape(-1, p))
     return sums
 
 

@@ -27,7 +27,7 @@ from opacus_dp.grad_sample.bookkeeping.shared_input_grams import input_products
 from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import (
     bound_from_diagonal, materialised_sq_norms, trusted_sq_norms)
 from opacus_dp.grad_sample.support import sum_over_positions
-from opacus_dp.maths.huge_pages import empty_on_huge_pages
+from opacus_dp.maths.cpu_products import matrix_product
 from opacus_dp.module_parameters import trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
 from opacus_dp.layers.batch_first import BatchFirstLinear
@@ -124,12 +124,6 @@ def scaled(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     return t * factors.to(t.dtype).view(-1, *[1] * (t.dim() - 1))
 
 
-def product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """``left @ right`` into a new tensor advised to huge pages (a weight-sized sum: few page faults)."""
-    out = empty_on_huge_pages((left.shape[0], right.shape[1]), torch.result_type(left, right), left.device)
-    return torch.mm(left, right, out=out)
-
-
 def linear_weighted_grad(layer: nn.Linear, activations: List[torch.Tensor], backprops: torch.Tensor,
                          factors: Dict[torch.Tensor, torch.Tensor]) -> Dict[torch.Tensor, torch.Tensor]:
     """``{weight: (f ⊙ G)ᵀ A, bias: Σ_i f_i Σ_t g_it}`` for the trainable parameters in
@@ -141,10 +135,10 @@ def linear_weighted_grad(layer: nn.Linear, activations: List[torch.Tensor], back
         g_rows = g.reshape(-1, g.shape[-1])  # one copy at most (non-contiguous output gradients)
         if a.shape[-1] <= g.shape[-1]:  # rows of the product: the smaller side (module doc)
             a_f = scaled(a, f).reshape(-1, a.shape[-1])
-            sums[layer.weight] = product(g_rows.t(), a_f)  # (p, d) as laid out: no transposed copy
+            sums[layer.weight] = matrix_product(g_rows.t(), a_f)  # (p, d) as laid out: no transposed copy
         else:
             g_f = scaled(g_rows.view_as(g), f).view_as(g_rows)
-            sums[layer.weight] = product(g_f.t(), a.reshape(-1, a.shape[-1]))
+            sums[layer.weight] = matrix_product(g_f.t(), a.reshape(-1, a.shape[-1]))
     if trainable(layer.bias) and layer.bias in factors:
         per_row = factors[layer.bias].to(g.dtype).repeat_interleave(g.shape[1])
         sums[layer.bias] = g.reshape(-1, g.shape[-1]).t().mv(per_row)

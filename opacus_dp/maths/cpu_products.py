@@ -1,0 +1,91 @@
+"""Which library multiplies the clipped sums' matrices on CPU: torch's BLAS (default) or oneDNN.
+
+The clipped sum of a ``Linear`` layer in the norms-only modes is one matrix product of the
+weight's size, ``(f ⊙ G)ᵀ A`` over the batch's ``B·T`` rows. torch multiplies float32 matrices
+on CPU with its BLAS (MKL in the official wheels), which on some CPUs does not use their widest
+vector instructions (on AMD CPUs with AVX-512 it runs its AVX2 kernels); oneDNN, which torch
+ships for its convolutions, does. ``set_cpu_products("onednn")``, or the environment variable
+``OPACUS_DP_CPU_PRODUCTS=onednn`` read at the first product, has oneDNN form these products
+where they are large (at least ``MIN_MULTIPLY_ADDS`` multiply-adds: below that its fixed cost per
+call outweighs the gain). The model's own forward and backward passes are not touched.
+
+Both libraries compute IEEE float32 products (inside
+:func:`~opacus_dp.maths.float32_products.ieee_float32_products`, whatever reduced precision
+the user allowed), summing in different orders: the sums agree to float32 rounding, not bit for
+bit, so a run is reproducible with either setting but not across them. On CPUs where the BLAS
+already uses the widest instructions (Intel CPUs with MKL) oneDNN gains little; measure with
+``scripts/benchmark.py`` before choosing it (docs/benchmarks.md).
+"""
+
+import os
+from typing import Optional
+
+import torch
+
+from opacus_dp.maths.huge_pages import empty_on_huge_pages
+
+BACKENDS = ("torch", "onednn")
+ENVIRONMENT_VARIABLE = "OPACUS_DP_CPU_PRODUCTS"
+MIN_MULTIPLY_ADDS = 1 << 24
+_backend: Optional[str] = None  # None until set or read from the environment
+_onednn_works: Optional[bool] = None
+
+
+def _onednn_linear(left: torch.Tensor, right_t: torch.Tensor) -> torch.Tensor:
+    """``left @ right_tᵀ`` by oneDNN's float32 matrix product (torch's own binding of it)."""
+    return torch.ops.mkldnn._linear_pointwise(left, right_t, None, "none", [], "")
+
+
+def onednn_available() -> bool:
+    """True if this torch has oneDNN's product and it agrees with ``torch.mm`` on a small case."""
+    global _onednn_works
+    if _onednn_works is None:
+        _onednn_works = False
+        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+            left, right = torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+            try:
+                found = _onednn_linear(left.float(), right.float().t())
+                _onednn_works = bool(torch.allclose(found.double(), left @ right, rtol=1e-4, atol=1e-5))
+            except RuntimeError:
+                pass
+    return _onednn_works
+
+
+def set_cpu_products(backend: str) -> None:
+    """Form the large clipped-sum products on CPU with ``"torch"`` (its BLAS) or ``"onednn"``."""
+    global _backend
+    if backend not in BACKENDS:
+        raise ValueError(f"set_cpu_products: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "onednn" and not onednn_available():
+        raise RuntimeError(
+            "set_cpu_products('onednn'): this torch build has no usable oneDNN float32 product "
+            "(torch.backends.mkldnn unavailable, or torch.ops.mkldnn._linear_pointwise missing or "
+            f"wrong); use 'torch' (and unset {ENVIRONMENT_VARIABLE})")
+    _backend = backend
+
+
+def cpu_products() -> str:
+    """The backend in effect; the first call reads ``OPACUS_DP_CPU_PRODUCTS`` (default ``torch``)."""
+    if _backend is None:
+        value = os.environ.get(ENVIRONMENT_VARIABLE, "torch")
+        if value not in BACKENDS:
+            raise ValueError(f"environment variable {ENVIRONMENT_VARIABLE}={value!r}: must be one of {BACKENDS}")
+        set_cpu_products(value)
+    return _backend
+
+
+def routes_to_onednn(left: torch.Tensor, right: torch.Tensor) -> bool:
+    """True if ``left @ right`` (2-D) is formed by oneDNN: CPU float32 operands of at least
+    ``MIN_MULTIPLY_ADDS`` multiply-adds, with the ``"onednn"`` backend set."""
+    return (left.device.type == "cpu" and left.dtype == torch.float32 == right.dtype
+            and left.shape[0] * left.shape[1] * right.shape[1] >= MIN_MULTIPLY_ADDS
+            and cpu_products() == "onednn")
+
+
+def matrix_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``left @ right`` (2-D) into a new tensor: by oneDNN where :func:`routes_to_onednn`, else by
+    ``torch.mm`` into a tensor advised to huge pages (a weight-sized sum: few page faults)."""
+    if routes_to_onednn(left, right):
+        return _onednn_linear(left, right.t())
+    out = empty_on_huge_pages((left.shape[0], right.shape[1]), torch.result_type(left, right), left.device)
+    return torch.mm(left, right, out=out)

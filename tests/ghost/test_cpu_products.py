@@ -1,0 +1,168 @@
+"""The clipped sums' matrix products on CPU by torch's BLAS or by oneDNN (``maths.cpu_products``).
+
+Oracles: float64 products of the same float32 operands; for a bookkeeping pass, the factor-weighted
+sum of per-sample gradients formed in float64 by autograd one sample at a time. A spy on the
+oneDNN entry point shows which products it formed."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import opacus_dp
+from opacus_dp.grad_sample import BookkeepingGradSampleModule
+from opacus_dp.maths import cpu_products
+from tests.ghost.test_float32_products import _restore_precision, needs_reduced_precision  # noqa: F401
+
+needs_onednn = pytest.mark.skipif(not cpu_products.onednn_available(), reason="torch built without oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def _restore_backend(monkeypatch):
+    monkeypatch.delenv(cpu_products.ENVIRONMENT_VARIABLE, raising=False)
+    monkeypatch.setattr(cpu_products, "_backend", None)
+    yield
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    calls = []
+    real = cpu_products._onednn_linear
+
+    def spy(left, right_t):
+        calls.append((tuple(left.shape), tuple(right_t.shape)))
+        return real(left, right_t)
+
+    monkeypatch.setattr(cpu_products, "_onednn_linear", spy)
+    return calls
+
+
+def _operands(m, k, n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(k, m, generator=gen).t(), torch.randn(k, n, generator=gen)  # left as a transposed view
+
+
+def test_the_default_is_torch_bit_for_bit(onednn_calls):
+    left, right = _operands(256, 512, 256)
+    assert cpu_products.cpu_products() == "torch"
+    assert torch.equal(cpu_products.matrix_product(left, right), left.mm(right))
+    assert onednn_calls == []
+
+
+@needs_onednn
+def test_onednn_forms_large_products_to_float32_rounding(onednn_calls):
+    cpu_products.set_cpu_products("onednn")
+    left, right = _operands(256, 512, 256)  # 2^25 multiply-adds
+    found = cpu_products.matrix_product(left, right)
+    exact = left.double() @ right.double()
+    assert found.dtype == torch.float32 and found.shape == (256, 256)
+    assert float((found.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+    assert onednn_calls == [((256, 512), (256, 512))]
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["small", "float64", "meta"])
+def test_onednn_leaves_other_products_to_torch(case, onednn_calls):
+    cpu_products.set_cpu_products("onednn")
+    if case == "small":  # below MIN_MULTIPLY_ADDS: oneDNN's fixed cost per call outweighs its gain
+        left, right = _operands(64, 512, 64)
+    else:
+        left, right = (t.to(torch.float64 if case == "float64" else "meta") for t in _operands(256, 512, 256))
+    found = cpu_products.matrix_product(left, right)
+    assert onednn_calls == []
+    if case != "meta":
+        assert torch.equal(found, left.mm(right))
+
+
+def test_bad_backend_names_are_refused():
+    with pytest.raises(ValueError, match=r"backend must be one of \('torch', 'onednn'\), got 'mkl'"):
+        opacus_dp.set_cpu_products("mkl")
+    assert cpu_products.cpu_products() == "torch"
+
+
+def test_the_environment_variable_is_read_once_and_checked(monkeypatch):
+    monkeypatch.setenv(cpu_products.ENVIRONMENT_VARIABLE, "fast")
+    with pytest.raises(ValueError, match="OPACUS_DP_CPU_PRODUCTS='fast'"):
+        cpu_products.cpu_products()
+    monkeypatch.setenv(cpu_products.ENVIRONMENT_VARIABLE, "torch")
+    assert cpu_products.cpu_products() == "torch"
+    monkeypatch.setenv(cpu_products.ENVIRONMENT_VARIABLE, "fast")  # read once: set_cpu_products from now on
+    assert cpu_products.cpu_products() == "torch"
+
+
+def test_onednn_is_refused_where_torch_has_none(monkeypatch):
+    monkeypatch.setattr(cpu_products, "_onednn_works", None)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no usable oneDNN.*use 'torch'"):
+        cpu_products.set_cpu_products("onednn")
+    monkeypatch.setenv(cpu_products.ENVIRONMENT_VARIABLE, "onednn")
+    with pytest.raises(RuntimeError, match="unset OPACUS_DP_CPU_PRODUCTS"):
+        cpu_products.cpu_products()
+
+
+def _clipped_sums(backend, model, x, factors):
+    cpu_products.set_cpu_products(backend)
+    wrapper = BookkeepingGradSampleModule(model, loss_reduction="sum")
+    out = wrapper(x)
+    out.backward(torch.ones_like(out))
+    params = [p for _, p in wrapper.trainable_parameters()]
+    norms = wrapper.per_sample_norms(params)
+    sums = wrapper.clipped_sums(params, [factors] * len(params))
+    wrapper.close()
+    return norms, sums
+
+
+def _oracle(model, x, factors):
+    """``Σ_i f_i ∇_θ Σ_t out_i`` in float64, one sample at a time."""
+    model64 = copy.deepcopy(model).double()
+    total = [torch.zeros_like(p) for p in model64.parameters()]
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(model64(x[i:i + 1].double()).sum(), list(model64.parameters()))
+        total = [t + float(factors[i]) * g for t, g in zip(total, grads)]
+    return total
+
+
+def _layer(kind, d, p):
+    if kind == "linear":
+        return nn.Linear(d, p)
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    layer = Conv1D(p, d)  # GPT-2's layer: weight stored (d, p)
+    nn.init.normal_(layer.bias)
+    return layer
+
+
+@needs_onednn
+@pytest.mark.parametrize("kind", ["linear", "hf_conv1d"])
+@pytest.mark.parametrize("features", [(64, 512), (512, 64)])  # either side the smaller (scaled) one
+def test_a_bookkeeping_pass_forms_its_clipped_sums_with_onednn(kind, features, onednn_calls):
+    torch.manual_seed(0)
+    d, p = features
+    model = nn.Sequential(_layer(kind, d, p))
+    x = torch.randn(32, 32, d)  # 1024 rows: d·p·rows = 2^25 multiply-adds; T(d + p) < dp: not materialised
+    factors = torch.rand(32)
+    norms_torch, sums_torch = _clipped_sums("torch", model, x, factors)
+    assert onednn_calls == []
+    norms_onednn, sums_onednn = _clipped_sums("onednn", model, x, factors)
+    assert [shape for shape, _ in onednn_calls] == [(p if kind == "linear" else d, 1024)]
+    for n_torch, n_onednn in zip(norms_torch, norms_onednn):
+        assert torch.equal(n_torch, n_onednn)  # the norms are not routed
+    for found, reference, exact in zip(sums_onednn, sums_torch, _oracle(model, x, factors)):
+        scale = float(exact.abs().max())
+        assert float((found.double() - exact).abs().max()) <= 2e-5 * scale
+        assert float((reference.double() - exact).abs().max()) <= 2e-5 * scale
+
+
+@needs_onednn
+@needs_reduced_precision
+def test_onednn_products_stay_ieee_when_the_user_allows_bfloat16(onednn_calls):
+    torch.set_float32_matmul_precision("medium")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 64))
+    x, factors = torch.randn(32, 32, 512), torch.rand(32)
+    _, sums = _clipped_sums("onednn", model, x, factors)
+    assert onednn_calls
+    exact = _oracle(model, x, factors)[0]
+    assert float((sums[0].double() - exact).abs().max()) <= 2e-5 * float(exact.abs().max())
