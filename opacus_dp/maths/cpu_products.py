@@ -5,9 +5,10 @@ weight's size, ``(f ⊙ G)ᵀ A`` over the batch's ``B·T`` rows. torch multipli
 on CPU with its BLAS (MKL in the official wheels), which on some CPUs does not use their widest
 vector instructions (on AMD CPUs with AVX-512 it runs its AVX2 kernels); oneDNN, which torch
 ships for its convolutions, does. ``set_cpu_products("onednn")``, or the environment variable
-``OPACUS_DP_CPU_PRODUCTS=onednn`` read at the first product, has oneDNN form these products
-where they are large (at least ``MIN_MULTIPLY_ADDS`` multiply-adds: below that its fixed cost per
-call outweighs the gain). The model's own forward and backward passes are not touched.
+``OPACUS_DP_CPU_PRODUCTS=onednn`` (read once, when a norms-only wrapper is built or at the first
+product), has oneDNN form these products where they are large (at least ``MIN_MULTIPLY_ADDS``
+multiply-adds: below that its fixed cost per call outweighs the gain). The model's own forward
+and backward passes are not touched.
 
 Both libraries compute IEEE float32 products (inside
 :func:`~opacus_dp.maths.float32_products.ieee_float32_products`, whatever reduced precision

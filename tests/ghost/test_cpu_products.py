@@ -91,6 +91,12 @@ def test_the_environment_variable_is_read_once_and_checked(monkeypatch):
     assert cpu_products.cpu_products() == "torch"
 
 
+def test_a_bad_environment_variable_is_refused_when_the_model_is_wrapped(monkeypatch):
+    monkeypatch.setenv(cpu_products.ENVIRONMENT_VARIABLE, "mkl")
+    with pytest.raises(ValueError, match="OPACUS_DP_CPU_PRODUCTS='mkl'"):
+        BookkeepingGradSampleModule(nn.Linear(4, 2))
+
+
 def test_onednn_is_refused_where_torch_has_none(monkeypatch):
     monkeypatch.setattr(cpu_products, "_onednn_works", None)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)

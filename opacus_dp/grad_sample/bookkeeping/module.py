@@ -38,6 +38,7 @@ from opacus_dp.grad_sample.bookkeeping.passes import shared_layers
 from opacus_dp.grad_sample.attachments import weakly
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.layer_call import batch_first_backprops
+from opacus_dp.maths.cpu_products import cpu_products
 from opacus_dp.grad_sample.support import describe
 from opacus_dp.maths.per_sample import is_loss_scaled
 from opacus_dp.module_parameters import has_trainable_parameters, is_sharded_model, local_part
@@ -82,6 +83,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
                  public_buffers: Sequence[str] = ()):
         if isinstance(module, nn.Module):
             _refuse_data_parallel(module)
+        cpu_products()  # an invalid OPACUS_DP_CPU_PRODUCTS is refused here, not at the first step
         # no reference cycle through the wrapper, and none from the store (kept by the
         # wrapper's finalizer) to it: a dropped wrapper is freed (see GradSampleModule)
         self._bookkeeper = Bookkeeper(weakly(self._per_sample_grads), layer_rule)
