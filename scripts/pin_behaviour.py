@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.pinning
-os.environ["OPACUS_DP_CPU_PRODUCTS"] = "torch"  # the pinned bits are torch's products (maths/cpu_products.py)
 
 
 def _arguments(argv):

@@ -19,7 +19,8 @@ already uses the widest instructions (Intel CPUs with MKL) oneDNN gains little; 
 """
 
 import os
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 
@@ -38,18 +39,23 @@ def _onednn_linear(left: torch.Tensor, right_t: torch.Tensor) -> torch.Tensor:
 
 
 def onednn_available() -> bool:
-    """True if this torch has oneDNN's product and it agrees with ``torch.mm`` on a small case."""
+    """True if this torch has oneDNN's product and it agrees with ``torch.mm`` on a small case
+    (checked once per process)."""
     global _onednn_works
     if _onednn_works is None:
-        _onednn_works = False
-        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-            left, right = torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
-            try:
-                found = _onednn_linear(left.float(), right.float().t())
-                _onednn_works = bool(torch.allclose(found.double(), left @ right, rtol=1e-4, atol=1e-5))
-            except RuntimeError:
-                pass
+        _onednn_works = _onednn_agrees_with_torch()
     return _onednn_works
+
+
+def _onednn_agrees_with_torch() -> bool:
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    left, right = torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    try:
+        found = _onednn_linear(left.float(), right.float().t())
+    except RuntimeError:  # the op exists but refuses plain float32 tensors in this build
+        return False
+    return bool(torch.allclose(found.double(), left @ right, rtol=1e-4, atol=1e-5))
 
 
 def set_cpu_products(backend: str) -> None:
@@ -73,6 +79,18 @@ def cpu_products() -> str:
             raise ValueError(f"environment variable {ENVIRONMENT_VARIABLE}={value!r}: must be one of {BACKENDS}")
         set_cpu_products(value)
     return _backend
+
+
+@contextmanager
+def cpu_products_set_to(backend: str) -> Iterator[None]:
+    """:func:`set_cpu_products` ``(backend)`` inside the block, the previous setting after it."""
+    global _backend
+    previous = _backend
+    set_cpu_products(backend)
+    try:
+        yield
+    finally:
+        _backend = previous
 
 
 def routes_to_onednn(left: torch.Tensor, right: torch.Tensor) -> bool:

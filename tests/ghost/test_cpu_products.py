@@ -75,6 +75,16 @@ def test_onednn_leaves_other_products_to_torch(case, onednn_calls):
         assert torch.equal(found, left.mm(right))
 
 
+@needs_onednn
+def test_a_setting_for_a_block_is_undone_after_it():
+    cpu_products.set_cpu_products("onednn")
+    with pytest.raises(KeyError):
+        with cpu_products.cpu_products_set_to("torch"):
+            assert cpu_products.cpu_products() == "torch"
+            raise KeyError("inside")
+    assert cpu_products.cpu_products() == "onednn"
+
+
 def test_bad_backend_names_are_refused():
     with pytest.raises(ValueError, match=r"backend must be one of \('torch', 'onednn'\), got 'mkl'"):
         opacus_dp.set_cpu_products("mkl")

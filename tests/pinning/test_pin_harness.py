@@ -77,3 +77,17 @@ def test_a_case_missing_on_either_side_differs():
 def test_a_missing_pin_file_names_the_command_that_records_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="scripts/pin_behaviour.py record"):
         load_pin(tmp_path / "behaviour_pin.json")
+
+
+def test_the_cases_run_with_torchs_products_whatever_the_user_set(monkeypatch):
+    from opacus_dp.maths import cpu_products
+
+    if not cpu_products.onednn_available():
+        pytest.skip("torch built without oneDNN")
+    seen = []
+    monkeypatch.setattr(cases, "CASES", {"local": [CASE]})
+    monkeypatch.setattr(cases, "run_case", lambda case, rank, world: seen.append(cpu_products.cpu_products()) or {})
+    with cpu_products.cpu_products_set_to("onednn"):
+        cases.run_cases(0, 1, "local")
+        assert cpu_products.cpu_products() == "onednn"
+    assert seen == ["torch"]
