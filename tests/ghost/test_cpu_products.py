@@ -85,6 +85,16 @@ def test_a_setting_for_a_block_is_undone_after_it():
     assert cpu_products.cpu_products() == "onednn"
 
 
+def test_the_availability_probe_leaves_the_random_streams_alone(monkeypatch):
+    """A probe drawing from torch's global generator shifted a seeded run's data and noise by
+    where in the run the first wrapper was built."""
+    monkeypatch.setattr(cpu_products, "_onednn_works", None)
+    before = torch.get_rng_state()
+    cpu_products.onednn_available()
+    assert cpu_products._onednn_works is not None
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_bad_backend_names_are_refused():
     with pytest.raises(ValueError, match=r"backend must be one of \('torch', 'onednn'\), got 'mkl'"):
         opacus_dp.set_cpu_products("mkl")
