@@ -1,32 +1,38 @@
-"""Which library multiplies the clipped sums' matrices on CPU: torch's BLAS (default) or oneDNN.
+"""Which library multiplies the clipped sums' matrices on CPU: torch's BLAS or oneDNN.
 
 The clipped sum of a ``Linear`` layer in the norms-only modes is one matrix product of the
 weight's size, ``(f ⊙ G)ᵀ A`` over the batch's ``B·T`` rows. torch multiplies float32 matrices
-on CPU with its BLAS (MKL in the official wheels), which on some CPUs does not use their widest
-vector instructions (on AMD CPUs with AVX-512 it runs its AVX2 kernels); oneDNN, which torch
-ships for its convolutions, does. ``set_cpu_products("onednn")``, or the environment variable
-``OPACUS_DP_CPU_PRODUCTS=onednn`` (read once, when a norms-only wrapper is built or at the first
-product), has oneDNN form these products where they are large (at least ``MIN_MULTIPLY_ADDS``
-multiply-adds: below that its fixed cost per call outweighs the gain). The model's own forward
-and backward passes are not touched.
+on CPU with its BLAS (MKL in the official x86 wheels), which on AMD CPUs with AVX-512 runs its
+AVX2 kernels; oneDNN, which torch ships for its convolutions, uses the CPU's widest vector
+instructions. Where oneDNN forms a product, it does so only where the product is large (at least
+``MIN_MULTIPLY_ADDS`` multiply-adds: below that its fixed cost per call outweighs the gain). The
+model's own forward and backward passes are not touched.
+
+The setting (``set_cpu_products`` or the environment variable ``OPACUS_DP_CPU_PRODUCTS``, read
+once, when a norms-only wrapper is built or at the first product):
+
+* ``"auto"`` (default): ``"onednn"`` on a CPU where torch's BLAS is MKL and the CPU is an AMD one
+  with AVX-512 (read from ``/proc/cpuinfo``; Linux), ``"torch"`` everywhere else;
+* ``"torch"``: torch's BLAS for every product;
+* ``"onednn"``: oneDNN for the large products on any CPU (refused where torch has none).
 
 Both libraries compute IEEE float32 products (inside
 :func:`~opacus_dp.maths.float32_products.ieee_float32_products`, whatever reduced precision
 the user allowed), summing in different orders: the sums agree to float32 rounding, not bit for
-bit, so a run is reproducible with either setting but not across them. On CPUs where the BLAS
-already uses the widest instructions (Intel CPUs with MKL) oneDNN gains little; measure with
-``scripts/benchmark.py`` before choosing it (docs/benchmarks.md).
+bit, so a run is reproducible with either setting but not across them (``"torch"`` gives the
+bits of earlier releases). The noise, clipping bound and accounting are the same with either.
 """
 
 import os
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Set, Tuple
 
 import torch
 
 from opacus_dp.maths.huge_pages import empty_on_huge_pages
 
 BACKENDS = ("torch", "onednn")
+SETTINGS = ("auto",) + BACKENDS
 ENVIRONMENT_VARIABLE = "OPACUS_DP_CPU_PRODUCTS"
 MIN_MULTIPLY_ADDS = 1 << 24
 _backend: Optional[str] = None  # None until set or read from the environment
@@ -59,11 +65,43 @@ def _onednn_agrees_with_torch() -> bool:
     return bool(torch.allclose(found.double(), left @ right, rtol=1e-4, atol=1e-5))
 
 
+def _cpu_flags_and_vendor() -> Tuple[Set[str], str]:
+    """The first CPU's feature flags and vendor from ``/proc/cpuinfo`` (empty off Linux)."""
+    flags, vendor = set(), ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key == "flags":
+                    return set(value.split()), vendor
+    except OSError:
+        pass
+    return flags, vendor
+
+
+def blas_runs_narrower_than_the_cpu() -> bool:
+    """True where torch's BLAS is MKL on an AMD CPU with AVX-512: MKL runs its AVX2 kernels there."""
+    flags, vendor = _cpu_flags_and_vendor()
+    return torch.backends.mkl.is_available() and vendor == "AuthenticAMD" and "avx512f" in flags
+
+
+def automatic_backend() -> str:
+    """What ``"auto"`` chooses: ``"onednn"`` where :func:`blas_runs_narrower_than_the_cpu` and
+    oneDNN's product works, else ``"torch"``."""
+    return "onednn" if blas_runs_narrower_than_the_cpu() and onednn_available() else "torch"
+
+
 def set_cpu_products(backend: str) -> None:
-    """Form the large clipped-sum products on CPU with ``"torch"`` (its BLAS) or ``"onednn"``."""
+    """Form the large clipped-sum products on CPU with ``"torch"`` (its BLAS), ``"onednn"``, or
+    ``"auto"`` (:func:`automatic_backend`: oneDNN where MKL runs narrower code than the CPU has)."""
     global _backend
-    if backend not in BACKENDS:
-        raise ValueError(f"set_cpu_products: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in SETTINGS:
+        raise ValueError(f"set_cpu_products: backend must be one of {SETTINGS}, got {backend!r}")
+    if backend == "auto":
+        backend = automatic_backend()
     if backend == "onednn" and not onednn_available():
         raise RuntimeError(
             "set_cpu_products('onednn'): this torch build has no usable oneDNN float32 product "
@@ -73,11 +111,12 @@ def set_cpu_products(backend: str) -> None:
 
 
 def cpu_products() -> str:
-    """The backend in effect; the first call reads ``OPACUS_DP_CPU_PRODUCTS`` (default ``torch``)."""
+    """The backend in effect (``"torch"`` or ``"onednn"``); the first call reads
+    ``OPACUS_DP_CPU_PRODUCTS`` (default ``"auto"``)."""
     if _backend is None:
-        value = os.environ.get(ENVIRONMENT_VARIABLE, "torch")
-        if value not in BACKENDS:
-            raise ValueError(f"environment variable {ENVIRONMENT_VARIABLE}={value!r}: must be one of {BACKENDS}")
+        value = os.environ.get(ENVIRONMENT_VARIABLE, "auto")
+        if value not in SETTINGS:
+            raise ValueError(f"environment variable {ENVIRONMENT_VARIABLE}={value!r}: must be one of {SETTINGS}")
         set_cpu_products(value)
     return _backend
 

@@ -43,11 +43,66 @@ def _operands(m, k, n, seed=0):
     return torch.randn(k, m, generator=gen).t(), torch.randn(k, n, generator=gen)  # left as a transposed view
 
 
-def test_the_default_is_torch_bit_for_bit(onednn_calls):
+def _cpu(monkeypatch, vendor, flags, mkl=True):
+    monkeypatch.setattr(cpu_products, "_cpu_flags_and_vendor", lambda: (set(flags), vendor))
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
+
+
+def test_torch_is_torch_bit_for_bit(onednn_calls):
+    cpu_products.set_cpu_products("torch")
     left, right = _operands(256, 512, 256)
-    assert cpu_products.cpu_products() == "torch"
     assert torch.equal(cpu_products.matrix_product(left, right), left.mm(right))
     assert onednn_calls == []
+
+
+@pytest.mark.parametrize("vendor, flags, mkl", [
+    ("GenuineIntel", {"avx2", "avx512f"}, True),  # MKL runs AVX-512 there
+    ("AuthenticAMD", {"avx2"}, True),  # no wider code than MKL's to gain
+    ("AuthenticAMD", {"avx2", "avx512f"}, False),  # another BLAS: not measured, left alone
+    ("", set(), True),  # no /proc/cpuinfo (not Linux)
+])
+def test_the_default_is_torch_where_mkl_uses_the_widest_instructions(monkeypatch, onednn_calls, vendor, flags, mkl):
+    _cpu(monkeypatch, vendor, flags, mkl)
+    assert cpu_products.cpu_products() == "torch"
+    left, right = _operands(256, 512, 256)
+    assert torch.equal(cpu_products.matrix_product(left, right), left.mm(right))
+    assert onednn_calls == []
+
+
+@needs_onednn
+def test_the_default_is_onednn_on_an_amd_cpu_with_avx512(monkeypatch, onednn_calls):
+    _cpu(monkeypatch, "AuthenticAMD", {"avx2", "avx512f", "avx512bw"})
+    assert cpu_products.cpu_products() == "onednn"
+    cpu_products.matrix_product(*_operands(256, 512, 256))
+    assert len(onednn_calls) == 1
+    monkeypatch.setattr(cpu_products, "_backend", None)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setattr(cpu_products, "_onednn_works", None)
+    assert cpu_products.cpu_products() == "torch"  # auto never refuses: torch where oneDNN is missing
+
+
+def test_auto_can_be_asked_for_and_resolves_to_a_backend(monkeypatch):
+    _cpu(monkeypatch, "GenuineIntel", {"avx512f"})
+    with cpu_products.cpu_products_set_to("auto"):
+        assert cpu_products.cpu_products() == "torch"
+    monkeypatch.setenv(cpu_products.ENVIRONMENT_VARIABLE, "auto")
+    assert cpu_products.cpu_products() == "torch"
+
+
+def test_this_machines_cpu_is_read_from_proc_cpuinfo():
+    flags, vendor = cpu_products._cpu_flags_and_vendor()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            text = cpuinfo.read()
+    except OSError:
+        assert (flags, vendor) == (set(), "")
+        return
+    first = text.split("\n\n")[0]
+    assert f"vendor_id\t: {vendor}" in first or (vendor == "" and "vendor_id" not in first)
+    assert all(flag in first.split() for flag in flags)
+    assert cpu_products.automatic_backend() == (
+        "onednn" if (vendor == "AuthenticAMD" and "avx512f" in flags and torch.backends.mkl.is_available()
+                     and cpu_products.onednn_available()) else "torch")
 
 
 @needs_onednn
@@ -95,10 +150,11 @@ def test_the_availability_probe_leaves_the_random_streams_alone(monkeypatch):
     assert torch.equal(torch.get_rng_state(), before)
 
 
-def test_bad_backend_names_are_refused():
-    with pytest.raises(ValueError, match=r"backend must be one of \('torch', 'onednn'\), got 'mkl'"):
+def test_bad_backend_names_are_refused(monkeypatch):
+    _cpu(monkeypatch, "GenuineIntel", {"avx512f"})
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'onednn'\), got 'mkl'"):
         opacus_dp.set_cpu_products("mkl")
-    assert cpu_products.cpu_products() == "torch"
+    assert cpu_products._backend is None  # nothing set: the default applies
 
 
 def test_the_environment_variable_is_read_once_and_checked(monkeypatch):
