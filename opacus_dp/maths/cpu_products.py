@@ -44,6 +44,22 @@ def _onednn_linear(left: torch.Tensor, right_t: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(left, right_t, None, "none", [], "")
 
 
+def _onednn_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``left @ right`` by oneDNN, in the orientation that copies the fewest values.
+
+    oneDNN's product takes its second operand in any layout but copies a first operand that is
+    not contiguous (a transposed view such as ``Gᵀ`` of a clipped sum: its whole size). So it
+    forms either ``left @ right`` (copying ``left`` if needed: ``m·k``) or ``(rightᵀ @ leftᵀ)ᵀ``
+    (copying ``rightᵀ`` if needed, ``n·k``, and transposing the ``m·n`` result), whichever copies
+    less."""
+    (m, k), n = left.shape, right.shape[1]
+    as_given = 0 if left.is_contiguous() else m * k
+    transposed = (0 if right.t().is_contiguous() else n * k) + m * n
+    if as_given <= transposed:
+        return _onednn_linear(left, right.t())
+    return _onednn_linear(right.t(), left).t().contiguous()
+
+
 def onednn_available() -> bool:
     """True if this torch has oneDNN's product and it agrees with ``torch.mm`` on a small case
     (checked once per process)."""
@@ -145,6 +161,6 @@ def matrix_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """``left @ right`` (2-D) into a new tensor: by oneDNN where :func:`routes_to_onednn`, else by
     ``torch.mm`` into a tensor advised to huge pages (a weight-sized sum: few page faults)."""
     if routes_to_onednn(left, right):
-        return _onednn_linear(left, right.t())
+        return _onednn_product(left, right)
     out = empty_on_huge_pages((left.shape[0], right.shape[1]), torch.result_type(left, right), left.device)
     return torch.mm(left, right, out=out)

@@ -117,6 +117,35 @@ def test_onednn_forms_large_products_to_float32_rounding(onednn_calls):
 
 
 @needs_onednn
+@pytest.mark.parametrize("layout, oriented", [
+    ("contiguous left", "as given"),  # nothing copied
+    ("transposed left, narrow right", "transposed"),  # copies the narrow side and the result, not left
+    ("transposed left, wide right", "as given"),  # copying left is the cheaper
+])
+def test_onednn_takes_the_orientation_that_copies_least(layout, oriented, monkeypatch):
+    """oneDNN copies a non-contiguous first operand; a clipped sum's ``Gᵀ`` is a transposed view
+    of the batch's output gradients."""
+    firsts = []
+    real = cpu_products._onednn_linear
+    monkeypatch.setattr(cpu_products, "_onednn_linear",
+                        lambda first, second: firsts.append(first) or real(first, second))
+    cpu_products.set_cpu_products("onednn")
+    gen = torch.Generator().manual_seed(3)
+    rows, m, n = 2048, 512, (64 if "narrow" in layout else 1024)
+    left = torch.randn(m, rows, generator=gen) if layout == "contiguous left" else torch.randn(rows, m, generator=gen).t()
+    right = torch.randn(rows, n, generator=gen)
+    found = cpu_products.matrix_product(left, right)
+    exact = left.double() @ right.double()
+    assert found.shape == (m, n) and found.is_contiguous()
+    assert float((found.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+    assert len(firsts) == 1
+    if oriented == "as given":
+        assert firsts[0].shape == (m, rows)
+    else:
+        assert firsts[0].shape == (n, rows)
+
+
+@needs_onednn
 @pytest.mark.parametrize("case", ["small", "float64", "meta"])
 def test_onednn_leaves_other_products_to_torch(case, onednn_calls):
     cpu_products.set_cpu_products("onednn")
@@ -228,7 +257,8 @@ def test_a_bookkeeping_pass_forms_its_clipped_sums_with_onednn(kind, features, o
     norms_torch, sums_torch = _clipped_sums("torch", model, x, factors)
     assert onednn_calls == []
     norms_onednn, sums_onednn = _clipped_sums("onednn", model, x, factors)
-    assert [shape for shape, _ in onednn_calls] == [(p if kind == "linear" else d, 1024)]
+    # the orientation copying the fewest values: the smaller side's (scaled) rows first
+    assert [shape for shape, _ in onednn_calls] == [(min(d, p), 1024)]
     for n_torch, n_onednn in zip(norms_torch, norms_onednn):
         assert torch.equal(n_torch, n_onednn)  # the norms are not routed
     for found, reference, exact in zip(sums_onednn, sums_torch, _oracle(model, x, factors)):
