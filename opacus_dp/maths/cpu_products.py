@@ -5,8 +5,10 @@ weight's size, ``(f ⊙ G)ᵀ A`` over the batch's ``B·T`` rows. torch multipli
 on CPU with its BLAS (MKL in the official x86 wheels), which on AMD CPUs with AVX-512 runs its
 AVX2 kernels; oneDNN, which torch ships for its convolutions, uses the CPU's widest vector
 instructions. Where oneDNN forms a product, it does so only where the product is large (at least
-``MIN_MULTIPLY_ADDS`` multiply-adds: below that its fixed cost per call outweighs the gain). The
-model's own forward and backward passes are not touched.
+``MIN_MULTIPLY_ADDS`` multiply-adds: below that its fixed cost per call outweighs the gain) and
+sums at least ``MIN_INNER`` rows (``B·T``) into each entry (below that the page faults of
+writing its freshly allocated result outweigh the gain). The model's own forward and backward
+passes are not touched.
 
 The setting (``set_cpu_products`` or the environment variable ``OPACUS_DP_CPU_PRODUCTS``, read
 once, when a norms-only wrapper is built or at the first product):
@@ -35,6 +37,11 @@ BACKENDS = ("torch", "onednn")
 SETTINGS = ("auto",) + BACKENDS
 ENVIRONMENT_VARIABLE = "OPACUS_DP_CPU_PRODUCTS"
 MIN_MULTIPLY_ADDS = 1 << 24
+# oneDNN allocates its result itself, where it cannot be advised to huge pages as torch's path
+# is (huge_pages.py): writing a fresh result faults every 4 KiB page, a cost per entry that a
+# product of few rows per entry (a small batch of a wide layer) does not recoup; 256 rows and up
+# do on the CPUs measured (docs/benchmarks.md).
+MIN_INNER = 256
 _backend: Optional[str] = None  # None until set or read from the environment
 _onednn_works: Optional[bool] = None
 
@@ -151,8 +158,10 @@ def cpu_products_set_to(backend: str) -> Iterator[None]:
 
 def routes_to_onednn(left: torch.Tensor, right: torch.Tensor) -> bool:
     """True if ``left @ right`` (2-D) is formed by oneDNN: CPU float32 operands of at least
-    ``MIN_MULTIPLY_ADDS`` multiply-adds, with the ``"onednn"`` backend set."""
+    ``MIN_MULTIPLY_ADDS`` multiply-adds summing at least ``MIN_INNER`` terms per entry, with the
+    ``"onednn"`` backend set."""
     return (left.device.type == "cpu" and left.dtype == torch.float32 == right.dtype
+            and left.shape[1] >= MIN_INNER
             and left.shape[0] * left.shape[1] * right.shape[1] >= MIN_MULTIPLY_ADDS
             and cpu_products() == "onednn")
 

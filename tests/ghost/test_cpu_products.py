@@ -146,11 +146,14 @@ def test_onednn_takes_the_orientation_that_copies_least(layout, oriented, monkey
 
 
 @needs_onednn
-@pytest.mark.parametrize("case", ["small", "float64", "meta"])
+@pytest.mark.parametrize("case", ["small", "few rows", "float64", "meta"])
 def test_onednn_leaves_other_products_to_torch(case, onednn_calls):
     cpu_products.set_cpu_products("onednn")
     if case == "small":  # below MIN_MULTIPLY_ADDS: oneDNN's fixed cost per call outweighs its gain
         left, right = _operands(64, 512, 64)
+    elif case == "few rows":  # 2^25 multiply-adds over 32 rows: faults of a fresh result dominate
+        left, right = _operands(1024, 32, 1024)
+        assert 32 < cpu_products.MIN_INNER and 1024 * 32 * 1024 >= cpu_products.MIN_MULTIPLY_ADDS
     else:
         left, right = (t.to(torch.float64 if case == "float64" else "meta") for t in _operands(256, 512, 256))
     found = cpu_products.matrix_product(left, right)
