@@ -90,19 +90,14 @@ def _onednn_agrees_with_torch() -> bool:
 
 def _cpu_flags_and_vendor() -> Tuple[Set[str], str]:
     """The first CPU's feature flags and vendor from ``/proc/cpuinfo`` (empty off Linux)."""
-    flags, vendor = set(), ""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "vendor_id" and not vendor:
-                    vendor = value.strip()
-                elif key == "flags":
-                    return set(value.split()), vendor
-    except OSError:
-        pass
-    return flags, vendor
+            first_cpu = cpuinfo.read().split("\n\n")[0]
+    except OSError:  # not Linux, or /proc hidden: nothing known
+        return set(), ""
+    pairs = (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in pairs}
+    return set(fields.get("flags", "").split()), fields.get("vendor_id", "")
 
 
 def blas_runs_narrower_than_the_cpu() -> bool:
