@@ -68,11 +68,12 @@ def test_philox_samples_on_advised_memory_draw_the_same_numbers(monkeypatch):
 def test_linear_clipped_sums_are_formed_on_advised_memory(monkeypatch):
     """The weight-sized clipped sum of a Linear layer (bk/ghost) is written into a new tensor advised
     before the product writes it; the numbers are those of a plain product."""
-    from opacus_dp.maths.cpu_products import matrix_product
+    from opacus_dp.maths.cpu_products import cpu_products_set_to, matrix_product
 
     calls = recorder(monkeypatch)
     left, right = torch.randn(1024, 6), torch.randn(6, 2048)  # an 8 MiB sum
-    out = matrix_product(left, right)
+    with cpu_products_set_to("torch"):  # torch's path, whatever this CPU's default
+        out = matrix_product(left, right)
     assert torch.equal(out, left.mm(right))
     assert len(calls) == 1
     start, length, _ = calls[0]
