@@ -5,7 +5,7 @@ name in ``tests/architecture/test_torch_internals.py``, not deep inside a hook. 
 names the private API it wraps and what the package relies on.
 """
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
 
@@ -51,3 +51,12 @@ def version_counter(tensor: torch.Tensor) -> int:
 def view_base(tensor: torch.Tensor) -> Optional[torch.Tensor]:
     """``tensor._base`` if ``tensor`` is a view (``_is_view()``), else None."""
     return tensor._base if tensor._is_view() else None
+
+
+def reparametrized(module: torch.nn.Module, tensors: Dict[str, torch.Tensor]) -> ContextManager:
+    """``torch.nn.utils.stateless._reparametrize_module``: within the context, ``module``'s
+    parameters (and buffers) named in ``tensors`` are those tensors (what
+    ``torch.func.functional_call`` does around a call); restored on exit."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors)

@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
-from torch.nn.utils.stateless import _reparametrize_module
+
+from opacus_dp.torch_internals import reparametrized
 
 
 def _detached(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -57,7 +58,7 @@ def _any(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The layer's own ``forward`` (not its hooks) with its parameters swapped for detached ones
     for the call (``torch.nn.utils.stateless``, what ``torch.func.functional_call`` uses)."""
     detached = {name: p.detach() for name, p in layer.named_parameters(recurse=False)}
-    with _reparametrize_module(layer, detached):
+    with reparametrized(layer, detached):
         return layer.forward(x)
 
 

@@ -7,7 +7,7 @@ output row ``i`` depends only on input row ``i``):
     dL_i/dtheta = d/dtheta  sum( f(theta, x_i) * g_i )
 
 computed for all ``i`` at once with ``vmap(grad(.))`` over the batch. The layer is called
-through ``functional_call`` on a batch of one sample (the batch dimension is restored at
+without its hooks (:func:`~opacus_dp.grad_sample.own_forward.own_forward`) on a batch of one sample (the batch dimension is restored at
 the layer's own batch position), with every tensor argument -- positional or keyword --
 batched along dimension 0 and non-tensor arguments passed through unchanged. Outputs may
 be any nest of tensors; ``backprops`` lists one gradient (or None) per tensor leaf
@@ -23,10 +23,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
-from torch.func import functional_call, grad, vmap
+from torch.func import grad, vmap
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from opacus_dp.errors import UnsupportedModuleError
+from opacus_dp.grad_sample.own_forward import own_forward
 from opacus_dp.grad_sample.sample_independence import (
     SamplesMixedError,
     check_sample_independence,
@@ -45,7 +46,7 @@ def _per_sample_objective(layer, leaves, spec, tensor_slots, output_slots, batch
         for slot, tensor in zip(tensor_slots, sample_tensors):
             filled[slot] = tensor.unsqueeze(batch_dim)
         args, kwargs = tree_unflatten(filled, spec)
-        output = functional_call(layer, params, tuple(args), kwargs)
+        output = own_forward(layer, params, tuple(args), kwargs)
         outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
         total = 0
         for slot, backprop in zip(output_slots, sample_backprops):

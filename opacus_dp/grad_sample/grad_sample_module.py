@@ -178,7 +178,8 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
                 continue
             hook = self._make_forward_hook(path, sub)
             broadcast = self._broadcast.attach_to_layer(sub)
-            capture = sub.register_forward_hook(hook, with_kwargs=True)
+            # first forward hook: gradients of the layer's own output, not of a user hook's result
+            capture = sub.register_forward_hook(hook, with_kwargs=True, prepend=True)
             self._traced[broadcast.id] = self._taps.passive
             self._traced[capture.id] = self._taps.traced_hook(path, sub)
             self._handles.extend([broadcast, capture])

@@ -27,8 +27,9 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 import torch.nn as nn
-from torch.func import functional_call
 from torch.utils._pytree import tree_leaves, tree_unflatten
+
+from opacus_dp.grad_sample.own_forward import own_forward
 
 _CHECKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -63,7 +64,7 @@ def _batched_outputs(layer, params, leaves, spec, batch_dim: int) -> List[torch.
         isinstance(v, torch.Tensor) and batch_dim != 0 and v.dim() > batch_dim) else v
     args, kwargs = tree_unflatten([to_layer(v) for v in leaves], spec)
     with torch.no_grad():
-        output = functional_call(layer, params, tuple(args), kwargs)
+        output = own_forward(layer, params, tuple(args), kwargs)
     return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
 
 

@@ -73,3 +73,13 @@ def test_view_base():
     t = torch.zeros(2, 3)
     assert internals.view_base(t.reshape(6)) is t
     assert internals.view_base(t) is None
+
+
+def test_stateless_reparametrize_module_swaps_and_restores_parameters():
+    layer = nn.Linear(2, 1)
+    own = layer.weight
+    swapped = torch.zeros_like(own)
+    with internals.reparametrized(layer, {"weight": swapped}):
+        assert layer.weight is swapped
+        assert torch.equal(layer(torch.ones(1, 2)).detach(), layer.bias.detach().view(1, 1))
+    assert layer.weight is own and isinstance(layer.weight, nn.Parameter)
