@@ -48,6 +48,10 @@ class DPRNNCellBase(StateDictAliasMixin, nn.Module, abc.ABC):
     """
 
     num_gates = 1
+    # Projections whose output gradients are the same numbers at each step: ``ih``'s output at
+    # position ``t`` and ``hh``'s output at step ``t`` are added into the gates (see
+    # opacus_dp.grad_sample.bookkeeping.step_gradients); not the GRU's.
+    _dp_shared_gate_gradients: Tuple[Tuple[str, str], ...] = ()
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True, proj_size: int = 0,
                  device=None, dtype=None):
@@ -126,6 +130,7 @@ class DPRNNCell(DPRNNCellBase):
     """Drop-in for ``nn.RNNCell``: ``h' = act(W_ih x + b_ih + W_hh h + b_hh)``."""
 
     num_gates = 1
+    _dp_shared_gate_gradients = (("ih", "hh"),)
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True,
                  nonlinearity: str = "tanh", device=None, dtype=None):
@@ -163,6 +168,7 @@ class DPLSTMCell(DPRNNCellBase):
     """Drop-in for ``nn.LSTMCell`` (gate order i, f, g, o); ``proj_size`` adds ``W_hr``."""
 
     num_gates = 4
+    _dp_shared_gate_gradients = (("ih", "hh"),)
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True, device=None,
                  dtype=None, proj_size: int = 0):

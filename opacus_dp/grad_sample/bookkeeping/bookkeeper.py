@@ -60,6 +60,7 @@ from opacus_dp.grad_sample.per_sample_store import second_batch_error
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import materialise
 from opacus_dp.grad_sample.bookkeeping.norm_rules import norm_rule_of
 from opacus_dp.grad_sample.bookkeeping.shared_input_grams import SharedInputGrams
+from opacus_dp.grad_sample.bookkeeping.step_gradients import share_step_gradients
 from opacus_dp.module_parameters import own_tensors
 from opacus_dp.maths.per_sample import any_dropped, finite_factors, weighted_sum
 from opacus_dp.torch_internals import current_graph_task_id, queue_end_of_backward_callback
@@ -92,6 +93,7 @@ class Bookkeeper:
         self._per_sample_grads = per_sample_grads
         self.layer_rule = layer_rule
         self.shared_layers = set(shared_layers or ())
+        self.step_layers: Dict[nn.Module, nn.Module] = {}  # see step_gradients.step_projections
         self.accumulation_allowed = True
         self.other_batches = lambda: 0  # batches held elsewhere (empty batches)
         self.keep_ghost_calls = True
@@ -134,7 +136,7 @@ class Bookkeeper:
             current = self._open_pass(task, call.batch_size, name)
             _settle(current)
             if pending == 0 and layer not in current.deferred and layer not in self.shared_layers:
-                self._resolve(current, layer, [entry])
+                self._resolve_single(current, entry)
                 self._release([entry])
             else:
                 current.deferred.setdefault(layer, []).append(entry)
@@ -172,7 +174,20 @@ class Bookkeeper:
             for entry in calls:
                 entry.call.release()
 
-    def _resolve(self, current: Pass, layer: nn.Module, calls: List[Call]) -> None:
+    def _resolve_single(self, current: Pass, entry: Call) -> None:
+        """Resolve a layer's only call of the pass. A recurrent cell's input projection first lends
+        its output gradient to the step projection's recorded calls; if it keeps that gradient for
+        the step, keeping the step projection's calls costs only their inputs
+        (:mod:`~opacus_dp.grad_sample.bookkeeping.step_gradients`)."""
+        step_layer = self.step_layers.get(entry.layer)
+        shared = step_layer is not None and step_layer not in self.shared_layers and share_step_gradients(
+            entry, current.deferred.get(step_layer), self._pending.get(step_layer, 0))
+        self._resolve(current, entry.layer, [entry], gradient_shared=shared)
+        if shared and any(kept[0] is entry.layer for kept in current.ghost_calls):
+            current.gradient_shared.add(step_layer)
+
+    def _resolve(self, current: Pass, layer: nn.Module, calls: List[Call],
+                 gradient_shared: bool = False) -> None:
         """Privacy units of several rows need the norms of sums over rows, formed at the step
         (:mod:`~opacus_dp.grad_sample.bookkeeping.grouped_units`)."""
         with self._input_grams.resolving(calls):
@@ -184,7 +199,7 @@ class Bookkeeper:
                           layer_rule=self.layer_rule, shared=layer in self.shared_layers,
                           keep_ghost_calls=self.keep_ghost_calls,
                           factor_function=self.factor_function if self.keep_ghost_calls else None,
-                          chunk_buffer=self._chunk_buffer)
+                          chunk_buffer=self._chunk_buffer, gradient_shared=gradient_shared)
 
     def _close(self, task: int) -> None:
         with self._lock:
@@ -194,7 +209,7 @@ class Bookkeeper:
             if (self._resolved or self.other_batches()) and not self.accumulation_allowed:
                 raise second_batch_error()
             for layer, calls in list(finished.deferred.items()):
-                self._resolve(finished, layer, calls)
+                self._resolve(finished, layer, calls, gradient_shared=layer in finished.gradient_shared)
                 self._release(calls)
             finished.deferred.clear()
             self._input_grams.end_pass()

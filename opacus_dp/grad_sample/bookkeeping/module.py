@@ -35,6 +35,7 @@ from torch.nn.parallel import DataParallel
 
 from opacus_dp.grad_sample.bookkeeping.bookkeeper import Bookkeeper
 from opacus_dp.grad_sample.bookkeeping.passes import shared_layers
+from opacus_dp.grad_sample.bookkeeping.step_gradients import step_projections
 from opacus_dp.grad_sample.attachments import weakly
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.layer_call import batch_first_backprops
@@ -91,6 +92,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
                          strict=strict, skip_weight_grads=skip_weight_grads,
                          check_sample_independence=check_sample_independence, public_buffers=public_buffers)
         self._bookkeeper.shared_layers = shared_layers(self._hooked_layers())
+        self._bookkeeper.step_layers = step_projections(self._module)
         store, bookkeeper = self._store, weakref.ref(self._bookkeeper)
         self._bookkeeper.other_batches = lambda: store.passes
         store.other_batches = lambda: getattr(bookkeeper(), "num_passes", 0)

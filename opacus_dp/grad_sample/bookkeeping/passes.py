@@ -59,6 +59,7 @@ class Pass:
     groups: Optional[object] = None  # UnitGroups of the rows, set at the step when units are grouped
     grouped_calls: List[Tuple[nn.Module, list, torch.Tensor, float]] = field(default_factory=list)
     grouped_params: Set[torch.Tensor] = field(default_factory=set)  # of grouped_calls (norms at the step)
+    gradient_shared: Set[nn.Module] = field(default_factory=set)  # output gradients kept by another layer
 
     def changed_kept_call(self) -> Optional[str]:
         """Name of a layer whose kept tensors were written in place since they were kept."""
@@ -68,9 +69,13 @@ class Pass:
 def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sample_grads: Callable,
                   layer_rule: str, shared: bool, keep_ghost_calls: bool,
                   factor_function: Optional[Callable] = None,
-                  chunk_buffer: Optional[ChunkBuffer] = None) -> None:
+                  chunk_buffer: Optional[ChunkBuffer] = None, gradient_shared: bool = False) -> None:
     """Resolve all ``calls`` of ``layer`` in ``current``: ghost, materialised or chunked
     (module doc).
+
+    ``gradient_shared``: another layer's kept calls hold the output gradient too
+    (:mod:`~opacus_dp.grad_sample.bookkeeping.step_gradients`), so keeping this call costs only its
+    inputs and the ghost path is taken wherever the layer type prefers it.
 
     ``factor_function(param, norms) -> factors or None``: when it gives the clip factors of
     each of the layer's parameters from that parameter's own norms (per-layer clipping), the
@@ -83,7 +88,8 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
             and _sum_in_chunks(current, layer, calls, factor_function, chunk_buffer):
         current.modes[calls[0].name] = "chunked"
         return
-    merged = None if shared else _ghost_call(layer, calls, layer_rule, keep_ghost_calls)
+    merged = None if shared else _ghost_call(layer, calls, layer_rule,
+                                             keep_ghost_calls and not gradient_shared)
     if merged is None:
         _materialise(current, calls, per_sample_grads)
         current.modes[calls[0].name] = "materialised"

@@ -28,6 +28,7 @@ from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import (
     bound_from_diagonal, materialised_sq_norms, trusted_sq_norms)
 from opacus_dp.grad_sample.support import sum_over_positions
 from opacus_dp.maths.cpu_products import matrix_product
+from opacus_dp.maths.views import joined
 from opacus_dp.module_parameters import trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
 from opacus_dp.layers.batch_first import BatchFirstLinear
@@ -146,9 +147,10 @@ def linear_weighted_grad(layer: nn.Linear, activations: List[torch.Tensor], back
 
 
 def linear_merge_calls(layer: nn.Linear, calls: Sequence[Tuple[List[torch.Tensor], torch.Tensor]]):
-    """One call with the positions of all ``calls`` concatenated (same batch)."""
+    """One call with the positions of all ``calls`` concatenated (same batch); positions that are
+    consecutive slices of one tensor are joined as a view of it, not copied."""
     pairs = [sequences(activations, backprops) for activations, backprops in calls]
-    return [torch.cat([a for a, _ in pairs], dim=1)], torch.cat([g for _, g in pairs], dim=1)
+    return [joined([a for a, _ in pairs], dim=1)], joined([g for _, g in pairs], dim=1)
 
 
 def positions_of(activations: List[torch.Tensor]) -> int:
