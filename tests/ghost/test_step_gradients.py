@@ -82,6 +82,18 @@ def test_shared_gate_gradients_give_the_oracle_norms_and_sums(name, rule):
     assert_norms_and_sums(wrapper, oracle)
 
 
+@pytest.mark.parametrize("name", ["lstm", "lstm-two-layers-bidirectional"])
+def test_the_step_projection_takes_the_gradient_products_of_the_input_projection(name):
+    """``G_i G_iᵀ`` is formed once per cell: the step projection takes the input projection's
+    (counted as taken products; the bidirectional layers' input projections also share ``X``'s)."""
+    taken = []
+    for step_layers in (True, False):
+        model, wrapper, oracle = _wrapped(LAYERS[name], "ghost", step_layers=step_layers)
+        taken.append(wrapper._bookkeeper._input_grams.taken)
+        assert_norms_and_sums(wrapper, oracle)
+    assert taken[0] - taken[1] == len(_cells(model))
+
+
 def test_without_the_pair_each_projection_keeps_its_own_gradient():
     """The same LSTM without the declared pair (the earlier behaviour): each projection's own
     ``(A, G)`` would cost more than its per-sample gradients, so both materialise."""

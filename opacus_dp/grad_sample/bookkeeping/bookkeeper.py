@@ -44,7 +44,7 @@ along the batch and their clipped sums added.
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -59,7 +59,7 @@ from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.per_sample_store import second_batch_error
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import materialise
 from opacus_dp.grad_sample.bookkeeping.norm_rules import norm_rule_of
-from opacus_dp.grad_sample.bookkeeping.shared_input_grams import SharedInputGrams
+from opacus_dp.grad_sample.bookkeeping.shared_input_grams import SharedInputGrams, tensor_key
 from opacus_dp.grad_sample.bookkeeping.step_gradients import share_step_gradients
 from opacus_dp.module_parameters import own_tensors
 from opacus_dp.maths.per_sample import any_dropped, finite_factors, weighted_sum
@@ -182,15 +182,21 @@ class Bookkeeper:
         step_layer = self.step_layers.get(entry.layer)
         shared = step_layer is not None and step_layer not in self.shared_layers and share_step_gradients(
             entry, current.deferred.get(step_layer), self._pending.get(step_layer, 0))
-        self._resolve(current, entry.layer, [entry], gradient_shared=shared)
+        key = tensor_key(entry.backprops[0]) if shared else None
+        self._resolve(current, entry.layer, [entry], gradient=(key, True) if shared else None)
         if shared and any(kept[0] is entry.layer for kept in current.ghost_calls):
-            current.gradient_shared.add(step_layer)
+            current.gradient_shared[step_layer] = key
+        else:
+            self._input_grams.drop(key)
 
     def _resolve(self, current: Pass, layer: nn.Module, calls: List[Call],
-                 gradient_shared: bool = False) -> None:
+                 gradient: Optional[Tuple[object, bool]] = None) -> None:
         """Privacy units of several rows need the norms of sums over rows, formed at the step
-        (:mod:`~opacus_dp.grad_sample.bookkeeping.grouped_units`)."""
-        with self._input_grams.resolving(calls):
+        (:mod:`~opacus_dp.grad_sample.bookkeeping.grouped_units`). ``gradient``: ``(key, keep)`` of
+        an output gradient shared with another layer, whose Gram products this resolution keeps for
+        it or takes from it (:mod:`~opacus_dp.grad_sample.bookkeeping.shared_input_grams`)."""
+        key, keep = gradient or (None, False)
+        with self._input_grams.resolving(calls), self._input_grams.sharing_gradient(key, keep):
             if self.units is not None:
                 resolve_grouped(current, layer, calls, per_sample_grads=self._per_sample_grads,
                                 layer_rule=self.layer_rule, shared=layer in self.shared_layers)
@@ -199,7 +205,7 @@ class Bookkeeper:
                           layer_rule=self.layer_rule, shared=layer in self.shared_layers,
                           keep_ghost_calls=self.keep_ghost_calls,
                           factor_function=self.factor_function if self.keep_ghost_calls else None,
-                          chunk_buffer=self._chunk_buffer, gradient_shared=gradient_shared)
+                          chunk_buffer=self._chunk_buffer, gradient_shared=gradient is not None)
 
     def _close(self, task: int) -> None:
         with self._lock:
@@ -209,7 +215,9 @@ class Bookkeeper:
             if (self._resolved or self.other_batches()) and not self.accumulation_allowed:
                 raise second_batch_error()
             for layer, calls in list(finished.deferred.items()):
-                self._resolve(finished, layer, calls, gradient_shared=layer in finished.gradient_shared)
+                shared = layer in finished.gradient_shared
+                self._resolve(finished, layer, calls,
+                              gradient=(finished.gradient_shared[layer], False) if shared else None)
                 self._release(calls)
             finished.deferred.clear()
             self._input_grams.end_pass()

@@ -59,7 +59,7 @@ class Pass:
     groups: Optional[object] = None  # UnitGroups of the rows, set at the step when units are grouped
     grouped_calls: List[Tuple[nn.Module, list, torch.Tensor, float]] = field(default_factory=list)
     grouped_params: Set[torch.Tensor] = field(default_factory=set)  # of grouped_calls (norms at the step)
-    gradient_shared: Set[nn.Module] = field(default_factory=set)  # output gradients kept by another layer
+    gradient_shared: Dict[nn.Module, object] = field(default_factory=dict)  # layer: key of its gradient kept elsewhere
 
     def changed_kept_call(self) -> Optional[str]:
         """Name of a layer whose kept tensors were written in place since they were kept."""

@@ -1,4 +1,5 @@
-"""Input Gram products shared by the layer calls of one backward pass that read the same input.
+"""Gram products shared by the layer calls of one backward pass that read the same input, or the
+same output gradient.
 
 The ghost norm of a ``Linear`` call multiplies, per sample, the Gram matrix of its inputs,
 ``A_i A_iᵀ`` (``T² d`` multiply-adds), by that of its output gradients
@@ -17,6 +18,12 @@ strides, dtype, device and version counter. Anything else — a copy in another
 dtype under autocast, positions merged from several calls, an input written in place — computes
 its own products. Taking an entry changes no number: the products are the same operations on
 the same values.
+
+The output-gradient products ``G_i G_iᵀ`` are shared the same way between the two projections of
+a recurrent cell that hold one output gradient (:mod:`~opacus_dp.grad_sample.bookkeeping.step_gradients`):
+the input projection's resolution keeps them (:meth:`SharedInputGrams.sharing_gradient`), the
+step projection's, at the end of the pass, takes them if its merged gradient is that very tensor
+(:func:`gradient_products`).
 """
 
 import threading
@@ -29,7 +36,8 @@ import torch
 from opacus_dp.torch_internals import version_counter
 
 _ACTIVE = threading.local()  # the resolution running on this thread: (SharedInputGrams, key, keep)
-Key = Tuple[int, tuple, tuple, torch.dtype, torch.device]
+_GRADIENT = threading.local()  # the same for a shared output gradient
+Key = tuple  # (data pointer, shape, strides, dtype, device), "gradient" first for an output gradient
 
 
 @dataclass
@@ -101,6 +109,24 @@ class SharedInputGrams:
             if key is not None and not keep:
                 self._entries.pop(key, None)
 
+    @contextmanager
+    def sharing_gradient(self, key: Optional[Key], keep: bool) -> Iterator[None]:
+        """Around the resolution of a layer whose output gradient (``key``: :func:`tensor_key`)
+        another layer's resolution reads too: its Gram products are kept for that one (``keep``),
+        or taken and dropped."""
+        outer = getattr(_GRADIENT, "scope", None)
+        _GRADIENT.scope = (self, key, keep) if key is not None else None
+        try:
+            yield
+        finally:
+            _GRADIENT.scope = outer
+            if key is not None and not keep:
+                self._entries.pop(key, None)
+
+    def drop(self, key: Optional[Key]) -> None:
+        """Forget the products kept for ``key`` (the layer that would have taken them will not)."""
+        self._entries.pop(key, None)
+
     def end_pass(self) -> None:
         """Drop every kept product and count: none outlives its backward pass (a call whose
         output got no gradient leaves a count that would only keep products for nothing)."""
@@ -122,6 +148,30 @@ class SharedInputGrams:
 def _block_products(a: torch.Tensor, bounds: Sequence[int]) -> Iterator[torch.Tensor]:
     for low, high in zip(bounds[:-1], bounds[1:]):
         yield torch.bmm(a[:, low:high], a[:, low:].transpose(1, 2))
+
+
+def tensor_key(t: torch.Tensor) -> Optional[Key]:
+    """The key of an output gradient's products (as :func:`input_key`, marked apart)."""
+    key = input_key((t,))
+    return None if key is None else ("gradient", *key)
+
+
+def gradient_products(g: torch.Tensor, bounds: Sequence[int]) -> Tuple[Iterator[torch.Tensor], bool]:
+    """``G[:, lo:hi] G[:, lo:]ᵀ`` for the row blocks ``bounds`` of ``G (B, T, p)``, and whether the
+    caller may write them (not when kept for, or taken from, another layer's resolution)."""
+    scope = getattr(_GRADIENT, "scope", None)
+    if scope is None:
+        return _block_products(g, bounds), True
+    shared, key, keep = scope
+    entry = shared._entries.get(key)
+    if entry is not None and entry.matches(g, tuple(bounds)):
+        shared.taken += 1
+        return iter(entry.products), False
+    if not keep or g.numel() == 0:
+        return _block_products(g, bounds), True
+    products = list(_block_products(g, bounds))
+    shared._entries[key] = _Entry(g, version_counter(g), tuple(bounds), products)
+    return iter(products), False
 
 
 def input_products(a: torch.Tensor, bounds: Sequence[int]):

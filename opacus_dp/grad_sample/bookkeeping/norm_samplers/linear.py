@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping.norm_rules import register_norm_rule
-from opacus_dp.grad_sample.bookkeeping.shared_input_grams import input_products
+from opacus_dp.grad_sample.bookkeeping.shared_input_grams import gradient_products, input_products
 from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import (
     bound_from_diagonal, materialised_sq_norms, trusted_sq_norms)
 from opacus_dp.grad_sample.support import sum_over_positions
@@ -89,15 +89,17 @@ def _gram_sq_norms_and_diagonal(a: torch.Tensor, g: torch.Tensor) -> Tuple[torch
     against the columns from the block's start on, ``R = A[I_j] A[I_j:]ᵀ``, hold its diagonal
     block once and its upper off-diagonal blocks, which stand for themselves and their
     transposes: ``⟨AAᵀ, GGᵀ⟩ = Σ_j 2⟨R_A, R_G⟩ − ⟨R_A, R_G⟩_diagonal block``. The input products
-    ``R_A`` may come from another call on the same input
-    (:mod:`~opacus_dp.grad_sample.bookkeeping.shared_input_grams`): they are only read.
+    ``R_A`` may come from another call on the same input, and ``R_G`` from the other projection of
+    a recurrent cell (:mod:`~opacus_dp.grad_sample.bookkeeping.shared_input_grams`): those are only
+    read.
     """
     positions = a.shape[1]
     blocks = row_blocks(positions, a.device.type)
     bounds = [positions * j // blocks for j in range(blocks + 1)]
     total, diagonals = None, []
-    for low, high, a_product in zip(bounds[:-1], bounds[1:], input_products(a, bounds)):
-        product = torch.bmm(g[:, low:high], g[:, low:].transpose(1, 2)).mul_(a_product)
+    g_products, writable = gradient_products(g, bounds)
+    for low, high, a_product, g_product in zip(bounds[:-1], bounds[1:], input_products(a, bounds), g_products):
+        product = g_product.mul_(a_product) if writable else g_product * a_product
         if blocks == 1:
             return product.sum(dim=(1, 2)), product.diagonal(dim1=1, dim2=2)
         own_block = product[:, :, : high - low]
