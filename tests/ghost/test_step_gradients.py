@@ -94,6 +94,26 @@ def test_the_step_projection_takes_the_gradient_products_of_the_input_projection
     assert taken[0] - taken[1] == len(_cells(model))
 
 
+def test_a_lifted_copy_of_the_gradient_keeps_no_products(monkeypatch):
+    """Under bfloat16 autocast the norms are formed from float32 copies of the output gradients: the
+    products of the input projection's copy are not kept (they would hold the copy until the end
+    of the pass, and the step projection's own copy could not take them)."""
+    from opacus_dp.grad_sample.bookkeeping import shared_input_grams as shared
+
+    kept = []
+    entry = shared._Entry
+    monkeypatch.setattr(shared, "_Entry", lambda source, *rest: kept.append(source) or entry(source, *rest))
+    torch.manual_seed(0)
+    model = Recurrent(DPLSTM(4, 8, batch_first=True))
+    inputs = (torch.randn(4, 7, 4), torch.tensor([7, 3, 5, 1]))
+    wrapper = BookkeepingGradSampleModule(model, layer_rule="ghost")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = wrapper(*inputs)
+    out.float().sum().backward()
+    assert wrapper._bookkeeper._input_grams.taken == 0 and kept == []
+    assert set(wrapper.layer_modes().values()) == {"ghost"}
+
+
 def test_without_the_pair_each_projection_keeps_its_own_gradient():
     """The same LSTM without the declared pair (the earlier behaviour): each projection's own
     ``(A, G)`` would cost more than its per-sample gradients, so both materialise."""

@@ -167,7 +167,7 @@ def gradient_products(g: torch.Tensor, bounds: Sequence[int]) -> Tuple[Iterator[
     if entry is not None and entry.matches(g, tuple(bounds)):
         shared.taken += 1
         return iter(entry.products), False
-    if not keep or g.numel() == 0:
+    if not keep or g.numel() == 0 or tensor_key(g) != key:  # e.g. a float32 copy of a bfloat16 one
         return _block_products(g, bounds), True
     products = list(_block_products(g, bounds))
     shared._entries[key] = _Entry(g, version_counter(g), tuple(bounds), products)
