@@ -76,3 +76,28 @@ def test_norms_and_clipped_sums_are_the_layers_own(cls, rule, hook):
     run_backward(wrapper, (x,), "mean", 4)
     assert_norms_and_sums(wrapper, oracle)
     wrapper.close()
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_compiled_private_model_records_the_layers_own_output(mode):
+    """Compiled, the calls are tapped right after the layer's forward, before the user's hooks, as
+    eagerly (the first forward learns the calls; the second runs the graph)."""
+    model = _model(Net, "doubled")
+    x = torch.randn(4, 6, 3, dtype=torch.float64)
+    oracle = model_oracle(model, (x,))
+    if mode == "hooks":
+        wrapper = GradSampleModule(model, loss_reduction="sum")
+    else:
+        wrapper = BookkeepingGradSampleModule(model, loss_reduction="sum")
+    wrapper.compile(backend="eager")
+    for _ in range(2):
+        wrapper.zero_grad_sample()
+        model.zero_grad(set_to_none=True)
+        default_loss(wrapper(x)).backward()
+    if mode == "bk":
+        assert_norms_and_sums(wrapper, oracle)
+    else:
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad_sample, oracle[name], rtol=1e-9, atol=1e-10)
+    wrapper.close()
