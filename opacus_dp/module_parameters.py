@@ -42,6 +42,11 @@ def is_sharded_model(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def is_fsdp_module(module: nn.Module) -> bool:
+    """True if ``module`` itself was passed to FSDP2's ``fully_shard``."""
+    return FSDPModule is not None and isinstance(module, FSDPModule)
+
+
 def register_canonical_if_sharded(model: nn.Module) -> bool:
     """:func:`register_canonical` for a model sharded with FSDP2; returns whether it is."""
     sharded = is_sharded_model(model)

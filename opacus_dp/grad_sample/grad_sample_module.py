@@ -48,8 +48,8 @@ from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseChe
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import skip_weight_grads as install_skipping
 from opacus_dp.grad_sample.support import autocast_of, describe, same_autocast, unsupported_modules
 from opacus_dp.grad_sample.traced_taps import IDLE, LEARN, TAPPED, TracedTaps
-from opacus_dp.module_parameters import (has_trainable_parameters, own_parameters, register_canonical_if_sharded,
-                                         to_canonical)
+from opacus_dp.module_parameters import (has_trainable_parameters, is_fsdp_module, own_parameters,
+                                         register_canonical_if_sharded, to_canonical)
 
 _RECOMPUTING = threading.local()
 
@@ -178,8 +178,8 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
                 continue
             hook = self._make_forward_hook(path, sub)
             broadcast = self._broadcast.attach_to_layer(sub)
-            # first forward hook: gradients of the layer's own output, not of a user hook's result
-            capture = sub.register_forward_hook(hook, with_kwargs=True, prepend=True)
+            # first forward hook (gradients of the layer's own output), but see own_forward.py
+            capture = sub.register_forward_hook(hook, with_kwargs=True, prepend=not is_fsdp_module(sub))
             self._traced[broadcast.id] = self._taps.passive
             self._traced[capture.id] = self._taps.traced_hook(path, sub)
             self._handles.extend([broadcast, capture])

@@ -5,6 +5,7 @@ from typing import Dict
 import torch
 import torch.nn as nn
 
+from opacus_dp.module_parameters import is_fsdp_module
 from opacus_dp.torch_internals import reparametrized
 
 
@@ -12,6 +13,14 @@ def own_forward(layer: nn.Module, tensors: Dict[str, torch.Tensor], args: tuple,
     """``layer.forward(*args, **kwargs)`` with ``tensors`` in place of the layer's parameters of
     those names, as ``torch.func.functional_call`` calls the layer but without its hooks: ``args``
     are what the forward received (after any pre-hook), and a per-sample gradient is that of the
-    forward's own output, whatever a user's forward hook makes of it afterwards."""
+    forward's own output, the output the wrapper's capture hook, the first of the layer's forward
+    hooks, hooked.
+
+    A layer passed to FSDP2's ``fully_shard`` itself is called with its hooks, as
+    ``functional_call`` calls it (its pre-forward hook gathers the parameters its forward reads);
+    there the capture hook runs after the forward hooks registered before it, so the output it
+    hooked is the one this call returns."""
     with reparametrized(layer, tensors):
+        if is_fsdp_module(layer):
+            return layer(*args, **kwargs)
         return layer.forward(*args, **kwargs)
