@@ -100,26 +100,25 @@ class SharedInputGrams:
                 self._uses[key] = left
             else:
                 self._uses.pop(key, None)
-        outer = getattr(_ACTIVE, "scope", None)
-        _ACTIVE.scope = (self, key, keep) if key is not None else None
-        try:
+        with self._scope(_ACTIVE, key, keep):
             yield
-        finally:
-            _ACTIVE.scope = outer
-            if key is not None and not keep:
-                self._entries.pop(key, None)
 
-    @contextmanager
-    def sharing_gradient(self, key: Optional[Key], keep: bool) -> Iterator[None]:
+    def sharing_gradient(self, key: Optional[Key], keep: bool):
         """Around the resolution of a layer whose output gradient (``key``: :func:`tensor_key`)
         another layer's resolution reads too: its Gram products are kept for that one (``keep``),
         or taken and dropped."""
-        outer = getattr(_GRADIENT, "scope", None)
-        _GRADIENT.scope = (self, key, keep) if key is not None else None
+        return self._scope(_GRADIENT, key, keep)
+
+    @contextmanager
+    def _scope(self, local: threading.local, key: Optional[Key], keep: bool) -> Iterator[None]:
+        """``local.scope`` set for the products of ``key`` while the resolution runs; the entry
+        dropped after it unless kept for a later one."""
+        outer = getattr(local, "scope", None)
+        local.scope = (self, key, keep) if key is not None else None
         try:
             yield
         finally:
-            _GRADIENT.scope = outer
+            local.scope = outer
             if key is not None and not keep:
                 self._entries.pop(key, None)
 
@@ -134,6 +133,8 @@ class SharedInputGrams:
         self._uses.clear()
 
     def _products(self, key: Key, keep: bool, a: torch.Tensor, bounds: tuple):
+        """The entry's products (a list, read only) if it was computed from ``a``; else computed,
+        as a list kept for a later call if ``keep``, or one block at a time (a generator)."""
         entry = self._entries.get(key)
         if entry is not None and entry.matches(a, bounds):
             self.taken += 1
@@ -163,15 +164,9 @@ def gradient_products(g: torch.Tensor, bounds: Sequence[int]) -> Tuple[Iterator[
     if scope is None:
         return _block_products(g, bounds), True
     shared, key, keep = scope
-    entry = shared._entries.get(key)
-    if entry is not None and entry.matches(g, tuple(bounds)):
-        shared.taken += 1
-        return iter(entry.products), False
-    if not keep or g.numel() == 0 or tensor_key(g) != key:  # e.g. a float32 copy of a bfloat16 one
-        return _block_products(g, bounds), True
-    products = list(_block_products(g, bounds))
-    shared._entries[key] = _Entry(g, version_counter(g), tuple(bounds), products)
-    return iter(products), False
+    keep = keep and tensor_key(g) == key  # not for another tensor, e.g. a float32 copy of a bfloat16 one
+    products = shared._products(key, keep, g, tuple(bounds))
+    return iter(products), not isinstance(products, list)
 
 
 def input_products(a: torch.Tensor, bounds: Sequence[int]):
