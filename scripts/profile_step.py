@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_fsdp import build_mode  # noqa: E402
+from benchmark_fsdp import build_mode, free_port  # noqa: E402
 
 PHASES = ("forward", "backward", "clip", "reduce", "noise", "scale", "inner", "other")
 
@@ -131,7 +131,7 @@ def main(argv=None) -> str:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))  # a port no other process holds
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
     try:
         results = {mode: profile_mode(mode, SimpleNamespace(**vars(args))) for mode in args.modes}
