@@ -6,6 +6,7 @@ the unsharded model, also with a user's forward hook that changes a sharded bloc
 fallback recomputes the output the capture hook saw, the hooked one there)."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -51,6 +52,8 @@ def test_norms_of_sharded_leaf_layers(group, hooked):
     assert wrapper.layer_modes()["blocks.0 (FSDPLinear)"] == "materialised"
     assert_norms_and_sums(wrapper, oracle)
     wrapper.close()
+    del wrapper, model
+    gc.collect()  # the sharded modules hold the process group (its store's socket) alive
 
 
 @pytest.mark.parametrize("hooked", [False, True])
@@ -63,3 +66,5 @@ def test_functorch_mode_on_sharded_leaf_layers(group, hooked):
         grad_sample = grad_sample.full_tensor() if hasattr(grad_sample, "full_tensor") else grad_sample
         torch.testing.assert_close(grad_sample, oracle[name], rtol=1e-9, atol=1e-10)
     wrapper.close()
+    del wrapper, model, p
+    gc.collect()
