@@ -37,9 +37,7 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 def is_sharded_model(model: nn.Module) -> bool:
     """True if ``model`` or a submodule was passed to FSDP2's ``fully_shard``."""
-    if FSDPModule is None:
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return any(is_fsdp_module(m) for m in model.modules())
 
 
 def is_fsdp_module(module: nn.Module) -> bool:

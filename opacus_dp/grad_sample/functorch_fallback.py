@@ -6,9 +6,9 @@ output row ``i`` depends only on input row ``i``):
 
     dL_i/dtheta = d/dtheta  sum( f(theta, x_i) * g_i )
 
-computed for all ``i`` at once with ``vmap(grad(.))`` over the batch. The layer is called
-without its hooks (:func:`~opacus_dp.grad_sample.own_forward.own_forward`) on a batch of one sample (the batch dimension is restored at
-the layer's own batch position), with every tensor argument -- positional or keyword --
+computed for all ``i`` at once with ``vmap(grad(.))`` over the batch. The layer's own forward
+(:func:`~opacus_dp.grad_sample.own_forward.own_forward`) runs on a batch of one sample (the batch
+dimension is restored at the layer's own batch position), with every tensor argument -- positional or keyword --
 batched along dimension 0 and non-tensor arguments passed through unchanged. Outputs may
 be any nest of tensors; ``backprops`` lists one gradient (or None) per tensor leaf
 (non-tensor leaves are not counted).
