@@ -7,6 +7,8 @@ every rank on its own random batches, in each mode:
 
 * ``fsdp``           non-private FSDP2: ``fully_shard`` on every block, then on the root;
 * ``dp-fsdp-<mode>`` ``make_private(..., fsdp=True, grad_sample_mode=<mode>)`` (bk, hooks, ghost);
+  with ``--shard-leaves`` both shard every ``Linear`` itself first, then the blocks and the root
+  (by hand, ``make_private(..., fsdp=False)`` on the sharded model);
 * ``ddp``            non-private ``DistributedDataParallel`` of the same model;
 * ``dp-ddp-bk``      ``make_private(grad_sample_mode="bk")`` around the DDP model.
 
@@ -131,18 +133,27 @@ def private(module: nn.Module, optimizer, args, mode: str, fsdp) -> tuple:
     return made[0], made[1], criterion
 
 
+def shard(model: nn.Module, mesh, leaves: bool) -> None:
+    """``fully_shard`` on every ``Linear`` (with ``leaves``), every block, then the root."""
+    for leaf in (m for m in model.modules() if leaves and isinstance(m, nn.Linear)):
+        fully_shard(leaf, mesh=mesh)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def build_mode(mode: str, args, device: torch.device) -> tuple:
     """``(model, optimizer, criterion)`` of ``mode`` on this rank."""
     model = make_residual_mlp(args).to(device)
+    leaves = getattr(args, "shard_leaves", False)
     if mode.startswith("dp-fsdp-"):
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        if leaves:
+            shard(model, mesh, leaves)
         optimizer = make_inner_optimizer(args.optimizer, model.parameters())
-        return private(model, optimizer, args, mode[len("dp-fsdp-"):], fsdp={"mesh": mesh})
+        return private(model, optimizer, args, mode[len("dp-fsdp-"):], fsdp=False if leaves else {"mesh": mesh})
     if mode == "fsdp":
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard(model, init_device_mesh(device.type, (dist.get_world_size(),)), leaves)
         return model, make_inner_optimizer(args.optimizer, model.parameters()), nn.CrossEntropyLoss()
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = make_inner_optimizer(args.optimizer, ddp.parameters())
@@ -342,6 +353,8 @@ def add_fsdp_arguments(parser) -> None:
                         help="--fsdp: cuda runs NCCL with one GPU per rank")
     parser.add_argument("--modes", nargs="+", choices=FSDP_MODES, default=list(FSDP_MODES),
                         help="--fsdp: modes to run")
+    parser.add_argument("--shard-leaves", action="store_true",
+                        help="--fsdp: fully_shard every Linear itself too (FSDP2 modes)")
     parser.add_argument("--no-isolate", dest="isolate", action="store_false",
                         help="--fsdp: run all modes in one set of processes (quicker; peak memory "
                              "of later modes then undercounted)")
@@ -352,7 +365,8 @@ def run_fsdp_benchmark(args, world_sizes: List[int]) -> Dict[int, Dict[str, dict
     params = sum(p.numel() for p in make_residual_mlp(args).parameters())
     print(f"Residual MLP: {args.layers} blocks of width {args.width}, {params} parameters "
           f"({4 * params / MIB:.2f} MiB in float32), {args.optimizer}, per-process batch "
-          f"{args.batch_size}, {args.steps} timed steps after {args.warmup}, device {args.device}")
+          f"{args.batch_size}, {args.steps} timed steps after {args.warmup}, device {args.device}"
+          + (", every Linear sharded itself" if getattr(args, "shard_leaves", False) else ""))
     by_world = {}
     for world_size in world_sizes:
         by_world[world_size] = run_fsdp_world(world_size, args, args.modes, args.isolate)

@@ -16,14 +16,14 @@ import torch.nn as nn
 
 import opacus_dp.grad_sample  # noqa: F401  (registers the built-in grad samplers)
 from opacus_dp.compat.module_inspection import ModelInspector, get_layer_type
-from opacus_dp.grad_sample.registry import GRAD_SAMPLERS
+from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, find_sampler
 from opacus_dp.validators.module_errors import (IllegalModuleConfigurationError, IncompatibleModuleException,
                                                 NotYetSupportedModuleError, UnsupportedModuleError, combined_error)
 from opacus_dp.validators.module_validator import ModuleValidator, module_path
 
 
 def _has_grad_sampler(module: nn.Module) -> bool:
-    return type(module) in GRAD_SAMPLERS
+    return find_sampler(GRAD_SAMPLERS, module) is not None
 
 
 def _conv_groups_supported(module: nn.Module) -> bool:

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
+from opacus_dp.grad_sample.formula_class import formula_class
 from opacus_dp.layers.batch_first import BatchFirstLinear
 
 __all__ = ["make_functional", "prepare_layer", "ft_compute_per_sample_gradient"]
@@ -51,7 +52,7 @@ def _refuse_unsupported(layer: nn.Module) -> None:
         raise NotImplementedError(
             f"prepare_layer: {type(layer).__name__} has buffers, which the functional recomputation "
             f"does not carry; register a grad sampler for it (register_grad_sampler)")
-    if type(layer) is nn.EmbeddingBag:
+    if formula_class(layer) is nn.EmbeddingBag:
         raise NotImplementedError(
             "prepare_layer: nn.EmbeddingBag is not supported by torch.func here; its grad sampler "
             "(GradSampleModule) handles it")

@@ -16,10 +16,10 @@ def own_forward(layer: nn.Module, tensors: Dict[str, torch.Tensor], args: tuple,
     forward's own output, the output the wrapper's capture hook, the first of the layer's forward
     hooks, hooked.
 
-    A layer passed to FSDP2's ``fully_shard`` itself is called with its hooks, as
-    ``functional_call`` calls it (its pre-forward hook gathers the parameters its forward reads);
-    there the capture hook runs after the forward hooks registered before it, so the output it
-    hooked is the one this call returns."""
+    A layer passed to FSDP2's ``fully_shard`` itself (of a class without per-layer formulas: the
+    others never come here) is called with its hooks, as ``functional_call`` calls it (its
+    pre-forward hook gathers the parameters its forward reads); there the capture hook runs after
+    the forward hooks registered before it, so the output it hooked is the one this call returns."""
     with reparametrized(layer, tensors):
         if is_fsdp_module(layer):
             return layer(*args, **kwargs)

@@ -28,6 +28,7 @@ from typing import Callable, Dict, Iterable, Type, Union
 import torch
 import torch.nn as nn
 
+from opacus_dp.grad_sample.formula_class import formula_class
 from opacus_dp.grad_sample.bookkeeping.norm_rules import NORM_SAMPLERS, register_norm_rule  # noqa: F401
 from opacus_dp.grad_sample.optional_layers import LayerTable
 
@@ -75,9 +76,5 @@ def register_saved_statistics(target_types: Union[Type[nn.Module], Iterable[Type
 
 
 def find_sampler(table, layer: nn.Module):
-    """The sampler registered for exactly ``type(layer)``, else None.
-
-    Subclasses do not inherit a sampler: a subclass may override ``forward`` and the
-    dedicated formula would then be silently wrong; they go to the generic fallback.
-    """
-    return table.get(type(layer))
+    """The function registered in ``table`` for ``formula_class(layer)``, else None."""
+    return table.get(formula_class(layer))

@@ -91,3 +91,16 @@ def test_rank_state_bytes_without_sharding(bench):
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     assert bench.rank_state_bytes(model, optimizer) == 4 * 8 * 4 + 2 * 4
+
+
+def test_shard_leaves_passes_every_linear_to_fully_shard(bench):
+    """``--shard-leaves``: every ``Linear`` is a ``fully_shard`` module of its own, each
+    reduce-scattered once per step (the blocks and the root, left without parameters of their
+    own, none), and a rank still holds only its shard rows."""
+    args = SimpleNamespace(**vars(ARGS), shard_leaves=True)
+    result = bench.run_fsdp_world(2, args, ("dp-fsdp-bk",), isolate=False)["dp-fsdp-bk"]
+    linears = sum(isinstance(m, torch.nn.Linear) for m in bench.make_residual_mlp(ARGS).modules())
+    assert linears > ARGS.layers
+    assert result["fsdp_modules"] == linears + ARGS.layers + 1
+    assert result["reduce_scatters_per_step"] == linears
+    assert result["state_bytes"] == [expected_rank_bytes(bench, 2, 0), expected_rank_bytes(bench, 2, 1)]

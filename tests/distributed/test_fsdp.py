@@ -86,6 +86,16 @@ def test_a_model_the_user_sharded_trains_as_the_flag_shards_it(ranks):
     assert by_hand[0]["grad_types"] == ["DTensor"]
 
 
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_a_model_sharded_down_to_its_layers_trains_as_the_oracle(ranks, mode):
+    """Every ``Linear`` and ``LayerNorm`` passed to ``fully_shard`` itself (their formulas apply to
+    FSDP2's ``FSDPLinear``/``FSDPLayerNorm``: tests/distributed/test_fsdp_sharded_leaves.py)."""
+    leaves = [r[("sigma0", mode, "flat", "leaves")] for r in ranks]
+    assert_params_equal(leaves, replay(leaves, FLAT_C))
+    assert leaves[0]["grad_types"] == ["DTensor"]
+    assert leaves[0]["reduce_scatters"] > ranks[0][("sigma0", "bk", "flat", "hand")]["reduce_scatters"]
+
+
 def test_one_reduce_scatter_per_fully_shard_module_per_step(ranks):
     report = ranks[0][("sigma0", "bk", "flat")]
     modules = 3  # two blocks and the root

@@ -73,8 +73,11 @@ def full_params(module: nn.Module):
             for p in module.parameters()]
 
 
-def shard_by_hand(model: nn.Module, **kwargs) -> nn.Module:
-    """The recipe of torch's FSDP2 documentation, applied by the user."""
+def shard_by_hand(model: nn.Module, leaves: bool = False, **kwargs) -> nn.Module:
+    """The recipe of torch's FSDP2 documentation, applied by the user; with ``leaves``, every
+    ``Linear`` and ``LayerNorm`` is passed to ``fully_shard`` itself first (FSDP2's ``FSDPLinear``...)."""
+    for leaf in (m for m in model.modules() if leaves and isinstance(m, (nn.Linear, nn.LayerNorm))):
+        fully_shard(leaf, **kwargs)
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -104,12 +107,13 @@ def private(model, *, mode="bk", clipping="flat", sigma=0.0, fsdp=True, seed=7, 
 
 
 def train_sigma_zero(rank, world_size, mode, clipping, steps=3, physical=2, sharding="flag", skip_weight_grads=None):
-    """σ = 0 with BatchMemoryManager virtual steps; ``sharding``: "flag" (fsdp=True) or "hand";
+    """σ = 0 with BatchMemoryManager virtual steps; ``sharding``: "flag" (fsdp=True), "hand" or "leaves"
+    (:func:`shard_by_hand`);
     ``skip_weight_grads``: ``make_private``'s."""
     model = make_model(seed=0)
     start = full_params(model)
-    if sharding == "hand":
-        shard_by_hand(model)
+    if sharding in ("hand", "leaves"):
+        shard_by_hand(model, leaves=sharding == "leaves")
     engine, module, optimizer, criterion, loader = private(model, mode=mode, clipping=clipping, fsdp=sharding == "flag",
                                                            seed=11 + rank, skip_weight_grads=skip_weight_grads)
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as pieces:
@@ -328,6 +332,8 @@ def fsdp_job(rank, world_size, directory):
     results[("sigma0", "hooks", "flat", "weight_grads")] = train_sigma_zero(rank, world_size, "hooks", "flat",
                                                                             skip_weight_grads=False)
     results[("sigma0", "bk", "flat", "hand")] = train_sigma_zero(rank, world_size, "bk", "flat", sharding="hand")
+    for mode in ("bk", "hooks"):
+        results[("sigma0", mode, "flat", "leaves")] = train_sigma_zero(rank, world_size, mode, "flat", sharding="leaves")
     results["noise"] = noise_samples(rank, world_size)
     results["noise_secure"] = noise_samples(rank, world_size, secure=True)
     results["noise_philox"] = noise_samples(rank, world_size, fast_noise="philox")

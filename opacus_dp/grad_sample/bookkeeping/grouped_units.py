@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping.passes import (Call, Pass, _ghost_call, _in_sum_dtype, _materialise,
                                                       ghost_norms, ghost_weighted_grad)
+from opacus_dp.grad_sample.formula_class import formula_class
 from opacus_dp.grad_sample.registry import PerSampleGrads
 from opacus_dp.grad_sample.modification_guard import KeptVersions
 from opacus_dp.maths.per_sample import per_sample_norms, sum_dtype
@@ -31,7 +32,7 @@ from opacus_dp.module_parameters import own_tensors
 def resolve_grouped(current: Pass, layer: nn.Module, calls: List[Call], *, per_sample_grads: Callable,
                     layer_rule: str, shared: bool) -> None:
     """Keep the layer's calls for norms per unit at the step (module doc)."""
-    merged = None if shared or type(layer) is not nn.Linear else _ghost_call(layer, calls, layer_rule, True)
+    merged = None if shared or formula_class(layer) is not nn.Linear else _ghost_call(layer, calls, layer_rule, True)
     if merged is None:
         _materialise(current, calls, per_sample_grads)
         current.modes[calls[0].name] = "materialised"

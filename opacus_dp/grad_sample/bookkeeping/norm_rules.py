@@ -49,6 +49,8 @@ from typing import Callable, Dict, Iterable, Optional, Type, Union
 
 import torch.nn as nn
 
+from opacus_dp.grad_sample.formula_class import formula_class
+
 from opacus_dp.grad_sample.optional_layers import LayerTable
 
 LayerTypes = Union[Type[nn.Module], Iterable[Type[nn.Module]]]
@@ -88,8 +90,9 @@ def register_norm_rule(target_types: LayerTypes, **functions: Optional[Callable]
 
 
 def norm_rule_of(layer: nn.Module) -> Optional[NormRule]:
-    """The record of exactly ``type(layer)`` (subclasses may change ``forward``), else None."""
-    return NORM_RULES.get(type(layer))
+    """The record of the layer's :func:`~opacus_dp.grad_sample.formula_class.formula_class` (exactly its
+    type: subclasses may change ``forward``), else None."""
+    return NORM_RULES.get(formula_class(layer))
 
 
 class NormSamplerView(MutableMapping):

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from opacus_dp.grad_sample.formula_class import formula_class
 from opacus_dp.layers.batch_first import BatchFirstLinear
 
 ANCHORED_TYPES = (nn.Linear, BatchFirstLinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding,
@@ -153,7 +154,7 @@ def skip_weight_grads(layer: nn.Module, is_active: Callable[[], bool],
     parameters are watched, from their first call on, for gradients from outside uses
     (``check.remove()`` undoes that); ``switches`` keeps the layer's stack of running calls.
     """
-    anchored = type(layer) in ANCHORED_TYPES
+    anchored = formula_class(layer) in ANCHORED_TYPES
     saved: List[tuple] = []
     if switches is not None:
         switches.stacks.append(saved)
