@@ -116,6 +116,19 @@ def test_conv_patch_gram_methods_agree_with_unfolded_patches(case):
         torch.testing.assert_close(windows, patches.transpose(1, 2) @ patches, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("kwargs", [dict(kernel_size=2, padding=3, dilation=2, stride=2),
+                                    dict(kernel_size=3, padding=(4, 0), stride=(1, 3)),
+                                    dict(kernel_size=1, padding=2)])
+def test_autocorrelation_with_zero_padding_wider_than_the_taps_reach(kwargs):
+    """Under zero padding the autocorrelation form takes the Gram of the unpadded input: outputs
+    whose taps all fall into the padding are zero rows, the others sum only their inner taps."""
+    layer = nn.Conv2d(3, 2, **kwargs).double()
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    windows = patch_gram(layer, x, method="windows")
+    torch.testing.assert_close(patch_gram(layer, x, method="autocorrelation"), windows, rtol=1e-12, atol=1e-12)
+    assert windows.abs().sum() > 0 and bool((windows.diagonal(dim1=1, dim2=2) == 0).any())
+
+
 def test_autocorrelation_is_chosen_for_stride_one_layers_with_several_taps():
     x = torch.zeros(2, 64, 8, 8)
     assert _prefers_autocorrelation(nn.Conv2d(64, 64, 3, padding=1), x)

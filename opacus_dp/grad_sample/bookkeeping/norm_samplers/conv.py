@@ -26,12 +26,16 @@ The patch Gram ``A_i A_iᵀ`` has two forms (:func:`patch_gram`, the cheaper one
   a sum of strided views of ``R`` and no unfolded copy; the taps ``k = (k_1, …, k_n)`` shift
   each spatial dimension on its own, so the sum is taken one dimension at a time (``Σ_d k_d``
   views, each pass on an array already reduced along the dimensions before it, instead of
-  ``K`` full ones: 3 + 3 instead of 9 for 3x3 kernels). Cheaper
+  ``K`` full ones: 3 + 3 instead of 9 for 3x3 kernels). With zero padding, the padded
+  positions' rows and columns of ``R`` are zeros: ``R`` is the Gram of the unpadded input's
+  positions (``n² · C/G``, 64² instead of 10² · 10² for an 8x8 input padded by 1), and a tap
+  adds into the outputs whose window position falls inside the input. Cheaper
   for stride-1 layers with many channels per group (``P ≈ T``, so ``P² · C/G ≪ T² · d``).
 """
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Dict, List, Sequence, Union
 
 import torch
@@ -114,6 +118,12 @@ def _padded_sizes(layer: ConvNd, x: torch.Tensor) -> List[int]:
     return [n + a + b for n, (a, b) in zip(x.shape[2:], side_padding(layer))]
 
 
+def _gram_sizes(layer: ConvNd, x: torch.Tensor) -> List[int]:
+    """Spatial sizes of the input whose Gram :func:`_autocorrelation_gram` forms: ``x``'s own
+    under zero padding (the padded positions' Gram entries are zeros), else the padded ones."""
+    return list(x.shape[2:]) if layer.padding_mode == "zeros" else _padded_sizes(layer, x)
+
+
 def _output_sizes(layer: ConvNd, padded: Sequence[int]) -> List[int]:
     """Output positions per spatial dimension for an input of ``padded`` sizes."""
     return [max(0, (size - d * (k - 1) - 1) // s + 1)
@@ -142,41 +152,79 @@ def _tap_sum_elements(taps: Sequence[int], padded: Sequence[int], outputs: Seque
 def _prefers_autocorrelation(layer: ConvNd, x: torch.Tensor) -> bool:
     """Autocorrelation iff its cost ``P²·c + TAP_SUM_COST · (tap-sum elements)`` is below the
     windows' ``T²·c·K + UNFOLD_COST · c·K·T`` (matrix product and unfolded copy; ``c = C/G``
-    channels per group, ``K`` taps, ``P`` padded input and ``T`` output positions): stride-1
-    layers with many channels per group and few positions."""
-    padded = _padded_sizes(layer, x)
-    outputs = _output_sizes(layer, padded)
-    positions_in, positions_out = math.prod(padded), math.prod(outputs)
+    channels per group, ``K`` taps, ``P`` input positions of its Gram (:func:`_gram_sizes`) and
+    ``T`` output positions): stride-1 layers with many channels per group and few positions."""
+    outputs = _output_sizes(layer, _padded_sizes(layer, x))
+    sizes = _gram_sizes(layer, x)
+    positions_in, positions_out = math.prod(sizes), math.prod(outputs)
     channels, taps = layer.in_channels // layer.groups, math.prod(layer.kernel_size)
     windows = positions_out * channels * taps * (positions_out + UNFOLD_COST)
-    tap_sums = TAP_SUM_COST * _tap_sum_elements(layer.kernel_size, padded, outputs)
+    tap_sums = TAP_SUM_COST * _tap_sum_elements(layer.kernel_size, sizes, outputs)
     return positions_in ** 2 * channels + tap_sums < windows
 
 
 def _autocorrelation_gram(layer: ConvNd, x: torch.Tensor) -> torch.Tensor:
     """``A_i A_iᵀ`` per sample and group from the input Gram, summing the taps one spatial
-    dimension at a time (module doc)."""
-    x = padded_input(layer, x)
+    dimension at a time (module doc); under zero padding the Gram of the unpadded input."""
+    outputs = _output_sizes(layer, _padded_sizes(layer, x))
+    if layer.padding_mode == "zeros":
+        offsets = [before for before, _ in side_padding(layer)]
+    else:
+        x, offsets = padded_input(layer, x), [0] * len(layer.kernel_size)
     batch, spatial = x.shape[0], x.shape[2:]
     flat = x.reshape(batch * layer.groups, layer.in_channels // layer.groups, -1)
     gram = torch.bmm(flat.transpose(1, 2), flat).view(flat.shape[0], *spatial, *spatial)
-    outputs = _output_sizes(layer, spatial)
-    for dim, (k, d, s, o) in enumerate(zip(layer.kernel_size, layer.dilation, layer.stride, outputs)):
-        gram = _tap_sum(gram, (1 + dim, 1 + len(spatial) + dim), k, d, s, o)
+    for dim, (k, d, s, o, p) in enumerate(zip(layer.kernel_size, layer.dilation, layer.stride, outputs, offsets)):
+        gram = _tap_sum(gram, (1 + dim, 1 + len(spatial) + dim), _Taps(k, d, s, o, p))
     return gram.reshape(flat.shape[0], math.prod(outputs), math.prod(outputs))
 
 
-def _tap_sum(gram: torch.Tensor, dims, taps: int, dilation: int, stride: int, outputs: int):
-    """``Σ_k gram[.., k·δ + s·t, .., k·δ + s·t', ..]`` over one spatial dimension's ``taps``
-    (its two positions at ``dims``): that dimension shrinks from ``P`` to ``T`` in both."""
+@dataclass(frozen=True)
+class _Taps:
+    """One spatial dimension of a convolution: output ``t``'s tap ``k`` reads input position
+    ``t·stride + k·dilation − padding`` (zero padding: outside ``[0, n)`` it reads a zero)."""
+    taps: int
+    dilation: int
+    stride: int
+    outputs: int
+    padding: int
+
+    def span(self, k: int, size: int):
+        """``(first, last)``: the outputs whose tap ``k`` falls inside an input of ``size``."""
+        shift = k * self.dilation - self.padding
+        first = max(0, -(shift // self.stride) if shift < 0 else 0)
+        last = min(self.outputs, (size - 1 - shift) // self.stride + 1) if size > shift else 0
+        return first, max(first, last)
+
+
+def _tap_sum(gram: torch.Tensor, dims, taps: _Taps) -> torch.Tensor:
+    """``Σ_k gram[.., t·s + k·δ − p, .., t'·s + k·δ − p, ..]`` over one spatial dimension's taps
+    (its two positions at ``dims``), terms outside the input being zero: that dimension shrinks
+    from the Gram's ``n`` to ``T`` in both. The taps are added in order, each into the outputs it
+    reaches (with zero padding the same numbers as summing the padded Gram's zeros too)."""
     total = None
-    for k in range(taps):
-        window = slice(k * dilation, k * dilation + stride * (outputs - 1) + 1, stride)
-        index = [slice(None)] * gram.dim()
-        index[dims[0]] = index[dims[1]] = window
-        view = gram[tuple(index)]
-        total = view.clone() if total is None else total.add_(view)
-    return total
+    size = gram.shape[dims[0]]
+    for k in range(taps.taps):
+        first, last = taps.span(k, size)
+        if first == last:
+            continue
+        start = first * taps.stride + k * taps.dilation - taps.padding
+        source, target = [slice(None)] * gram.dim(), [slice(None)] * gram.dim()
+        source[dims[0]] = source[dims[1]] = slice(start, start + taps.stride * (last - first - 1) + 1, taps.stride)
+        target[dims[0]] = target[dims[1]] = slice(first, last)
+        view = gram[tuple(source)]
+        if total is None and (first, last) == (0, taps.outputs):
+            total = view.clone()
+        else:
+            total = _zeros_of_outputs(gram, dims, taps.outputs) if total is None else total
+            total[tuple(target)].add_(view)
+    return _zeros_of_outputs(gram, dims, taps.outputs) if total is None else total
+
+
+def _zeros_of_outputs(gram: torch.Tensor, dims, outputs: int) -> torch.Tensor:
+    shape = list(gram.shape)
+    shape[dims[0]] = shape[dims[1]] = outputs
+    return gram.new_zeros(shape)
 
 
 def _windows_gram(layer: ConvNd, x: torch.Tensor) -> torch.Tensor:
