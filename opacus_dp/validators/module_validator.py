@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from opacus_dp.grad_sample.formula_class import formula_class
 from opacus_dp.grad_sample.running_statistics import needs_replacement
 from opacus_dp.module_parameters import has_trainable_parameters, trains_anything
 from opacus_dp.validators import fixers
@@ -60,7 +61,8 @@ def _disable_fused_encoder_paths(model: nn.Module) -> None:
 class ModuleValidator:
     """Namespace for ``validate`` / ``is_valid`` / ``fix`` / ``fix_and_validate`` (Opacus 1.x API).
 
-    ``VALIDATORS`` / ``FIXERS`` hold user registrations (exact type -> function), see
+    ``VALIDATORS`` / ``FIXERS`` hold user registrations (exact type -> function; a validator also
+    applies to FSDP2's class for a layer passed to ``fully_shard`` itself), see
     ``register_module_validator`` / ``register_module_fixer``; they run in addition to
     (validators) or instead of (fixers) the built-in rules.
     """
@@ -99,7 +101,7 @@ class ModuleValidator:
                 problem = rule(sub_module)
                 if problem is not None:
                     errors.append(problem.error(path, sub_module))
-            custom = cls.VALIDATORS.get(type(sub_module))
+            custom = cls.VALIDATORS.get(formula_class(sub_module))  # also a layer FSDP2 sharded itself
             if custom is not None:
                 errors.extend(_custom_errors(custom, sub_module, path))
         return errors

@@ -7,7 +7,7 @@ materialise every per-sample gradient. A sharded layer of a class without formul
 subclass that defines its own ``forward``, still takes the fallback, which calls the layer with its
 hooks so that FSDP2's pre-forward hook gathers the weights it reads. Everything is checked against
 the batch-size-1 oracle of the unsharded model, also with a user's forward hook that changes a
-sharded layer's output."""
+sharded layer's output. A validator registered for a class still applies to its sharded layers."""
 
 import copy
 import gc
@@ -154,3 +154,17 @@ def _assert_grad_samples(wrapper, oracle):
         grad_sample = p.grad_sample
         grad_sample = grad_sample.full_tensor() if hasattr(grad_sample, "full_tensor") else grad_sample
         torch.testing.assert_close(grad_sample, oracle[name], rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_registered_validator_still_refuses_a_layer_sharded_itself(group):
+    from opacus_dp.validators import ModuleValidator, UnsupportedModuleError, register_module_validator
+
+    register_module_validator(Scale)(lambda module: [UnsupportedModuleError("it is not allowed here")])
+    try:
+        model, _, _ = _sharded(hooked=False)
+        errors = [str(e) for e in ModuleValidator.validate(model)]
+        assert errors == ["model.blocks.1 (FSDPScale) cannot be private: it is not allowed here"]
+    finally:
+        ModuleValidator.VALIDATORS.pop(Scale)
+        del model
+        gc.collect()
