@@ -178,10 +178,8 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
                 continue
             hook = self._make_forward_hook(path, sub)
             broadcast = self._broadcast.attach_to_layer(sub)
-            # first forward hook (gradients of the layer's own output), except on a layer FSDP2
-            # sharded itself whose gradients the torch.func fallback recomputes: own_forward.py
-            recomputed_with_hooks = is_fsdp_module(sub) and self._sampler_for(sub) is None
-            capture = sub.register_forward_hook(hook, with_kwargs=True, prepend=not recomputed_with_hooks)
+            first = not (is_fsdp_module(sub) and self._sampler_for(sub) is None)  # see own_forward.py
+            capture = sub.register_forward_hook(hook, with_kwargs=True, prepend=first)
             self._traced[broadcast.id] = self._taps.passive
             self._traced[capture.id] = self._taps.traced_hook(path, sub)
             self._handles.extend([broadcast, capture])

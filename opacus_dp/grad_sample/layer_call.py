@@ -231,6 +231,8 @@ def separate_outputs(output: Any) -> Tuple[Optional[Any], List[torch.Tensor], Li
     differentiable outputs they are replaced by clones (the caller gets the clones, the
     hooks watch them). A tensor returned twice is watched once.
     """
+    if type(output) is torch.Tensor:  # the common call, without flattening
+        return None, [output], [0] if output.requires_grad else []
     leaves, spec = tree_flatten(output)
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     seen: set = set()
