@@ -50,7 +50,6 @@ from typing import Callable, Dict, Iterable, Optional, Type, Union
 import torch.nn as nn
 
 from opacus_dp.grad_sample.formula_class import formula_class
-
 from opacus_dp.grad_sample.optional_layers import LayerTable
 
 LayerTypes = Union[Type[nn.Module], Iterable[Type[nn.Module]]]

@@ -192,7 +192,7 @@ class _Taps:
     def span(self, k: int, size: int):
         """``(first, last)``: the outputs whose tap ``k`` falls inside an input of ``size``."""
         shift = k * self.dilation - self.padding
-        first = max(0, -(shift // self.stride) if shift < 0 else 0)
+        first = -(shift // self.stride) if shift < 0 else 0  # ⌈-shift / stride⌉
         last = min(self.outputs, (size - 1 - shift) // self.stride + 1) if size > shift else 0
         return first, max(first, last)
 
