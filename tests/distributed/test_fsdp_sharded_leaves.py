@@ -103,21 +103,13 @@ def test_norms_of_sharded_leaf_layers(group, fallback_calls, hooked):
 
 
 @pytest.mark.parametrize("hooked", [False, True])
-def test_per_sample_gradients_of_sharded_leaf_layers(group, fallback_calls, hooked):
+@pytest.mark.parametrize("force_functorch, through_fallback", [
+    (False, ["Scale"]), (True, ["Embedding", "Linear", "Linear", "Linear", "Linear", "Scale"])])
+def test_per_sample_gradients_of_sharded_leaf_layers(group, fallback_calls, hooked, force_functorch, through_fallback):
     model, tokens, oracle = _sharded(hooked)
-    wrapper = GradSampleModule(model, loss_reduction="sum")
+    wrapper = GradSampleModule(model, force_functorch=force_functorch, loss_reduction="sum")
     default_loss(wrapper(tokens)).backward()
-    assert fallback_calls == ["Scale"]
-    _assert_grad_samples(wrapper, oracle)
-    _close(wrapper, model)
-
-
-@pytest.mark.parametrize("hooked", [False, True])
-def test_functorch_mode_on_sharded_leaf_layers(group, fallback_calls, hooked):
-    model, tokens, oracle = _sharded(hooked)
-    wrapper = GradSampleModule(model, force_functorch=True, loss_reduction="sum")
-    default_loss(wrapper(tokens)).backward()
-    assert sorted(fallback_calls) == ["Embedding", "Linear", "Linear", "Linear", "Linear", "Scale"]
+    assert sorted(fallback_calls) == through_fallback
     _assert_grad_samples(wrapper, oracle)
     _close(wrapper, model)
 
