@@ -160,3 +160,23 @@ def test_a_registered_validator_still_refuses_a_layer_sharded_itself(group):
         ModuleValidator.VALIDATORS.pop(Scale)
         del model
         gc.collect()
+
+
+def test_sharded_leaves_under_bfloat16_mixed_precision(group):
+    """FSDP2's ``MixedPrecisionPolicy`` on every sharded layer: each casts its own inputs in its
+    pre-forward hook, which the capture hook (a forward hook) sees; float32 norms and sums within
+    bfloat16's rounding of the float32 oracle."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = Blocks()
+    tokens = torch.randint(0, 10, (5, 3))
+    oracle = model_oracle(copy.deepcopy(model), (tokens,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for leaf in [model.embed, *model.blocks, model]:
+        fully_shard(leaf, mp_policy=policy)
+    wrapper = BookkeepingGradSampleModule(model)
+    run_backward(wrapper, (tokens,), "mean", 5)
+    assert wrapper.layer_modes()["blocks.0 (FSDPLinear)"] == "ghost"
+    assert_norms_and_sums(wrapper, oracle, rtol=3e-2, atol=1e-3)
+    _close(wrapper, model)
