@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from opacus_dp.optim.noise_mechanism import NoiseMechanism
+from opacus_dp.maths.heap_threshold import settle_heap_for
 from opacus_dp.model_wrappers import parameter_names
 from opacus_dp.optim.amp_scaling import ScalerBridge
 from opacus_dp.optim.clipper_registry import make_clipper
@@ -101,6 +102,7 @@ class DPOptimizerParts(WrappedOptimizer):
                  grad_source: Optional[GradSource] = None, param_names: Optional[Dict[torch.Tensor, str]] = None,
                  batching: Optional[BatchingPolicy] = None, noise=None, state_views: StateViews = OPACUS_1X):
         super().__init__(optimizer)
+        settle_heap_for(self.params)  # CPU: the step's large tensors reuse their pages (glibc)
         self.noise_multiplier = noise_multiplier  # checked by the setter
         if clipping is None:
             clipping = "per_layer" if isinstance(max_grad_norm, (list, tuple)) else "flat"
