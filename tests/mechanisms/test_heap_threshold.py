@@ -94,7 +94,7 @@ FAULTS_PER_STEP = """
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])  # 16 MiB of weights
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    data = torch.utils.data.TensorDataset(torch.randn(192, 1024), torch.randn(192, 1024))
+    data = torch.utils.data.TensorDataset(torch.randn(384, 1024), torch.randn(384, 1024))
     loader = torch.utils.data.DataLoader(data, batch_size=32)
     model, optimizer, loader = PrivacyEngine().make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
@@ -106,21 +106,22 @@ FAULTS_PER_STEP = """
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(statistics.median(faults[2:]))
+    print(statistics.mean(faults[2:]))
 """
 
 
 @needs_glibc
 def test_private_steps_reuse_their_pages():
-    """Pages faulted per step after two steps, against the 4096 pages of the model's weights: a
+    """Pages faulted per step after two steps (mean), against the 4096 pages of the model's weights: a
     fresh process without the settling faults in about three model sizes per step (the sums, the
-    noised gradients, Adam's temporaries); settled, almost none."""
+    noised gradients, Adam's temporaries); settled, almost none (a step now and then maps one
+    layer-sized block, 1024 pages, anew)."""
     settled = float(run_child(FAULTS_PER_STEP.format(skip=False)))
     unsettled = float(run_child(FAULTS_PER_STEP.format(skip=True)))
     model_pages = (16 << 20) // 4096
-    assert settled < 0.1 * model_pages
+    assert settled < 0.25 * model_pages
     if not huge_pages_always():  # with every mapping on 2 MiB pages the unsettled run faults little too
-        assert unsettled > model_pages
+        assert unsettled > model_pages / 2  # (1.5 to 3.5 model sizes in runs on glibc 2.36)
 
 
 def huge_pages_always() -> bool:
