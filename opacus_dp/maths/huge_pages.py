@@ -63,3 +63,18 @@ def advised(out: torch.Tensor) -> torch.Tensor:
         if length:
             madvise(start, length, MADV_HUGEPAGE)  # a refusal leaves ordinary pages: nothing to undo
     return out
+
+
+def batched_outer_sums(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``out[b] = left[b]ᵀ · right[b]`` for ``left (B, T, o)``, ``right (B, T, i)``: ``(B, o, i)``,
+    the per-sample gradients of a ``Linear`` weight. Large CPU results are written into memory
+    advised to huge pages (module doc: a batch of weight-sized gradients is the largest fresh
+    tensor of a step, its page faults several times its write); the numbers are ``torch.bmm``'s,
+    the same as ``torch.einsum("bto,bti->boi", left, right)``. Where autograd records the
+    product (``out=`` cannot be differentiated) it is the plain ``bmm``."""
+    left_t = left.transpose(1, 2)
+    recorded = torch.is_grad_enabled() and (left.requires_grad or right.requires_grad)
+    if recorded or left.device.type != "cpu" or left.dtype != right.dtype:
+        return torch.bmm(left_t, right)
+    out = empty_on_huge_pages((left.shape[0], left.shape[2], right.shape[2]), left.dtype, left.device)
+    return torch.bmm(left_t, right, out=out)

@@ -78,3 +78,27 @@ def test_linear_clipped_sums_are_formed_on_advised_memory(monkeypatch):
     assert len(calls) == 1
     start, length, _ = calls[0]
     assert out.data_ptr() <= start and start + length <= out.data_ptr() + out.numel() * 4
+
+
+@pytest.mark.parametrize("positions", [1, 3])
+def test_linear_per_sample_gradients_are_formed_on_advised_memory(monkeypatch, positions):
+    """The per-sample gradients of a Linear weight (hooks mode), B copies of the weight: written
+    into advised memory when large, the numbers those of the einsum over positions."""
+    calls = recorder(monkeypatch)
+    left, right = torch.randn(16, positions, 256), torch.randn(16, positions, 512)  # 8 MiB out
+    out = huge_pages.batched_outer_sums(left, right)
+    assert torch.equal(out, torch.einsum("bto,bti->boi", left, right))
+    assert len(calls) == 1
+    start, length, _ = calls[0]
+    assert out.data_ptr() <= start and start + length <= out.data_ptr() + out.numel() * 4
+
+
+def test_linear_per_sample_gradients_stay_differentiable():
+    """Where autograd records the product (a gradient penalty through the per-sample gradients),
+    it is the ordinary product, differentiable."""
+    left = torch.randn(4, 2, 3, requires_grad=True)
+    right = torch.randn(4, 2, 5)
+    out = huge_pages.batched_outer_sums(left, right)
+    out.square().sum().backward()
+    expected = torch.autograd.grad(torch.einsum("bto,bti->boi", left, right).square().sum(), left)[0]
+    assert torch.allclose(left.grad, expected)
