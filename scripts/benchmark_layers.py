@@ -96,6 +96,7 @@ def _dp_layer_cases() -> List[Case]:
 def all_cases() -> List[Case]:
     cases = [
         Case("Linear", "B64 512->512", lambda: nn.Linear(512, 512), _randn(64, 512)),
+        Case("Linear (wide)", "B32 1024->1024", lambda: nn.Linear(1024, 1024), _randn(32, 1024)),
         Case("Linear (sequence)", "B32 T64 512->512", lambda: nn.Linear(512, 512),
              _randn(32, 64, 512)),
         Case("Linear (MLP in)", "B32 T128 256->1024", lambda: nn.Linear(256, 1024),
