@@ -6,8 +6,9 @@ on CPU with its BLAS (MKL in the official x86 wheels), which on AMD CPUs with AV
 AVX2 kernels; oneDNN, which torch ships for its convolutions, uses the CPU's widest vector
 instructions. Where oneDNN forms a product, it does so only where the product is large (at least
 ``MIN_MULTIPLY_ADDS`` multiply-adds: below that its fixed cost per call outweighs the gain) and
-sums at least ``MIN_INNER`` rows (``B·T``) into each entry (below that the page faults of
-writing its freshly allocated result outweigh the gain). The model's own forward and backward
+sums at least ``MIN_INNER`` rows (``B·T``) into each entry, unless its result is small enough
+for glibc's settled heap to keep (:mod:`~opacus_dp.maths.heap_threshold`; otherwise the page
+faults of writing a freshly mapped result outweigh the gain of a product over fewer rows). The model's own forward and backward
 passes are not touched.
 
 The setting (``set_cpu_products`` or the environment variable ``OPACUS_DP_CPU_PRODUCTS``, read
@@ -31,6 +32,7 @@ from typing import Iterator, Optional, Set, Tuple
 
 import torch
 
+from opacus_dp.maths.heap_threshold import keeps_blocks_of
 from opacus_dp.maths.huge_pages import empty_on_huge_pages
 
 BACKENDS = ("torch", "onednn")
@@ -38,9 +40,10 @@ SETTINGS = ("auto",) + BACKENDS
 ENVIRONMENT_VARIABLE = "OPACUS_DP_CPU_PRODUCTS"
 MIN_MULTIPLY_ADDS = 1 << 24
 # oneDNN allocates its result itself, where it cannot be advised to huge pages as torch's path
-# is (huge_pages.py): writing a fresh result faults every 4 KiB page, a cost per entry that a
-# product of few rows per entry (a small batch of a wide layer) does not recoup; 256 rows and up
-# do on the CPUs measured (docs/benchmarks.md).
+# is (huge_pages.py): writing a freshly mapped result faults every 4 KiB page, a cost per entry
+# that a product of few rows per entry (a small batch of a wide layer) does not recoup; 256 rows
+# and up do on the CPUs measured (docs/benchmarks.md). A result that glibc's settled heap keeps
+# (heap_threshold.py) is not mapped afresh: any number of rows then gains.
 MIN_INNER = 256
 _backend: Optional[str] = None  # None until set or read from the environment
 _onednn_works: Optional[bool] = None
@@ -153,10 +156,12 @@ def cpu_products_set_to(backend: str) -> Iterator[None]:
 
 def routes_to_onednn(left: torch.Tensor, right: torch.Tensor) -> bool:
     """True if ``left @ right`` (2-D) is formed by oneDNN: CPU float32 operands of at least
-    ``MIN_MULTIPLY_ADDS`` multiply-adds summing at least ``MIN_INNER`` terms per entry, with the
-    ``"onednn"`` backend set."""
+    ``MIN_MULTIPLY_ADDS`` multiply-adds summing at least ``MIN_INNER`` terms per entry, or fewer
+    into a result the settled heap keeps (:func:`~opacus_dp.maths.heap_threshold.keeps_blocks_of`),
+    with the ``"onednn"`` backend set."""
+    result_bytes = left.shape[0] * right.shape[1] * 4
     return (left.device.type == "cpu" and left.dtype == torch.float32 == right.dtype
-            and left.shape[1] >= MIN_INNER
+            and (left.shape[1] >= MIN_INNER or keeps_blocks_of(result_bytes))
             and left.shape[0] * left.shape[1] * right.shape[1] >= MIN_MULTIPLY_ADDS
             and cpu_products() == "onednn")
 

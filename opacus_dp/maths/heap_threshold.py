@@ -24,7 +24,8 @@ from typing import Iterable, Optional
 import torch
 
 SETTLING_BYTES = 28 << 20  # below glibc's 32 MiB cap with the alignment slack of any allocator on top
-_settled = False
+_settled = False  # tried (once per process)
+_raised = False  # the block was freed: blocks up to SETTLING_BYTES now stay on the heap
 
 
 def glibc() -> Optional[ctypes.CDLL]:
@@ -42,7 +43,7 @@ def glibc() -> Optional[ctypes.CDLL]:
 def settle_heap() -> bool:
     """Raise glibc's dynamic mmap threshold once per process (module doc); True the first time it
     freed the block, False when already done or not on glibc."""
-    global _settled
+    global _settled, _raised
     if _settled:
         return False
     _settled = True
@@ -55,7 +56,14 @@ def settle_heap() -> bool:
     if not block:
         return False
     libc.free(block)
+    _raised = True
     return True
+
+
+def keeps_blocks_of(nbytes: int) -> bool:
+    """True where a freed block of ``nbytes`` stays on glibc's heap for the next one (the heap was
+    settled here and the block is below the raised threshold): writing it again faults nothing."""
+    return _raised and nbytes <= SETTLING_BYTES
 
 
 def settle_heap_for(params: Iterable[torch.Tensor]) -> bool:

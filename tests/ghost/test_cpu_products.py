@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import opacus_dp
 from opacus_dp.grad_sample import BookkeepingGradSampleModule
-from opacus_dp.maths import cpu_products
+from opacus_dp.maths import cpu_products, heap_threshold
 from tests.ghost.test_float32_products import _restore_precision, needs_reduced_precision  # noqa: F401
 
 needs_onednn = pytest.mark.skipif(not cpu_products.onednn_available(), reason="torch built without oneDNN")
@@ -147,8 +147,9 @@ def test_onednn_takes_the_orientation_that_copies_least(layout, oriented, monkey
 
 @needs_onednn
 @pytest.mark.parametrize("case", ["small", "few rows", "float64", "meta"])
-def test_onednn_leaves_other_products_to_torch(case, onednn_calls):
+def test_onednn_leaves_other_products_to_torch(case, onednn_calls, monkeypatch):
     cpu_products.set_cpu_products("onednn")
+    monkeypatch.setattr(heap_threshold, "_raised", False)  # as in a process whose heap is not settled
     if case == "small":  # below MIN_MULTIPLY_ADDS: oneDNN's fixed cost per call outweighs its gain
         left, right = _operands(64, 512, 64)
     elif case == "few rows":  # 2^25 multiply-adds over 32 rows: faults of a fresh result dominate
@@ -281,3 +282,18 @@ def test_onednn_products_stay_ieee_when_the_user_allows_bfloat16(onednn_calls):
     assert onednn_calls
     exact = _oracle(model, x, factors)[0]
     assert float((sums[0].double() - exact).abs().max()) <= 2e-5 * float(exact.abs().max())
+
+
+@needs_onednn
+@pytest.mark.parametrize("columns,routed", [(1024, True), (4096, False)])
+def test_a_product_of_few_rows_goes_to_onednn_where_the_settled_heap_keeps_its_result(
+        columns, routed, onednn_calls, monkeypatch):
+    """Over 32 rows: a 4 MiB result stays on glibc's settled heap (no page to fault in again), so
+    oneDNN forms it; a 64 MiB one is still mapped afresh, so torch's path (huge pages) does."""
+    cpu_products.set_cpu_products("onednn")
+    monkeypatch.setattr(heap_threshold, "_raised", True)
+    left, right = _operands(columns, 32, columns)
+    found = cpu_products.matrix_product(left, right)
+    assert (onednn_calls != []) == routed
+    exact = left.double() @ right.double()
+    assert float((found.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())

@@ -33,6 +33,7 @@ def run_child(code: str) -> str:
 @pytest.fixture
 def fresh_flag(monkeypatch):
     monkeypatch.setattr(heap_threshold, "_settled", False)
+    monkeypatch.setattr(heap_threshold, "_raised", False)
 
 
 def test_settles_once_and_only_for_cpu_parameters(monkeypatch, fresh_flag):
@@ -48,8 +49,11 @@ def test_settles_once_and_only_for_cpu_parameters(monkeypatch, fresh_flag):
 
 @needs_glibc
 def test_frees_one_block_on_glibc(fresh_flag):
+    assert not heap_threshold.keeps_blocks_of(4 << 20)
     assert heap_threshold.settle_heap() is True
     assert heap_threshold.settle_heap() is False
+    assert heap_threshold.keeps_blocks_of(4 << 20) and heap_threshold.keeps_blocks_of(heap_threshold.SETTLING_BYTES)
+    assert not heap_threshold.keeps_blocks_of(64 << 20)  # above glibc's cap: still mapped afresh
 
 
 def test_building_a_private_optimizer_settles(monkeypatch, fresh_flag):
