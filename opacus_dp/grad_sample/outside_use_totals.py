@@ -23,13 +23,14 @@ use. The step then drops the samples whose gradients are not finite, or with
 here would depend on the batch's data. An outside use shows in the next pass without one.
 """
 
+import math
 import threading
 from typing import Callable, Dict, List, Set, Tuple
 
 import torch
 import torch.nn as nn
 
-from opacus_dp.maths.per_sample import all_finite
+from opacus_dp.maths.per_sample import largest_magnitude
 from opacus_dp.module_parameters import own_parameters
 from opacus_dp.torch_internals import current_graph_task_id
 
@@ -86,16 +87,17 @@ class OutsideUseTotals:
         ``Σ_i g_i`` within :data:`TOLERANCE` of the pass's largest total entry (module doc)."""
         with self._lock:
             totals = {p: self._totals.pop((task, id(p)), None) for p in grads}
-        compared = {p: (t.to(torch.float32), _summed(grads[p], undo_mean))
-                    for p, t in totals.items() if t is not None and grads[p].shape[0] > 0}
-        compared = {p: pair for p, pair in compared.items() if all_finite(pair)}  # overflow: not a use
-        if not compared:
+        compared = [(p, t) for p, t in totals.items() if t is not None and grads[p].shape[0] > 0 and t.numel()]
+        peaks = _peaks_and_gaps([(t, _summed(grads[p], undo_mean)) for p, t in compared])
+        judged = [(p, gap) for (p, _), (peak, gap) in zip(compared, peaks)
+                  if math.isfinite(peak) and math.isfinite(gap)]  # overflow or NaN: not judged
+        if not judged:
             return
-        scale = max(float(t.abs().max()) for t, _ in compared.values() if t.numel())
-        for param, (total, expected) in compared.items():
+        scale = max(peak for peak, gap in peaks if math.isfinite(peak) and math.isfinite(gap))
+        for param, gap in judged:
             dtype = torch.bfloat16 if id(param) in self._low_precision else grads[param].dtype
             tolerance = TOLERANCE.get(dtype, DEFAULT_TOLERANCE)
-            if total.numel() and float((expected - total).abs().max()) > tolerance * scale:
+            if gap > tolerance * scale:
                 raise RuntimeError(OUTSIDE_USE.format(name=self._names.get(id(param), str(tuple(param.shape)))))
 
     def forget(self, task: int) -> None:
@@ -105,7 +107,29 @@ class OutsideUseTotals:
                 del self._totals[key]
 
 
+def _peaks_and_gaps(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Tuple[float, float]]:
+    """``(max |G|, max |Σ_i g_i − G|)`` of each ``(G, Σ_i g_i)``, in float32, one transfer per
+    device. Both are finite exactly when both sides are (a NaN or inf on either side reaches the
+    gap), so no separate finiteness pass reads the tensors."""
+    by_device: Dict[torch.device, List[Tuple[int, torch.Tensor]]] = {}
+    for i, (total, expected) in enumerate(pairs):
+        total = total.to(torch.float32)
+        stats = torch.stack([largest_magnitude(total), largest_magnitude(expected - total)])
+        by_device.setdefault(total.device, []).append((i, stats))
+    found: List[Tuple[float, float]] = [(0.0, 0.0)] * len(pairs)
+    for entries in by_device.values():
+        for (i, _), (peak, gap) in zip(entries, torch.stack([s for _, s in entries]).tolist()):
+            found[i] = (peak, gap)
+    return found
+
+
 def _summed(grad_sample: torch.Tensor, undo_mean: bool) -> torch.Tensor:
-    """``Σ_i g_i`` (over ``B`` where the hooks undid the mean's ``1/B``), in float32."""
-    total = grad_sample.sum(dim=0, dtype=torch.float32)
+    """``Σ_i g_i`` (over ``B`` where the hooks undid the mean's ``1/B``), in float32. A float32
+    tensor is summed as the product ``1ᵀ g`` (rows read once at memory speed; a reduction over
+    the outer dimension took about twice as long on CPU)."""
+    if grad_sample.dtype == torch.float32 and grad_sample.dim() > 1:
+        rows = grad_sample.reshape(grad_sample.shape[0], -1)
+        total = torch.mv(rows.t(), rows.new_ones(rows.shape[0])).view(grad_sample.shape[1:])
+    else:
+        total = grad_sample.sum(dim=0, dtype=torch.float32)
     return total / grad_sample.shape[0] if undo_mean else total

@@ -118,8 +118,22 @@ def _flat_by_device(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every value is finite: one check (one device sync) per device."""
-    return all(bool(torch.isfinite(t).all()) for t in _flat_by_device(tensors))
+    """Whether every value is finite: each tensor's largest magnitude ``max |t|`` (NaN where it
+    holds a NaN, inf where an inf) is finite; one read of each tensor, no copy, one check (one
+    device sync) per device."""
+    finite_peaks: dict = {}
+    for t in tensors:
+        if t.numel():
+            finite_peaks.setdefault(t.device, []).append(torch.isfinite(largest_magnitude(t)))
+    return all(bool(torch.stack(peaks).all()) for peaks in finite_peaks.values())
+
+
+def largest_magnitude(t: torch.Tensor) -> torch.Tensor:
+    """``max |t| = max(max t, −min t)`` of a non-empty tensor as a 0-d tensor, NaN if ``t`` holds
+    one: one pass of ``aminmax`` (NaN-propagating), no temporary of ``t``'s size (on CPU several
+    times faster than ``vector_norm(t, inf)`` or ``isfinite(t).all()``)."""
+    low, high = torch.aminmax(t)
+    return torch.maximum(high, -low)
 
 
 def any_dropped(factors: Sequence[torch.Tensor]) -> bool:

@@ -1,0 +1,63 @@
+"""The finiteness checks of a step read each tensor once through its largest magnitude: any NaN,
++inf or -inf anywhere in any tensor, of any floating dtype, is found (against ``torch.isfinite``
+element by element); the outside-use check's peaks and gaps are those of a float64 oracle and
+turn non-finite exactly when either side holds a non-finite value."""
+
+import math
+
+import pytest
+import torch
+
+from opacus_dp.grad_sample.outside_use_totals import _peaks_and_gaps
+from opacus_dp.maths.per_sample import all_finite, largest_magnitude
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+BAD = (float("nan"), float("inf"), float("-inf"))
+
+
+def oracle(tensors):
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", BAD)
+def test_one_bad_value_anywhere_is_found(dtype, bad):
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(5, 7, generator=g).to(dtype), torch.randn(300, generator=g).to(dtype), torch.empty(0)]
+    assert all_finite(tensors) and oracle(tensors)
+    for which, position in ((0, (4, 6)), (1, (0,)), (1, (299,))):
+        spoiled = [t.clone() for t in tensors]
+        spoiled[which][position] = bad
+        assert all_finite(spoiled) is False and oracle(spoiled) is False
+
+
+def test_large_finite_values_are_finite():
+    """Magnitudes, not sums: float32's largest values, many of them, stay finite."""
+    big = torch.full((1000,), torch.finfo(torch.float32).max)
+    assert all_finite([big, -big, torch.tensor([1e300], dtype=torch.float64)])
+    assert float(largest_magnitude(-big)) == torch.finfo(torch.float32).max
+
+
+def test_no_tensors_or_only_empty_ones_are_finite():
+    assert all_finite([]) and all_finite([torch.empty(0), torch.empty(3, 0)])
+
+
+def test_peaks_and_gaps_match_a_float64_oracle():
+    g = torch.Generator().manual_seed(1)
+    pairs = [(torch.randn(4, 6, generator=g).half(), torch.randn(4, 6, generator=g)),
+             (torch.randn(9, generator=g), torch.randn(9, generator=g))]
+    for (peak, gap), (total, expected) in zip(_peaks_and_gaps(pairs), pairs):
+        total64 = total.to(torch.float32).double()
+        assert peak == pytest.approx(float(total64.abs().max()), rel=1e-7)
+        assert gap == pytest.approx(float((expected.double() - total64).abs().max()), rel=1e-6)
+
+
+@pytest.mark.parametrize("side", ["total", "expected"])
+@pytest.mark.parametrize("bad", BAD)
+def test_a_bad_value_on_either_side_makes_the_pair_unjudged(side, bad):
+    """Both numbers finite exactly when both tensors are: the check skips such a pair."""
+    total, expected = torch.ones(3, 4), torch.ones(3, 4)
+    (total if side == "total" else expected)[1, 2] = bad
+    (peak, gap), (clean_peak, clean_gap) = _peaks_and_gaps([(total, expected), (torch.ones(2), torch.ones(2))])
+    assert not (math.isfinite(peak) and math.isfinite(gap))
+    assert (clean_peak, clean_gap) == (1.0, 0.0)
