@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.nn import grad as conv_grad
 
 from opacus_dp.grad_sample.registry import register_grad_sampler
+from opacus_dp.maths.huge_pages import empty_on_huge_pages
 
 ConvNd = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
 
@@ -103,7 +104,7 @@ def folded_conv_weight_grad(layer: ConvNd, x: torch.Tensor, gy: torch.Tensor) ->
     rows = folded_block_rows(layer, x, gy)
     if x.shape[0] <= rows:
         return _folded_block(layer, x, gy)
-    grads = gy.new_empty((x.shape[0], *layer.weight.shape))
+    grads = empty_on_huge_pages((x.shape[0], *layer.weight.shape), gy.dtype, gy.device)
     for start in range(0, x.shape[0], rows):
         grads[start:start + rows] = _folded_block(layer, x[start:start + rows], gy[start:start + rows])
     return grads

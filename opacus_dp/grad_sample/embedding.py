@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.registry import register_grad_sampler
+from opacus_dp.maths.huge_pages import zeros_on_huge_pages
 
 
 def sample_row_index(indices: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -42,6 +43,6 @@ def embedding_grad_sample(
     if layer.scale_grad_by_freq:
         counts = torch.bincount(rows, minlength=batch_size * num_rows)
         scale = scale / counts[rows].to(grads.dtype)
-    grad_sample = grads.new_zeros(batch_size * num_rows, dim)
+    grad_sample = zeros_on_huge_pages((batch_size * num_rows, dim), grads.dtype, grads.device)
     grad_sample.index_add_(0, rows, grads * scale.unsqueeze(1))
     return {layer.weight: grad_sample.view(batch_size, num_rows, dim)}

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.registry import register_grad_sampler
+from opacus_dp.maths.huge_pages import zeros_on_huge_pages
 
 
 def bag_elements(
@@ -91,7 +92,7 @@ def embedding_bag_grad_sample(
     indices, offsets, per_sample_weights = (list(activations) + [None, None])[:3]
     elements, bags, num_bags = bag_elements(layer, indices, offsets)
     num_rows, dim = layer.weight.shape
-    grad_sample = backprops.new_zeros(num_bags * num_rows, dim)
+    grad_sample = zeros_on_huge_pages((num_bags * num_rows, dim), backprops.dtype, backprops.device)
     if layer.mode == "max":
         winners, found = max_winners(layer, elements, bags, num_bags)
         rows = winners + torch.arange(num_bags, device=winners.device).unsqueeze(1) * num_rows

@@ -54,6 +54,12 @@ def empty_on_huge_pages(shape, dtype: torch.dtype, device: torch.device) -> torc
     return advised(torch.empty(shape, dtype=dtype, device=device))
 
 
+def zeros_on_huge_pages(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros(shape, dtype, device)`` on memory advised as :func:`empty_like_on_huge_pages`
+    (a dense per-sample table of an embedding: ``B`` times the weight, zeroed then scattered into)."""
+    return empty_on_huge_pages(shape, dtype, device).zero_()
+
+
 def advised(out: torch.Tensor) -> torch.Tensor:
     """``out`` (not yet written), its memory advised to huge pages when on CPU and large enough."""
     nbytes = out.numel() * out.element_size()

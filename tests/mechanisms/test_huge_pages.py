@@ -102,3 +102,21 @@ def test_linear_per_sample_gradients_stay_differentiable():
     out.square().sum().backward()
     expected = torch.autograd.grad(torch.einsum("bto,bti->boi", left, right).square().sum(), left)[0]
     assert torch.allclose(left.grad, expected)
+
+
+def test_embedding_per_sample_tables_are_zeroed_on_advised_memory(monkeypatch):
+    """The dense per-sample table of an embedding (B times the weight) comes from advised memory,
+    zeroed: rows no sample used are exact zeros, the used rows the sample's gradient."""
+    from opacus_dp.grad_sample.embedding import embedding_grad_sample
+
+    calls = recorder(monkeypatch)
+    layer = torch.nn.Embedding(2048, 256)  # 2 MiB of weight, 8 MiB of table for B = 4
+    indices = torch.tensor([[3, 3, 7], [0, 1, 2], [5, 5, 5], [2047, 9, 9]])
+    backprops = torch.randn(4, 3, 256)
+    table = embedding_grad_sample(layer, [indices], backprops)[layer.weight]
+    assert len(calls) == 1
+    expected = torch.zeros(4, 2048, 256)
+    for i in range(4):
+        for t in range(3):
+            expected[i, indices[i, t]] += backprops[i, t]
+    assert torch.equal(table, expected)
