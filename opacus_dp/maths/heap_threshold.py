@@ -11,10 +11,11 @@ noised gradient and ``Adam`` temporary of every step was mapped and faulted in a
 48 000 faults for a 16.8 M-parameter model, about as long as the rest of the step).
 
 :func:`settle_heap_for` does, once per process, what any such program does: it frees one
-untouched 28 MiB block (no page of it is ever written, so it costs no memory). Nothing else
-changes: a threshold fixed by the user (``MALLOC_MMAP_THRESHOLD_``, ``mallopt``) turns the dynamic
-threshold off and the free then changes nothing; off glibc, or where parameters are not on CPU,
-nothing is done.
+untouched 28 MiB block (no page of it is ever written). The price is glibc's own: freed blocks
+of up to 28 MiB, and up to 56 MiB of free space at the heap's top, stay mapped in the process for
+its next allocations instead of going back to the system. Nothing else changes: a threshold
+fixed by the user (``MALLOC_MMAP_THRESHOLD_``, ``mallopt``) turns the dynamic threshold off and
+the free then changes nothing; off glibc, or where parameters are not on CPU, nothing is done.
 """
 
 import ctypes
