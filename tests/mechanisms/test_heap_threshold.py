@@ -21,9 +21,9 @@ ON_GLIBC = heap_threshold.glibc() is not None
 needs_glibc = pytest.mark.skipif(not ON_GLIBC, reason="glibc's dynamic mmap threshold")
 
 
-def run_child(code: str) -> str:
+def run_child(code: str, **malloc_settings: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc's own defaults
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(malloc_settings, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=240, env=env)
     assert done.returncode == 0, done.stderr
@@ -64,10 +64,7 @@ def test_building_a_private_optimizer_settles(monkeypatch, fresh_flag):
     assert calls == [1]
 
 
-@needs_glibc
-@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="mallinfo2 needs glibc 2.33")
-def test_a_layer_sized_block_comes_from_the_heap_afterwards():
-    out = run_child("""
+MAPPED_BEFORE_AND_AFTER = """
         import ctypes, torch
         from opacus_dp.maths.heap_threshold import settle_heap
         libc = ctypes.CDLL(None)
@@ -83,10 +80,24 @@ def test_a_layer_sized_block_comes_from_the_heap_afterwards():
         first = mapped_by_a_tensor()
         settle_heap()
         print(first, mapped_by_a_tensor())
-    """)
-    before, after = map(int, out.split())
+"""
+needs_mallinfo2 = pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="mallinfo2 needs glibc 2.33")
+
+
+@needs_glibc
+@needs_mallinfo2
+def test_a_layer_sized_block_comes_from_the_heap_afterwards():
+    before, after = map(int, run_child(MAPPED_BEFORE_AND_AFTER).split())
     assert before >= 4 << 20  # a fresh process maps a 4 MiB tensor ...
     assert after == 0  # ... and serves it from its heap once settled
+
+
+@needs_glibc
+@needs_mallinfo2
+def test_a_threshold_the_user_fixed_is_left_alone():
+    """``MALLOC_MMAP_THRESHOLD_`` turns glibc's dynamic threshold off: the free changes nothing."""
+    before, after = map(int, run_child(MAPPED_BEFORE_AND_AFTER, MALLOC_MMAP_THRESHOLD_="1048576").split())
+    assert before >= 4 << 20 and after >= 4 << 20
 
 
 FAULTS_PER_STEP = """
