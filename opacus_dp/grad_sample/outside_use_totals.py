@@ -89,12 +89,12 @@ class OutsideUseTotals:
             totals = {p: self._totals.pop((task, id(p)), None) for p in grads}
         compared = [(p, t) for p, t in totals.items() if t is not None and grads[p].shape[0] > 0 and t.numel()]
         peaks = _peaks_and_gaps([(t, _summed(grads[p], undo_mean)) for p, t in compared])
-        judged = [(p, gap) for (p, _), (peak, gap) in zip(compared, peaks)
+        judged = [(p, peak, gap) for (p, _), (peak, gap) in zip(compared, peaks)
                   if math.isfinite(peak) and math.isfinite(gap)]  # overflow or NaN: not judged
         if not judged:
             return
-        scale = max(peak for peak, gap in peaks if math.isfinite(peak) and math.isfinite(gap))
-        for param, gap in judged:
+        scale = max(peak for _, peak, _ in judged)
+        for param, _, gap in judged:
             dtype = torch.bfloat16 if id(param) in self._low_precision else grads[param].dtype
             tolerance = TOLERANCE.get(dtype, DEFAULT_TOLERANCE)
             if gap > tolerance * scale:
