@@ -26,7 +26,9 @@ a shared machine with ``--threads 1``; on CUDA the wall clock after ``torch.cuda
 and ``paired x``: the median over rounds of the variant's time divided by the non-private time of
 the same round (slow phases of a shared machine hit both terms of a round's ratio alike); likewise
 ``paired`` next to ``speedup/Op.hk``: the median over rounds of Opacus hooks' time divided by the
-variant's.
+variant's. ``faults``: the median of the timed steps' minor page faults (``getrusage``): pages the
+step touched for the first time, as after the C library returned freed memory to the system; on a
+CPU a variant's time includes them.
 **Memory**: each (model, variant) runs in a fresh subprocess (``--probe``): after the model,
 optimizer and batch are built, the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``)
 and the current RSS noted; after ``--memory-steps`` steps the peak (``VmHWM``) minus that RSS
@@ -212,15 +214,18 @@ def time_variants(workload, variants: List[str], args) -> Dict[str, dict]:
             steps.pop(variant, None)
     clock, names = _timer(args.timer), list(steps)
     samples: Dict[str, List[float]] = {v: [] for v in names}
+    faults: Dict[str, List[int]] = {v: [] for v in names}
     for round_index in range(args.warmup + args.repeats):
         shift = round_index % max(len(names), 1)
         for variant in names[shift:] + names[:shift]:
-            start = clock()
+            faulted, start = minor_faults(), clock()
             steps[variant]()
             if round_index >= args.warmup:
                 samples[variant].append(clock() - start)
+                faults[variant].append(minor_faults() - faulted)
     result = {v: {"ms": 1000 * statistics.median(s), "min_ms": 1000 * min(s),
-                  "samples_ms": [1000 * t for t in s]} for v, s in samples.items()}
+                  "samples_ms": [1000 * t for t in s], "faults": statistics.median(faults[v])}
+              for v, s in samples.items()}
     result.update({v: {"error": e} for v, e in errors.items()})
     for v in (v for v in names if COMPILED in v):  # a recompilation shows in the second step
         torch._dynamo.reset()
@@ -229,6 +234,16 @@ def time_variants(workload, variants: List[str], args) -> Dict[str, dict]:
             steps[v]()
     add_paired_ratios(result)
     return result
+
+
+def minor_faults() -> int:
+    """The process's minor page faults so far (``getrusage``; 0 where it is not available): a step's
+    difference is how many pages it touched for the first time, each a trip into the kernel."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def add_paired_ratios(timing: Dict[str, dict]) -> None:

@@ -25,6 +25,7 @@ def summarise(model_name: str, timing: Dict[str, dict], memory: Dict[str, dict])
         rows[v] = {
             "ms": ms[v], "x_non_private": _ratio(ms[v], ms.get("non-private")),
             "paired_x_non_private": timing[v].get("paired_x_non_private"),
+            "faults": timing[v].get("faults"),
             "speedup_vs_opacus_hooks": _ratio(ms.get("opacus:hooks"), ms[v]),
             "paired_speedup_vs_opacus_hooks": timing[v].get("paired_speedup_vs_opacus_hooks"),
             "speedup_vs_opacus_best": _ratio(ms.get(best), ms[v]) if best else None,
@@ -43,7 +44,7 @@ def _fmt(value, spec):
 
 
 def print_table(report: dict) -> None:
-    head = (f"{'model':12s} {'variant':14s} {'step ms':>9s} {'x non-priv':>10s} {'paired x':>8s} "
+    head = (f"{'model':12s} {'variant':14s} {'step ms':>9s} {'x non-priv':>10s} {'paired x':>8s} {'faults':>7s} "
             f"{'speedup/Op.hk':>15s} {'paired':>6s} {'speedup/Op.best':>14s} {'peak MiB':>9s} "
             f"{'mem x np':>8s} {'mem x Op.min':>13s} {'tensor MiB':>10s} {'x np':>5s}")
     print(head)
@@ -54,7 +55,7 @@ def print_table(report: dict) -> None:
                 print(f"{model_name:12s} {v:14s} n/a: {r['error']}")
                 continue
             print(f"{model_name:12s} {v:14s} {_fmt(r['ms'], '9.1f')} {_fmt(r['x_non_private'], '10.2f')} "
-                  f"{_fmt(r['paired_x_non_private'], '8.2f')} "
+                  f"{_fmt(r['paired_x_non_private'], '8.2f')} {_fmt(r['faults'], '7.0f')} "
                   f"{_fmt(r['speedup_vs_opacus_hooks'], '15.2f')} "
                   f"{_fmt(r['paired_speedup_vs_opacus_hooks'], '6.2f')} {_fmt(r['speedup_vs_opacus_best'], '14.2f')} "
                   f"{_fmt(r['peak_mib'], '9.1f')} {_fmt(r['mem_x_non_private'], '8.2f')} "

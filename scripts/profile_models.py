@@ -7,9 +7,11 @@ batches). The private optimizer's phases are timed by wrapping its methods on th
 (``bk`` forms its per-sample norms there), ``clip`` (norms gathered, clip factors, clipped sums),
 ``noise`` (drawing and adding it), ``scale`` (the mean's division, ``p.grad``), ``inner`` (SGD's
 update) and ``other`` (checks, accountant). Median process CPU milliseconds over ``--steps``
-steps, interleaved with the non-private step.
+steps, interleaved with the non-private step. ``--batch-size 2`` keeps the first two samples of each
+batch: the per-sample work is then negligible and what remains above the non-private step is the
+step's fixed cost (hooks, bookkeeping, clip factors, noise of the model's size).
 
-    OMP_NUM_THREADS=1 python scripts/profile_models.py --steps 9 [--fast-noise philox]
+    OMP_NUM_THREADS=1 python scripts/profile_models.py --steps 9 [--fast-noise philox] [--batch-size 2]
 """
 
 import argparse
@@ -52,6 +54,8 @@ def profile_model(name: str, args) -> dict:
     workload = WORKLOADS[name]
     torch.manual_seed(1)
     x, y = workload.batch()
+    if args.batch_size:
+        x, y = x[:args.batch_size], y[:args.batch_size]
     settings = {"non-private": build(workload, None, x, y, False)}
     settings.update({mode: build(workload, mode, x, y, FAST_NOISE[args.fast_noise]) for mode in args.modes})
     rows = {setting: defaultdict(list) for setting in settings}
@@ -69,6 +73,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--models", default="convnet,sequence,transformer,lstm,llama")
     parser.add_argument("--modes", nargs="+", default=["bk"])
     parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="the first samples of the benchmark batch (e.g. 2: the step's fixed cost)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fast-noise", choices=sorted(FAST_NOISE), default="off")
@@ -77,7 +83,8 @@ def main(argv=None) -> dict:
     results = {}
     for name in args.models.split(","):
         results[name] = profile_model(name, args)
-        print(f"\n{name}: {WORKLOADS[name].description}; noise {args.fast_noise}, {args.threads} thread(s), "
+        batch = f" (its first {args.batch_size} samples)" if args.batch_size else ""
+        print(f"\n{name}: {WORKLOADS[name].description}{batch}; noise {args.fast_noise}, {args.threads} thread(s), "
               f"median process CPU ms over {args.steps} steps\n")
         print(table(results[name], {mode: "non-private" for mode in args.modes}))
     return results

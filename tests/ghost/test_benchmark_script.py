@@ -177,6 +177,30 @@ def test_paired_ratio_is_the_median_of_per_round_ratios(bench, monkeypatch):
     assert rows["bk"]["speedup_vs_opacus_hooks"] == pytest.approx(3.0)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("resource") is None, reason="getrusage is POSIX")
+def test_faults_column_counts_the_pages_a_step_touches_first(bench, monkeypatch):
+    """A step that writes one byte into each page of a fresh 4 MiB anonymous mapping faults about
+    1024 times; a step that touches nothing new about never."""
+    import mmap
+
+    pages = (4 << 20) // mmap.PAGESIZE
+
+    def build(workload, variant, x, y):
+        def fresh_pages():
+            with mmap.mmap(-1, pages * mmap.PAGESIZE) as mapping:
+                for page in range(pages):
+                    mapping[page * mmap.PAGESIZE] = 1
+
+        return fresh_pages if variant == "bk" else (lambda: None)
+
+    monkeypatch.setattr(bench, "build_step", build)
+    workload = SimpleNamespace(batch=lambda: (None, None))
+    result = bench.time_variants(workload, ["non-private", "bk"], SimpleNamespace(warmup=1, repeats=3, timer="cpu"))
+    assert pages * 0.9 <= result["bk"]["faults"] <= pages * 1.5
+    assert result["non-private"]["faults"] < pages * 0.05
+    assert bench.summarise("m", result, {})["bk"]["faults"] == result["bk"]["faults"]
+
+
 @OPACUS_HOOK_NOTICE
 def test_short_run_reports_every_variant_consistently(bench, tmp_path, capsys):
     out = tmp_path / "report.json"

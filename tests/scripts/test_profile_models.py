@@ -22,3 +22,19 @@ def test_phases_add_up_and_only_the_private_step_clips(capsys, fast_noise):
     assert all(rows["non-private"][k] == 0 for k in ("clip", "noise", "scale"))
     printed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| bk |"))
     assert printed.split("|")[-2].strip() == f"{rows['bk']['total'] / rows['non-private']['total']:.2f}"
+
+
+def test_batch_size_keeps_the_first_samples(capsys, monkeypatch):
+    """``--batch-size 2``: every setting steps on the first two samples of the model's batch."""
+    module = load()
+    seen = []
+    step_phases = module.step_phases
+
+    def recording(model, optimizer, criterion, x, y, *args, **kwargs):
+        seen.append((x.shape[0], y.shape[0]))
+        return step_phases(model, optimizer, criterion, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(module, "step_phases", recording)
+    rows = module.main(["--models", "lstm", "--steps", "1", "--warmup", "0", "--batch-size", "2"])["lstm"]
+    assert seen == [(2, 2), (2, 2)] and set(rows) == {"non-private", "bk"}
+    assert "(its first 2 samples)" in capsys.readouterr().out
