@@ -129,13 +129,31 @@ def test_autocorrelation_with_zero_padding_wider_than_the_taps_reach(kwargs):
     assert windows.abs().sum() > 0 and bool((windows.diagonal(dim1=1, dim2=2) == 0).any())
 
 
-def test_autocorrelation_is_chosen_for_stride_one_layers_with_several_taps():
+@pytest.mark.parametrize("kwargs", [dict(kernel_size=3, padding=1, stride=3),  # a phase no tap reads
+                                    dict(kernel_size=(3, 2), padding=(2, 1), dilation=(1, 3), stride=(2, 4)),
+                                    dict(kernel_size=5, padding=2, stride=2, groups=2),
+                                    dict(kernel_size=3, padding=1, stride=2, padding_mode="reflect")])
+def test_strided_autocorrelation_from_the_phases_grams_is_the_unfolded_patches_gram(kwargs):
+    """A strided layer's taps read the input's phases (positions ``r + j·s``): the Grams within each
+    phase give every entry of ``A_i A_iᵀ`` (F.unfold: an independent im2col)."""
+    layer = nn.Conv2d(4, 2, **kwargs).double()
+    x = torch.randn(3, 4, 9, 10, dtype=torch.float64)
+    patches = F.unfold(padded_input(layer, x), layer.kernel_size, dilation=layer.dilation, stride=layer.stride)
+    patches = patches.view(3, layer.groups, -1, patches.shape[-1]).flatten(0, 1)
+    torch.testing.assert_close(patch_gram(layer, x, method="autocorrelation"), patches.transpose(1, 2) @ patches,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_autocorrelation_is_chosen_for_layers_with_several_taps_and_many_channels():
     x = torch.zeros(2, 64, 8, 8)
     assert _prefers_autocorrelation(nn.Conv2d(64, 64, 3, padding=1), x)
     assert _prefers_autocorrelation(nn.Conv2d(64, 128, 3, padding=1), torch.zeros(2, 64, 4, 4))
-    assert not _prefers_autocorrelation(nn.Conv2d(64, 64, 3, padding=1, stride=2), x)
+    # strided: the Grams of the input's phases (a ResNet's downsampling convolution)
+    assert _prefers_autocorrelation(nn.Conv2d(64, 64, 3, padding=1, stride=2), x)
+    assert _prefers_autocorrelation(nn.Conv2d(32, 64, 3, padding=1, stride=2), torch.zeros(2, 32, 16, 16))
     assert not _prefers_autocorrelation(nn.Conv2d(64, 64, 1), x)  # 1x1: the patches are the input
     assert not _prefers_autocorrelation(nn.Conv2d(3, 8, 3, padding=1), torch.zeros(2, 3, 32, 32))
+    assert not _prefers_autocorrelation(nn.Conv2d(3, 8, 3, padding=1, stride=2), torch.zeros(2, 3, 32, 32))
     with pytest.raises(ValueError, match="method"):
         patch_gram(nn.Conv2d(2, 2, 3), torch.zeros(1, 2, 4, 4), method="fft")
 

@@ -29,14 +29,20 @@ The patch Gram ``A_i A_iᵀ`` has two forms (:func:`patch_gram`, the cheaper one
   ``K`` full ones: 3 + 3 instead of 9 for 3x3 kernels). With zero padding, the padded
   positions' rows and columns of ``R`` are zeros: ``R`` is the Gram of the unpadded input's
   positions (``n² · C/G``, 64² instead of 10² · 10² for an 8x8 input padded by 1), and a tap
-  adds into the outputs whose window position falls inside the input. Cheaper
-  for stride-1 layers with many channels per group (``P ≈ T``, so ``P² · C/G ≪ T² · d``).
+  adds into the outputs whose window position falls inside the input. With stride ``s`` both
+  positions of a term ``t·s + k·δ`` and ``t'·s + k·δ`` lie in the same *phase* of the input
+  (the positions ``r, r + s, r + 2s, …`` with ``r = k·δ mod s``, per spatial dimension), so
+  only the Grams within each phase are needed (polyphase decomposition): ``(P/s)²`` entries per
+  phase, ``P²/s`` in all for one dimension, each phase a strided copy of the input; a tap
+  reads its phase's Gram at ``t + c_k`` (``c_k = (k·δ − r)/s``) with stride 1. Cheaper for
+  layers with many channels per group (``P/s ≈ T``, so ``P² · C/G / s ≪ T² · d``).
 """
 
+import itertools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Union
+from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -130,87 +136,115 @@ def _output_sizes(layer: ConvNd, padded: Sequence[int]) -> List[int]:
             for size, k, s, d in zip(padded, layer.kernel_size, layer.stride, layer.dilation)]
 
 
-# Costs of one element of the strided tap sums and of the unfolded windows' copy, relative to
-# one multiply-add of a batched matrix product. Both are memory-bound elementwise passes (the tap
-# sums over strided, non-contiguous views, hence the higher cost), while the product does many
-# multiply-adds per element it loads. Fitted to CPU timings of 3x3 and 5x5 layers, stride 1 and 2;
-# near the crossover both forms cost about the same, so rough constants suffice.
-TAP_SUM_COST = 50
-UNFOLD_COST = 10
+# Costs of one element of the strided tap sums, of the unfolded windows' copy and of the phases'
+# copies, relative to one multiply-add of a batched matrix product. All three are memory-bound
+# elementwise passes (the tap sums over strided, non-contiguous views), while the product does
+# many multiply-adds per element it loads; the windows' constant also carries the product's poor
+# efficiency on their long, thin per-sample matrices. Fitted to CPU timings of 62 layers (3 to
+# 128 channels, 4x4 to 32x32 inputs, 3x3 and 5x5 kernels, stride 1 and 2); near the crossover
+# both forms cost about the same, so rough constants suffice.
+TAP_SUM_COST = 25
+UNFOLD_COST = 80
+PHASE_COPY_COST = 10
 
 
-def _tap_sum_elements(taps: Sequence[int], padded: Sequence[int], outputs: Sequence[int]) -> int:
+def _phase_sizes(layer: ConvNd, x: torch.Tensor) -> List[List[int]]:
+    """Per spatial dimension, the sizes of the input phases the taps read (:class:`_Taps`)."""
+    return [[len(range(r, n, taps.stride)) for r in taps.phases()]
+            for n, taps in zip(_gram_sizes(layer, x), _dims_taps(layer, x))]
+
+
+def _tap_sum_elements(taps: Sequence[int], phases: Sequence[Sequence[int]], outputs: Sequence[int]) -> int:
     """Elements the per-dimension tap sums of :func:`_autocorrelation_gram` add, per sample:
-    dimension ``d`` adds ``k_d`` views of ``Π_{e≤d} T_e² · Π_{e>d} P_e²`` elements."""
+    dimension ``d`` adds ``k_d`` views of ``Π_{e≤d} T_e² · Π_{e>d} Σ_r m_{e,r}²`` elements
+    (``m_{e,r}``: the sizes of dimension ``e``'s phases)."""
     total, done = 0, 1
     for dim, k in enumerate(taps):
         done *= outputs[dim] ** 2
-        total += k * done * math.prod(p * p for p in padded[dim + 1:])
+        total += k * done * math.prod(sum(m * m for m in sizes) for sizes in phases[dim + 1:])
     return total
 
 
 def _prefers_autocorrelation(layer: ConvNd, x: torch.Tensor) -> bool:
-    """Autocorrelation iff its cost ``P²·c + TAP_SUM_COST · (tap-sum elements)`` is below the
-    windows' ``T²·c·K + UNFOLD_COST · c·K·T`` (matrix product and unfolded copy; ``c = C/G``
-    channels per group, ``K`` taps, ``P`` input positions of its Gram (:func:`_gram_sizes`) and
-    ``T`` output positions): stride-1 layers with many channels per group and few positions."""
+    """Autocorrelation iff its cost ``c · Π_d Σ_r m_{d,r}²`` (the phases' Grams) ``+
+    PHASE_COPY_COST`` · (the phases' copies, strided layers) ``+ TAP_SUM_COST`` · (tap-sum
+    elements) is below the windows' ``T²·c·K + UNFOLD_COST · c·K·T`` (matrix product and unfolded
+    copy; ``c = C/G`` channels per group, ``K`` taps, ``T`` output positions). A 1x1 kernel's
+    windows are the input itself: the autocorrelation form could only add its tap sum."""
+    if math.prod(layer.kernel_size) == 1:
+        return False
     outputs = _output_sizes(layer, _padded_sizes(layer, x))
-    sizes = _gram_sizes(layer, x)
-    positions_in, positions_out = math.prod(sizes), math.prod(outputs)
+    phases = _phase_sizes(layer, x)
+    positions_out = math.prod(outputs)
     channels, taps = layer.in_channels // layer.groups, math.prod(layer.kernel_size)
     windows = positions_out * channels * taps * (positions_out + UNFOLD_COST)
-    tap_sums = TAP_SUM_COST * _tap_sum_elements(layer.kernel_size, sizes, outputs)
-    return positions_in ** 2 * channels + tap_sums < windows
+    grams = channels * math.prod(sum(m * m for m in sizes) for sizes in phases)
+    copies = PHASE_COPY_COST * channels * math.prod(sum(sizes) for sizes in phases) if max(layer.stride) > 1 else 0
+    tap_sums = TAP_SUM_COST * _tap_sum_elements(layer.kernel_size, phases, outputs)
+    return grams + copies + tap_sums < windows
+
+
+def _dims_taps(layer: ConvNd, x: torch.Tensor) -> List["_Taps"]:
+    """The :class:`_Taps` of each spatial dimension for the input of :func:`_gram_sizes`."""
+    outputs = _output_sizes(layer, _padded_sizes(layer, x))
+    offsets = ([before for before, _ in side_padding(layer)] if layer.padding_mode == "zeros"
+               else [0] * len(layer.kernel_size))
+    return [_Taps(k, d, s, o, p)
+            for k, d, s, o, p in zip(layer.kernel_size, layer.dilation, layer.stride, outputs, offsets)]
 
 
 def _autocorrelation_gram(layer: ConvNd, x: torch.Tensor) -> torch.Tensor:
-    """``A_i A_iᵀ`` per sample and group from the input Gram, summing the taps one spatial
-    dimension at a time (module doc); under zero padding the Gram of the unpadded input."""
-    outputs = _output_sizes(layer, _padded_sizes(layer, x))
-    if layer.padding_mode == "zeros":
-        offsets = [before for before, _ in side_padding(layer)]
-    else:
-        x, offsets = padded_input(layer, x), [0] * len(layer.kernel_size)
-    batch, spatial = x.shape[0], x.shape[2:]
-    flat = x.reshape(batch * layer.groups, layer.in_channels // layer.groups, -1)
-    gram = torch.bmm(flat.transpose(1, 2), flat).view(flat.shape[0], *spatial, *spatial)
-    for dim, (k, d, s, o, p) in enumerate(zip(layer.kernel_size, layer.dilation, layer.stride, outputs, offsets)):
-        gram = _tap_sum(gram, (1 + dim, 1 + len(spatial) + dim), _Taps(k, d, s, o, p))
-    return gram.reshape(flat.shape[0], math.prod(outputs), math.prod(outputs))
+    """``A_i A_iᵀ`` per sample and group from the Grams of the input's phases, summing the taps
+    one spatial dimension at a time (module doc); under zero padding of the unpadded input."""
+    dims = _dims_taps(layer, x)
+    if layer.padding_mode != "zeros":
+        x = padded_input(layer, x)
+    rows, channels, spatial = x.shape[0] * layer.groups, layer.in_channels // layer.groups, len(dims)
+    grams = {}
+    for phase in itertools.product(*(taps.phases() for taps in dims)):
+        part = x[(slice(None), slice(None), *(slice(r, None, taps.stride) for r, taps in zip(phase, dims)))]
+        flat = part.reshape(rows, channels, -1)
+        grams[phase] = torch.bmm(flat.transpose(1, 2), flat).view(rows, *part.shape[2:], *part.shape[2:])
+    for dim, taps in enumerate(dims):  # the phases of dimension dim summed out, those after it kept
+        grams = {rest: _tap_sum({phase[0]: g for phase, g in grams.items() if phase[1:] == rest},
+                                (1 + dim, 1 + spatial + dim), taps)
+                 for rest in dict.fromkeys(phase[1:] for phase in grams)}
+    return grams[()].reshape(rows, math.prod(t.outputs for t in dims), -1)
 
 
 @dataclass(frozen=True)
 class _Taps:
     """One spatial dimension of a convolution: output ``t``'s tap ``k`` reads input position
-    ``t·stride + k·dilation − padding`` (zero padding: outside ``[0, n)`` it reads a zero)."""
+    ``t·stride + k·dilation − padding`` (zero padding: outside ``[0, n)`` it reads a zero), which
+    is position ``t + c_k`` of the input's phase ``r_k`` (the positions ``r_k + j·stride``)."""
     taps: int
     dilation: int
     stride: int
     outputs: int
     padding: int
 
-    def span(self, k: int, size: int):
-        """``(first, last)``: the outputs whose tap ``k`` falls inside an input of ``size``."""
-        shift = k * self.dilation - self.padding
-        first = -(shift // self.stride) if shift < 0 else 0  # ⌈-shift / stride⌉
-        last = min(self.outputs, (size - 1 - shift) // self.stride + 1) if size > shift else 0
-        return first, max(first, last)
+    def phase_shifts(self) -> List[Tuple[int, int]]:
+        """``(r_k, c_k)`` of each tap ``k``: ``k·dilation − padding = r_k + c_k·stride``."""
+        return [((k * self.dilation - self.padding) % self.stride, (k * self.dilation - self.padding) // self.stride)
+                for k in range(self.taps)]
+
+    def phases(self) -> List[int]:
+        return sorted({r for r, _ in self.phase_shifts()})
 
 
-def _tap_sum(gram: torch.Tensor, dims, taps: _Taps) -> torch.Tensor:
-    """``Σ_k gram[.., t·s + k·δ − p, .., t'·s + k·δ − p, ..]`` over one spatial dimension's taps
-    (its two positions at ``dims``), terms outside the input being zero: that dimension shrinks
-    from the Gram's ``n`` to ``T`` in both. The taps are added in order, each into the outputs it
-    reaches (with zero padding the same numbers as summing the padded Gram's zeros too)."""
+def _tap_sum(grams: Dict[int, torch.Tensor], dims, taps: _Taps) -> torch.Tensor:
+    """``Σ_k grams[r_k][.., t + c_k, .., t' + c_k, ..]`` over one spatial dimension's taps (its two
+    positions at ``dims``; ``grams`` by phase), terms outside the phase being zero: that dimension
+    shrinks from the phase's size to ``T`` in both. The taps are added in order, each into the
+    outputs it reaches (with zero padding the same numbers as summing the padded Gram's zeros too)."""
     total = None
-    size = gram.shape[dims[0]]
-    for k in range(taps.taps):
-        first, last = taps.span(k, size)
-        if first == last:
+    for phase, shift in taps.phase_shifts():
+        gram = grams[phase]
+        first, last = max(0, -shift), min(taps.outputs, gram.shape[dims[0]] - shift)
+        if first >= last:
             continue
-        start = first * taps.stride + k * taps.dilation - taps.padding
         source, target = [slice(None)] * gram.dim(), [slice(None)] * gram.dim()
-        source[dims[0]] = source[dims[1]] = slice(start, start + taps.stride * (last - first - 1) + 1, taps.stride)
+        source[dims[0]] = source[dims[1]] = slice(first + shift, last + shift)
         target[dims[0]] = target[dims[1]] = slice(first, last)
         view = gram[tuple(source)]
         if total is None and (first, last) == (0, taps.outputs):
@@ -218,7 +252,7 @@ def _tap_sum(gram: torch.Tensor, dims, taps: _Taps) -> torch.Tensor:
         else:
             total = _zeros_of_outputs(gram, dims, taps.outputs) if total is None else total
             total[tuple(target)].add_(view)
-    return _zeros_of_outputs(gram, dims, taps.outputs) if total is None else total
+    return _zeros_of_outputs(next(iter(grams.values())), dims, taps.outputs) if total is None else total
 
 
 def _zeros_of_outputs(gram: torch.Tensor, dims, outputs: int) -> torch.Tensor:
