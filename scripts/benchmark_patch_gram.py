@@ -90,8 +90,8 @@ def main(argv=None) -> dict:
     print(f"lost ms (the picks against the faster form, summed over {len(rows)} layers): {lost:.2f}; "
           f"picks more than 10 % slower: {len(slow)}")
     for r in slow:
-        print(f"  {r['channels']} channels, {r['size']}x{r['size']}, {r['kernel']}x{r['kernel']}, stride {r['stride']}: "
-              f"picked {r['pick']}")
+        print(f"  {r['channels']} channels, {r['size']}x{r['size']}, {r['kernel']}x{r['kernel']}, "
+              f"stride {r['stride']}: picked {r['pick']}")
     return {"rows": rows, "lost_ms": lost, "slow": slow}
 
 

@@ -225,10 +225,11 @@ class _Taps:
 
     def phase_shifts(self) -> List[Tuple[int, int]]:
         """``(r_k, c_k)`` of each tap ``k``: ``k·dilation − padding = r_k + c_k·stride``."""
-        return [((k * self.dilation - self.padding) % self.stride, (k * self.dilation - self.padding) // self.stride)
-                for k in range(self.taps)]
+        shifts = [divmod(k * self.dilation - self.padding, self.stride) for k in range(self.taps)]
+        return [(phase, shift) for shift, phase in shifts]
 
     def phases(self) -> List[int]:
+        """The phases some tap reads, in order."""
         return sorted({r for r, _ in self.phase_shifts()})
 
 
