@@ -69,6 +69,11 @@ import time
 import warnings
 from typing import Callable, Dict, List
 
+try:
+    import resource  # POSIX: the page faults of a step
+except ImportError:
+    resource = None
+
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -239,11 +244,7 @@ def time_variants(workload, variants: List[str], args) -> Dict[str, dict]:
 def minor_faults() -> int:
     """The process's minor page faults so far (``getrusage``; 0 where it is not available): a step's
     difference is how many pages it touched for the first time, each a trip into the kernel."""
-    try:
-        import resource
-    except ImportError:  # not on POSIX
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return 0 if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def add_paired_ratios(timing: Dict[str, dict]) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import _ours  # noqa: E402
+from benchmark import _batch, _ours  # noqa: E402
 from benchmark_models import WORKLOADS  # noqa: E402
 from profile_step import instrument, step_phases, table  # noqa: E402
 
@@ -52,10 +52,7 @@ def build(workload, mode, x, y, fast_noise):
 
 def profile_model(name: str, args) -> dict:
     workload = WORKLOADS[name]
-    torch.manual_seed(1)
-    x, y = workload.batch()
-    if args.batch_size:
-        x, y = x[:args.batch_size], y[:args.batch_size]
+    x, y = _batch(workload, args)  # the benchmark's batch (seed 1), its first --batch-size samples
     settings = {"non-private": build(workload, None, x, y, False)}
     settings.update({mode: build(workload, mode, x, y, FAST_NOISE[args.fast_noise]) for mode in args.modes})
     rows = {setting: defaultdict(list) for setting in settings}
