@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from opacus_dp.grad_sample.outside_use_totals import _peaks_and_gaps
-from opacus_dp.maths.per_sample import all_finite, largest_magnitude
+from opacus_dp.maths.per_sample import JOINED_CHECK_ELEMENTS, all_finite, largest_magnitude
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BAD = (float("nan"), float("inf"), float("-inf"))
@@ -29,6 +29,22 @@ def test_one_bad_value_anywhere_is_found(dtype, bad):
         spoiled = [t.clone() for t in tensors]
         spoiled[which][position] = bad
         assert all_finite(spoiled) is False and oracle(spoiled) is False
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_small_tensors_checked_together_and_large_ones_alone(bad):
+    """Many small tensors of mixed dtypes (joined into one check) beside one above the joining
+    size (checked alone): a bad value in any of them, at any position, is found."""
+    g = torch.Generator().manual_seed(1)
+    small = [torch.randn(3, generator=g).to(dtype) for dtype in DTYPES for _ in range(5)]
+    large = torch.randn(JOINED_CHECK_ELEMENTS + 1, generator=g)
+    tensors = small + [large]
+    assert all_finite(tensors) and all_finite(small) and all_finite([large])
+    for which in range(len(tensors)):
+        for position in (0, tensors[which].numel() - 1):
+            spoiled = [t.clone() for t in tensors]
+            spoiled[which].view(-1)[position] = bad
+            assert all_finite(spoiled) is False and oracle(spoiled) is False, (which, position)
 
 
 def test_large_finite_values_are_finite():
