@@ -240,7 +240,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
 
         n_outputs = len(outputs)  # not the outputs themselves: the hook must not keep them alive
 
-        def on_output_grads(grads: Sequence[Optional[torch.Tensor]]) -> None:
+        def on_output_grads(grads: "Sequence[Optional[torch.Tensor]]") -> None:  # no typing work per call
             self._on_backward(path, master, layer, call, hooked, n_outputs, grads, chunk)
 
         if len(hooked) == 1:
