@@ -22,20 +22,24 @@ run in ``optimizer.step``).
 
 from contextlib import contextmanager
 from functools import lru_cache
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
 # (backend, operation) pairs of torch's per-backend ``fp32_precision`` settings (torch ≥ 2.9)
 PRECISION_SETTINGS = (("cuda", "matmul"), ("cudnn", "conv"), ("mkldnn", "matmul"), ("mkldnn", "conv"))
+CPU_BACKENDS = ("mkldnn",)  # the backends whose settings reach products on CPU (a global setting shows in theirs)
 FULL_PRECISION = ("ieee", "none")
 
 
 @lru_cache(maxsize=None)
-def _precision_settings() -> Tuple[object, ...]:
-    """The objects carrying an ``fp32_precision`` setting in this torch (none before 2.9)."""
+def _precision_settings(cpu_only: bool = False) -> Tuple[object, ...]:
+    """The objects carrying an ``fp32_precision`` setting in this torch (none before 2.9); with
+    ``cpu_only`` those of :data:`CPU_BACKENDS`."""
     found = []
     for backend, operation in PRECISION_SETTINGS:
+        if cpu_only and backend not in CPU_BACKENDS:
+            continue
         setting = getattr(getattr(torch.backends, backend, None), operation, None)
         if setting is not None and hasattr(setting, "fp32_precision"):
             found.append(setting)
@@ -53,13 +57,14 @@ def _set_legacy_state(state: Tuple[str, bool, bool]) -> None:
     torch.backends.cudnn.allow_tf32 = state[2]
 
 
-def _switch_to_ieee() -> Callable[[], None]:
-    """Set IEEE float32 products; return the function that restores the previous settings."""
-    settings = _precision_settings()
-    if not settings:
+def _switch_to_ieee(cpu_only: bool = False) -> Callable[[], None]:
+    """Set IEEE float32 products (``cpu_only``: those on CPU); return the function that restores the
+    previous settings."""
+    if not _precision_settings():
         saved = _legacy_state()
         _set_legacy_state(("highest", False, False))
         return lambda: _set_legacy_state(saved)
+    settings = _precision_settings(cpu_only)
     # The per-backend interface, never read through the legacy getter (which raises once both
     # interfaces were used). An operation's value reflects what was set on its backend or
     # globally; "none" is torch's default, IEEE for these products.
@@ -76,9 +81,12 @@ def _switch_to_ieee() -> Callable[[], None]:
 
 
 @contextmanager
-def ieee_float32_products():
-    """Float32 matrix products and convolutions in full IEEE precision inside the block."""
-    restore = _switch_to_ieee()
+def ieee_float32_products(device: Optional[torch.device] = None):
+    """Float32 matrix products and convolutions in full IEEE precision inside the block; for
+    ``device`` a CPU, only the settings that reach CPU products are switched (the CUDA ones, e.g.
+    cuDNN's TF32 default, cannot change them: switching and restoring them cost more than the
+    small products of many layers)."""
+    restore = _switch_to_ieee(device is not None and torch.device(device).type == "cpu")
     try:
         yield
     finally:

@@ -63,7 +63,7 @@ def weighted_sum(factors: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     factors = factors.to(device=grads.device, dtype=dtype)
     if drops_rows(factors):
         factors, grads = without_dropped_rows(factors, grads)
-    with ieee_float32_products():
+    with ieee_float32_products(grads.device):
         return torch.einsum("i,i...->...", factors, grads.to(dtype))
 
 

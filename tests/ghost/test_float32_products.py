@@ -76,6 +76,29 @@ def test_every_setting_is_ieee_inside_and_the_users_afterwards():
     assert torch.get_float32_matmul_precision() == "medium"  # the legacy getter still works
 
 
+@pytest.mark.skipif(not float32_products._precision_settings(), reason="torch < 2.9: legacy settings")
+def test_on_cpu_the_settings_of_cpu_products_are_ieee_inside_and_all_restored():
+    """For CPU products only oneDNN's settings matter (a global setting shows in them): they are
+    IEEE inside, the CUDA ones (cuDNN's TF32 default) are left as they are, all restored after."""
+    torch.set_float32_matmul_precision("medium")
+    everything = float32_products._precision_settings()
+    on_cpu = float32_products._precision_settings(cpu_only=True)
+    assert on_cpu == (torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)
+    before = [s.fp32_precision for s in everything]
+    assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+    with ieee_float32_products(torch.device("cpu")):
+        assert all(s.fp32_precision in ("ieee", "none") for s in on_cpu)
+        assert [s.fp32_precision for s in everything if s not in on_cpu] == [
+            value for s, value in zip(everything, before) if s not in on_cpu]
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(64, 256, generator=gen), torch.randn(256, 64, generator=gen)
+        assert torch.equal(a @ b, torch.mm(a, b))  # runs; exactness: the end-to-end tests below
+    assert [s.fp32_precision for s in everything] == before
+    with ieee_float32_products(torch.device("cuda")):  # another device: every setting
+        assert all(s.fp32_precision in ("ieee", "none") for s in everything)
+    assert [s.fp32_precision for s in everything] == before
+
+
 def test_the_legacy_settings_are_switched_and_restored(monkeypatch):
     monkeypatch.setattr(float32_products, "_precision_settings", lambda: ())
     torch.set_float32_matmul_precision("high")

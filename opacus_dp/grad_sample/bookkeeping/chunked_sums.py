@@ -84,7 +84,7 @@ def chunked_clipped_sums(params: List[torch.Tensor], chunk_grads: Optional[Calla
     sq_norms = {p: torch.empty(batch, dtype=sum_dtype(dtype), device=device) for p in params}
     factors = {p: torch.empty(batch, dtype=sum_dtype(dtype), device=device) for p in params}
     sums = {p: torch.zeros(p.numel(), dtype=sum_dtype(dtype), device=device) for p in params}
-    with ieee_float32_products():
+    with ieee_float32_products(device):
         if params:
             rows_per_chunk = chunk_size(params, batch, dtype)
             shapes = [(rows_per_chunk, *p.shape) for p in params]

@@ -158,7 +158,7 @@ def ghost_norms(layer: nn.Module, activations: list, backprops: torch.Tensor) ->
     """The layer's norm sampler, on float32 inputs for half-precision ones, with IEEE float32
     products (:mod:`~opacus_dp.maths.float32_products`)."""
     activations, backprops = _in_sum_dtype(activations, backprops)
-    with ieee_float32_products():
+    with ieee_float32_products(backprops.device):
         return to_canonical(layer, norm_rule_of(layer).norm_sampler(layer, activations, backprops))
 
 
@@ -171,7 +171,7 @@ def ghost_weighted_grad(layer: nn.Module, activations: list, backprops: torch.Te
     if drops is None:
         drops = any(drops_rows(f) for f in factors.values())
     factors = to_live(layer, factors)  # keyed by canonical tensors; the rules use the layer's own
-    with ieee_float32_products():
+    with ieee_float32_products(backprops.device):
         if drops:
             return to_canonical(layer, _without_dropped_samples(layer, activations, backprops, factors))
         return to_canonical(layer, norm_rule_of(layer).weighted_grad(layer, activations, backprops, factors))
