@@ -14,7 +14,8 @@ the clip factor is too large and the sample's clipped contribution exceeds ``C``
 
 :func:`ieee_float32_products` switches every float32-precision setting to IEEE float32 for
 the duration of those products (the ghost norms, the clipped sums) and restores the user's
-settings afterwards; the model's own forward and backward keep them. The settings are global,
+settings afterwards (for products on CPU, the settings that reach them: oneDNN's); the model's
+own forward and backward keep them. The settings are global,
 so two threads computing clipped sums at once could restore each other's; the norms-only modes
 run no layer hooks in parallel threads (``nn.DataParallel`` uses the ``hooks`` mode, whose sums
 run in ``optimizer.step``).
