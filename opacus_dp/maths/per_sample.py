@@ -127,16 +127,11 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     where an inf) of each tensor, and of the small ones joined per device (``JOINED_CHECK_ELEMENTS``,
     their dtypes promoted, which keeps every value's finiteness), is finite; one read of each
     tensor, no copy of a large one, one check (one device sync) per device."""
-    small: dict = {}
+    large = [t for t in tensors if t.numel() > JOINED_CHECK_ELEMENTS]
+    small = [t for t in tensors if 0 < t.numel() <= JOINED_CHECK_ELEMENTS]
     finite_peaks: dict = {}
-    for t in tensors:
-        if t.numel() > JOINED_CHECK_ELEMENTS:
-            finite_peaks.setdefault(t.device, []).append(torch.isfinite(largest_magnitude(t)))
-        elif t.numel():
-            small.setdefault(t.device, []).append(t.reshape(-1))
-    for device, parts in small.items():
-        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
-        finite_peaks.setdefault(device, []).append(torch.isfinite(largest_magnitude(joined)))
+    for t in large + _flat_by_device(small):
+        finite_peaks.setdefault(t.device, []).append(torch.isfinite(largest_magnitude(t)))
     return all(bool(torch.stack(peaks).all()) for peaks in finite_peaks.values())
 
 
