@@ -21,7 +21,7 @@ run no layer hooks in parallel threads (``nn.DataParallel`` uses the ``hooks`` m
 run in ``optimizer.step``).
 """
 
-from contextlib import contextmanager
+import threading
 from functools import lru_cache
 from typing import Callable, Optional, Tuple
 
@@ -81,14 +81,45 @@ def _switch_to_ieee(cpu_only: bool = False) -> Callable[[], None]:
     return restore
 
 
-@contextmanager
-def ieee_float32_products(device: Optional[torch.device] = None):
+class _Covered(threading.local):
+    """Per thread: the widest switch of this module now running (0 none, 1 CPU products, 2 all)."""
+
+    level = 0
+
+
+_COVERED = _Covered()
+
+
+def _level_for(device: Optional[torch.device]) -> int:
+    """1 if ``device`` is a CPU (only the settings of CPU products need switching), else 2."""
+    if device is None:
+        return 2
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return 1 if kind == "cpu" else 2
+
+
+class ieee_float32_products:  # noqa: N801 (a context manager, named as the function it replaced)
     """Float32 matrix products and convolutions in full IEEE precision inside the block; for
     ``device`` a CPU, only the settings that reach CPU products are switched (the CUDA ones, e.g.
     cuDNN's TF32 default, cannot change them: switching and restoring them cost more than the
-    small products of many layers)."""
-    restore = _switch_to_ieee(device is not None and torch.device(device).type == "cpu")
-    try:
-        yield
-    finally:
-        restore()
+    small products of many layers). A block inside another block of this thread that switched
+    at least as many settings switches nothing (a step's layers enter one block each)."""
+
+    __slots__ = ("_level", "_outer", "_restore")
+
+    def __init__(self, device: Optional[torch.device] = None):
+        self._level = _level_for(device)
+
+    def __enter__(self) -> None:
+        self._outer = _COVERED.level
+        if self._outer >= self._level:
+            self._restore = None
+            return
+        self._restore = _switch_to_ieee(cpu_only=self._level == 1)
+        _COVERED.level = self._level
+
+    def __exit__(self, *exc) -> bool:
+        if self._restore is not None:
+            _COVERED.level = self._outer
+            self._restore()
+        return False

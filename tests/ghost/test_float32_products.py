@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import opacus_dp
+from opacus_dp.grad_sample.bookkeeping import module as bookkeeping_module
 from opacus_dp.grad_sample.bookkeeping import passes as bookkeeping_pass
 from opacus_dp.maths import float32_products
 from opacus_dp.optim import clipping
@@ -189,7 +190,7 @@ def test_clipped_sums_equal_the_float64_oracle_under_reduced_precision(mode, pre
 @pytest.mark.parametrize("mode", ["hooks", "bk"])
 def test_without_the_switch_the_clipped_sums_are_off(mode, monkeypatch):
     """The check above can fail here: the user's bfloat16 products alone miss the oracle."""
-    for module in (bookkeeping_pass, clipping):
+    for module in (bookkeeping_pass, bookkeeping_module, clipping):
         monkeypatch.setattr(module, "ieee_float32_products", contextlib.nullcontext)
     torch.set_float32_matmul_precision("medium")
     assert _worst_relative_error(mode) > 1e-4

@@ -274,7 +274,7 @@ class Bookkeeper:
 
     def sq_norms(self, params: Sequence[torch.Tensor], last_only: bool = False) -> List[torch.Tensor]:
         """Per-sample squared norms ``(B_1 + ... + B_k,)`` of every param (zeros if unused);
-        with ``last_only`` those of the last finished pass."""
+        with ``last_only`` those of the last finished pass (a pass's own tensor: read only)."""
         passes = self._resolved[-1:] if last_only else self._resolved
         if self.units is not None:
             return grouped_sq_norms(passes, params, self.units)
@@ -283,7 +283,8 @@ class Bookkeeper:
             parts = [r.sq_norms.get(p) for r in passes]
             parts = [x if x is not None else torch.zeros(r.batch_size, device=p.device, dtype=p.dtype)
                      for x, r in zip(parts, passes)]
-            result.append(torch.cat(parts) if parts else torch.zeros(0, device=p.device, dtype=p.dtype))
+            result.append(parts[0] if len(parts) == 1 else torch.cat(parts) if parts
+                          else torch.zeros(0, device=p.device, dtype=p.dtype))
         return result
 
     def check_kept_calls(self) -> None:

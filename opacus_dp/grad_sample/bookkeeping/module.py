@@ -40,6 +40,7 @@ from opacus_dp.grad_sample.attachments import weakly
 from opacus_dp.grad_sample.grad_sample_module import GradSampleModule
 from opacus_dp.grad_sample.layer_call import batch_first_backprops
 from opacus_dp.maths.cpu_products import cpu_products
+from opacus_dp.maths.float32_products import ieee_float32_products
 from opacus_dp.grad_sample.support import describe
 from opacus_dp.maths.per_sample import is_loss_scaled
 from opacus_dp.module_parameters import has_trainable_parameters, is_sharded_model, local_part
@@ -148,7 +149,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
             raise RuntimeError(SCALED_SUMS_FROM_BACKWARD)
         self._check_unrecorded_grads(params)
         self._store.clear()  # empty batches merged into this step add no rows
-        return [sq.clamp(min=0).sqrt() for sq in self._bookkeeper.sq_norms(params)]
+        return [sq.clamp(min=0).sqrt_() for sq in self._bookkeeper.sq_norms(params)]
 
     def _param_name(self, p: torch.Tensor) -> str:
         """``p``'s name in the wrapped model (its shape if it is not there), for messages."""
@@ -175,7 +176,8 @@ class BookkeepingGradSampleModule(GradSampleModule):
                      factors: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         """``Σ_i f_i g_i`` per param for the factors of :meth:`per_sample_norms`; consumes."""
         self._consumed()
-        return self._bookkeeper.clipped_sums(params, factors)
+        with ieee_float32_products(params[0].device if params else None):  # one switch for all layers
+            return self._bookkeeper.clipped_sums(params, factors)
 
     def set_factor_function(self, factor_function: Optional[FactorFunction]) -> None:
         """``factor_function(param, norms) -> (B,) factors or None`` (the optimizer's clipper):
@@ -202,7 +204,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
 
     def last_per_sample_norms(self, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """``‖g_i‖₂`` of the last finished backward pass only (for the two-pass backward)."""
-        return [sq.clamp(min=0).sqrt() for sq in self._bookkeeper.sq_norms(params, last_only=True)]
+        return [sq.clamp(min=0).sqrt_() for sq in self._bookkeeper.sq_norms(params, last_only=True)]
 
     @property
     def num_passes(self) -> int:

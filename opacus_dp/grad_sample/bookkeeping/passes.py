@@ -26,6 +26,7 @@ from opacus_dp.maths.per_sample import (drops_rows, finite_factors, finite_value
 from opacus_dp.maths.float32_products import ieee_float32_products
 
 LAYER_RULES = ("mixed", "ghost")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -143,7 +144,9 @@ def _in_sum_dtype(activations: list, backprops: torch.Tensor):
     Inputs more precise than the output gradient are therefore rounded to its dtype first, so
     norms and sums are those of the gradient autograd forms, whichever path (merged calls,
     two-pass sums) reaches them."""
-    half = backprops.dtype in (torch.float16, torch.bfloat16)
+    half = backprops.dtype in HALF_DTYPES
+    if not half and not any(isinstance(a, torch.Tensor) and a.dtype in HALF_DTYPES for a in activations):
+        return list(activations), backprops  # nothing to lift (float32/float64, integer inputs)
 
     def lift(t):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -322,7 +325,7 @@ def _add_grads(current: Pass, p: torch.Tensor, g: torch.Tensor, scale: float) ->
 
 def _set_norms(current: Pass, p: torch.Tensor) -> None:
     """The squared norms of ``p``'s per-sample gradients in the pass."""
-    current.sq_norms[p] = per_sample_norms(current.grads[p]).square() * current.grad_scales[p] ** 2
+    current.sq_norms[p] = per_sample_norms(current.grads[p]).square_().mul_(current.grad_scales[p] ** 2)
 
 
 def _add_norms(current: Pass, p: torch.Tensor, sq: torch.Tensor) -> None:
