@@ -18,6 +18,7 @@ from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import lean, producer_o
 from opacus_dp.torch_internals import view_base
 
 _SIGNATURES: Dict[type, inspect.Signature] = {}
+_NUM_INPUTS: Dict[type, int] = {}
 
 
 # torch layers whose inputs always have the batch first, whatever the model's layout:
@@ -88,11 +89,15 @@ def _signature(layer: nn.Module) -> inspect.Signature:
 
 
 def _num_inputs(layer: nn.Module) -> int:
-    """Number of parameters of ``layer.forward`` after ``self`` (-1 if it takes ``*args``)."""
-    params = list(_signature(layer).parameters.values())[1:]
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-        return -1
-    return len(params)
+    """Number of parameters of ``layer.forward`` after ``self`` (-1 if it takes ``*args``), per
+    class (as :func:`_signature`)."""
+    cls = type(layer)
+    count = _NUM_INPUTS.get(cls)
+    if count is None:
+        params = list(_signature(layer).parameters.values())[1:]
+        variadic = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+        count = _NUM_INPUTS[cls] = -1 if variadic else len(params)
+    return count
 
 
 @dataclass

@@ -27,7 +27,7 @@ step projection's, at the end of the pass, takes them if its merged gradient is 
 """
 
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -37,6 +37,7 @@ from opacus_dp.torch_internals import version_counter
 
 _ACTIVE = threading.local()  # the resolution running on this thread: (SharedInputGrams, key, keep)
 _GRADIENT = threading.local()  # the same for a shared output gradient
+_NO_SCOPE = nullcontext()  # reusable: what a resolution without shared products enters
 Key = tuple  # (data pointer, shape, strides, dtype, device), "gradient" first for an output gradient
 
 
@@ -86,10 +87,10 @@ class SharedInputGrams:
         if key is not None:
             self._uses[key] = self._uses.get(key, 0) + 1
 
-    @contextmanager
-    def resolving(self, calls: Sequence) -> Iterator[None]:
+    def resolving(self, calls: Sequence):
         """Around the resolution of ``calls`` (``Call`` records) of one layer: products of a
-        single call's input are kept while another call of that input is still to come."""
+        single call's input are kept while another call of that input is still to come (the call
+        is counted as resolved here)."""
         key, keep = None, False
         if len(calls) == 1:  # merged calls take nothing (their inputs are concatenated copies)
             key = input_key(calls[0].call)
@@ -100,8 +101,7 @@ class SharedInputGrams:
                 self._uses[key] = left
             else:
                 self._uses.pop(key, None)
-        with self._scope(_ACTIVE, key, keep):
-            yield
+        return self._scope(_ACTIVE, key, keep)
 
     def sharing_gradient(self, key: Optional[Key], keep: bool):
         """Around the resolution of a layer whose output gradient (``key``: :func:`tensor_key`)
@@ -109,10 +109,16 @@ class SharedInputGrams:
         or taken and dropped."""
         return self._scope(_GRADIENT, key, keep)
 
-    @contextmanager
-    def _scope(self, local: threading.local, key: Optional[Key], keep: bool) -> Iterator[None]:
+    def _scope(self, local: threading.local, key: Optional[Key], keep: bool):
         """``local.scope`` set for the products of ``key`` while the resolution runs; the entry
-        dropped after it unless kept for a later one."""
+        dropped after it unless kept for a later one. Nothing to set or drop without a key
+        where no scope is set (a layer's usual resolution)."""
+        if key is None and getattr(local, "scope", None) is None:
+            return _NO_SCOPE
+        return self._set_scope(local, key, keep)
+
+    @contextmanager
+    def _set_scope(self, local: threading.local, key: Optional[Key], keep: bool) -> Iterator[None]:
         outer = getattr(local, "scope", None)
         local.scope = (self, key, keep) if key is not None else None
         try:
