@@ -29,8 +29,9 @@ from typing import Callable, Dict, List, Set, Tuple
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.rnn import pad_sequence
 
-from opacus_dp.maths.per_sample import largest_magnitude
+from opacus_dp.maths.per_sample import JOINED_CHECK_ELEMENTS, largest_magnitude
 from opacus_dp.module_parameters import own_parameters
 from opacus_dp.torch_internals import current_graph_task_id
 
@@ -88,7 +89,7 @@ class OutsideUseTotals:
         with self._lock:
             totals = {p: self._totals.pop((task, id(p)), None) for p in grads}
         compared = [(p, t) for p, t in totals.items() if t is not None and grads[p].shape[0] > 0 and t.numel()]
-        peaks = _peaks_and_gaps([(t, _summed(grads[p], undo_mean)) for p, t in compared])
+        peaks = _checked_stats([(t, grads[p]) for p, t in compared], undo_mean)
         judged = [(p, peak, gap) for (p, _), (peak, gap) in zip(compared, peaks)
                   if math.isfinite(peak) and math.isfinite(gap)]  # overflow or NaN: not judged
         if not judged:
@@ -107,16 +108,56 @@ class OutsideUseTotals:
                 del self._totals[key]
 
 
+def _checked_stats(pairs: List[Tuple[torch.Tensor, torch.Tensor]], undo_mean: bool) -> List[Tuple[float, float]]:
+    """``(max |G|, max |Σ_i g_i − G|)`` of each ``(G, per-sample gradients g)``: the totals of at
+    most ``JOINED_CHECK_ELEMENTS`` entries of a device and batch together (:func:`_joined_stats`,
+    a few operations for all of a model's small tensors), the others one by one; one transfer
+    per device."""
+    stats: List[Tuple[int, torch.Tensor]] = []
+    joined: Dict[tuple, List[int]] = {}
+    for i, (total, grad_sample) in enumerate(pairs):
+        if total.numel() <= JOINED_CHECK_ELEMENTS:
+            joined.setdefault((total.device, grad_sample.shape[0]), []).append(i)
+        else:
+            stats.append((i, _stats(total, _summed(grad_sample, undo_mean))))
+    for indices in joined.values():
+        rows = _joined_stats([pairs[i] for i in indices], undo_mean)
+        stats.extend(zip(indices, rows.unbind(0)))
+    return _transferred(stats, len(pairs))
+
+
 def _peaks_and_gaps(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Tuple[float, float]]:
     """``(max |G|, max |Σ_i g_i − G|)`` of each ``(G, Σ_i g_i)``, in float32, one transfer per
     device. Both are finite exactly when both sides are (a NaN or inf on either side reaches the
     gap), so no separate finiteness pass reads the tensors."""
+    return _transferred([(i, _stats(total, expected)) for i, (total, expected) in enumerate(pairs)], len(pairs))
+
+
+def _stats(total: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    total = total.to(torch.float32)
+    return torch.stack([largest_magnitude(total), largest_magnitude(expected - total)])
+
+
+def _joined_stats(pairs: List[Tuple[torch.Tensor, torch.Tensor]], undo_mean: bool) -> torch.Tensor:
+    """``(P, 2)`` stats of ``P`` pairs ``(G, g)`` of one device and batch ``B``: the totals as the
+    rows of one zero-padded ``(P, L)`` matrix, the per-sample gradients as one ``(P, L, B)`` (zero
+    padding changes no maximum of magnitudes; a NaN stays in its row), summed over ``B``."""
+    totals = [t.reshape(-1).to(torch.float32) for t, _ in pairs]
+    per_sample = [g.reshape(g.shape[0], -1).t().to(torch.float32) for _, g in pairs]
+    total = pad_sequence(totals, batch_first=True)
+    expected = pad_sequence(per_sample, batch_first=True).sum(dim=2)
+    if undo_mean:
+        expected = expected / pairs[0][1].shape[0]
+    return torch.stack([total.abs().amax(dim=1), (expected - total).abs().amax(dim=1)], dim=1)
+
+
+def _transferred(stats: List[Tuple[int, torch.Tensor]], count: int) -> List[Tuple[float, float]]:
+    """The ``(peak, gap)`` pairs of ``stats`` (index, 2-element tensor) as floats, in index order,
+    one transfer per device."""
     by_device: Dict[torch.device, List[Tuple[int, torch.Tensor]]] = {}
-    for i, (total, expected) in enumerate(pairs):
-        total = total.to(torch.float32)
-        stats = torch.stack([largest_magnitude(total), largest_magnitude(expected - total)])
-        by_device.setdefault(total.device, []).append((i, stats))
-    found: List[Tuple[float, float]] = [(0.0, 0.0)] * len(pairs)
+    for i, pair in stats:
+        by_device.setdefault(pair.device, []).append((i, pair))
+    found: List[Tuple[float, float]] = [(0.0, 0.0)] * count
     for entries in by_device.values():
         for (i, _), (peak, gap) in zip(entries, torch.stack([s for _, s in entries]).tolist()):
             found[i] = (peak, gap)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from opacus_dp.grad_sample.outside_use_totals import _peaks_and_gaps
+from opacus_dp.grad_sample.outside_use_totals import _checked_stats, _peaks_and_gaps
 from opacus_dp.maths.per_sample import JOINED_CHECK_ELEMENTS, all_finite, largest_magnitude
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -77,3 +77,43 @@ def test_a_bad_value_on_either_side_makes_the_pair_unjudged(side, bad):
     (peak, gap), (clean_peak, clean_gap) = _peaks_and_gaps([(total, expected), (torch.ones(2), torch.ones(2))])
     assert not (math.isfinite(peak) and math.isfinite(gap))
     assert (clean_peak, clean_gap) == (1.0, 0.0)
+
+
+def _mixed_pairs(gen, batch=5):
+    """``(G, g)`` pairs: small totals of several shapes and dtypes (joined), two above the joining
+    size, and one of another batch size."""
+    shapes = [(3,), (4, 6), (2, 3, 5), (JOINED_CHECK_ELEMENTS,), (JOINED_CHECK_ELEMENTS + 1,), (70, 70), (7,)]
+    pairs = []
+    for i, shape in enumerate(shapes):
+        rows = batch + 2 if i == len(shapes) - 1 else batch
+        g = torch.randn(rows, *shape, generator=gen)
+        dtype = torch.float16 if i == 1 else torch.float32
+        total = (g.sum(dim=0) + 0.01 * i * torch.randn(shape, generator=gen)).to(dtype)
+        pairs.append((total, g.to(dtype) if i == 2 else g))
+    return pairs
+
+
+@pytest.mark.parametrize("undo_mean", [False, True])
+def test_checked_stats_of_small_and_large_totals_match_a_float64_oracle(undo_mean):
+    pairs = _mixed_pairs(torch.Generator().manual_seed(4))
+    for (peak, gap), (total, g) in zip(_checked_stats(pairs, undo_mean), pairs):
+        total64 = total.to(torch.float32).double()
+        expected = g.double().sum(dim=0) / (g.shape[0] if undo_mean else 1)
+        assert peak == pytest.approx(float(total64.abs().max()), rel=1e-7)
+        assert gap == pytest.approx(float((expected - total64).abs().max()), rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("index", [0, 2, 4])
+@pytest.mark.parametrize("side", ["total", "per-sample"])
+@pytest.mark.parametrize("bad", BAD)
+def test_a_bad_value_leaves_only_its_own_pair_unjudged(index, side, bad):
+    """A NaN or inf in a joined total (or its per-sample gradients) stays in that pair's row."""
+    pairs = _mixed_pairs(torch.Generator().manual_seed(5))
+    clean = _checked_stats(pairs, undo_mean=True)
+    target = pairs[index][0] if side == "total" else pairs[index][1]
+    target.view(-1)[-1] = bad
+    for i, (peak, gap) in enumerate(_checked_stats(pairs, undo_mean=True)):
+        if i == index:
+            assert not (math.isfinite(peak) and math.isfinite(gap))
+        else:
+            assert (peak, gap) == clean[i]
