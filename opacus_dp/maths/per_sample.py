@@ -63,8 +63,10 @@ def weighted_sum(factors: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     factors = factors.to(device=grads.device, dtype=dtype)
     if drops_rows(factors):
         factors, grads = without_dropped_rows(factors, grads)
-    with ieee_float32_products(grads.device):
-        return torch.einsum("i,i...->...", factors, grads.to(dtype))
+    grads = grads.to(dtype)
+    with ieee_float32_products(grads.device):  # the product einsum("i,i...->...") forms, without its parsing
+        rows = grads.reshape(1, grads.shape[0], math.prod(grads.shape[1:]))  # also for an empty batch
+        return torch.bmm(factors.view(1, 1, grads.shape[0]), rows).view(grads.shape[1:])
 
 
 # ------------------------------------------------------------------ dropped (non-finite) samples
