@@ -29,7 +29,6 @@ from typing import Callable, Dict, List, Set, Tuple
 
 import torch
 import torch.nn as nn
-from torch.nn.utils.rnn import pad_sequence
 
 from opacus_dp.maths.per_sample import JOINED_CHECK_ELEMENTS, largest_magnitude
 from opacus_dp.module_parameters import own_parameters
@@ -37,6 +36,7 @@ from opacus_dp.torch_internals import current_graph_task_id
 
 TOLERANCE = {torch.float16: 3e-2, torch.bfloat16: 3e-2}  # also for calls under autocast
 DEFAULT_TOLERANCE = 1e-3
+JOINED_PER_SAMPLE_ELEMENTS = 1 << 20  # per-sample entries joined into one copy at most (4 MiB in float32)
 OUTSIDE_USE = (
     "parameter {name} received a gradient from a use outside the module that owns it "
     "(e.g. F.linear(h, emb.weight) in a parent's forward or in the loss): that use has no "
@@ -109,18 +109,21 @@ class OutsideUseTotals:
 
 
 def _checked_stats(pairs: List[Tuple[torch.Tensor, torch.Tensor]], undo_mean: bool) -> List[Tuple[float, float]]:
-    """``(max |G|, max |Σ_i g_i − G|)`` of each ``(G, per-sample gradients g)``: the totals of at
-    most ``JOINED_CHECK_ELEMENTS`` entries of a device and batch together (:func:`_joined_stats`,
-    a few operations for all of a model's small tensors), the others one by one; one transfer
-    per device."""
+    """``(max |G|, max |Σ_i g_i − G|)`` of each ``(G, per-sample gradients g)``: totals of at most
+    ``JOINED_CHECK_ELEMENTS`` entries of a device and batch together, in groups of at most
+    :data:`JOINED_PER_SAMPLE_ELEMENTS` per-sample entries (:func:`_joined_stats`: a few operations
+    for many small tensors, a bounded copy), the others one by one; one transfer per device."""
     stats: List[Tuple[int, torch.Tensor]] = []
-    joined: Dict[tuple, List[int]] = {}
+    groups: Dict[tuple, List[List[int]]] = {}
     for i, (total, grad_sample) in enumerate(pairs):
-        if total.numel() <= JOINED_CHECK_ELEMENTS:
-            joined.setdefault((total.device, grad_sample.shape[0]), []).append(i)
-        else:
+        if total.numel() > JOINED_CHECK_ELEMENTS:
             stats.append((i, _stats(total, _summed(grad_sample, undo_mean))))
-    for indices in joined.values():
+            continue
+        group = groups.setdefault((total.device, grad_sample.shape[0]), [[]])
+        if group[-1] and sum(pairs[j][1].numel() for j in group[-1]) + grad_sample.numel() > JOINED_PER_SAMPLE_ELEMENTS:
+            group.append([])
+        group[-1].append(i)
+    for indices in (indices for group in groups.values() for indices in group):
         rows = _joined_stats([pairs[i] for i in indices], undo_mean)
         stats.extend(zip(indices, rows.unbind(0)))
     return _transferred(stats, len(pairs))
@@ -139,16 +142,17 @@ def _stats(total: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 
 
 def _joined_stats(pairs: List[Tuple[torch.Tensor, torch.Tensor]], undo_mean: bool) -> torch.Tensor:
-    """``(P, 2)`` stats of ``P`` pairs ``(G, g)`` of one device and batch ``B``: the totals as the
-    rows of one zero-padded ``(P, L)`` matrix, the per-sample gradients as one ``(P, L, B)`` (zero
-    padding changes no maximum of magnitudes; a NaN stays in its row), summed over ``B``."""
-    totals = [t.reshape(-1).to(torch.float32) for t, _ in pairs]
-    per_sample = [g.reshape(g.shape[0], -1).t().to(torch.float32) for _, g in pairs]
-    total = pad_sequence(totals, batch_first=True)
-    expected = pad_sequence(per_sample, batch_first=True).sum(dim=2)
+    """``(P, 2)`` stats of ``P`` pairs ``(G, g)`` of one device and batch ``B``: the totals joined
+    into one vector and the per-sample gradients into one ``(B, Σ n)`` matrix summed over ``B``
+    (float32), each tensor's largest magnitudes taken by segment (a NaN stays in its segment)."""
+    batch = pairs[0][1].shape[0]
+    total = torch.cat([t.reshape(-1) for t, _ in pairs]).to(torch.float32)
+    expected = torch.cat([g.reshape(batch, -1) for _, g in pairs], dim=1).sum(dim=0, dtype=torch.float32)
     if undo_mean:
-        expected = expected / pairs[0][1].shape[0]
-    return torch.stack([total.abs().amax(dim=1), (expected - total).abs().amax(dim=1)], dim=1)
+        expected = expected / batch
+    lengths = torch.tensor([t.numel() for t, _ in pairs], device=total.device)
+    return torch.stack([torch.segment_reduce(total.abs(), "max", lengths=lengths),
+                        torch.segment_reduce((expected - total).abs(), "max", lengths=lengths)], dim=1)
 
 
 def _transferred(stats: List[Tuple[int, torch.Tensor]], count: int) -> List[Tuple[float, float]]:

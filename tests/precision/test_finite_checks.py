@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from opacus_dp.grad_sample import outside_use_totals
 from opacus_dp.grad_sample.outside_use_totals import _checked_stats, _peaks_and_gaps
 from opacus_dp.maths.per_sample import JOINED_CHECK_ELEMENTS, all_finite, largest_magnitude
 
@@ -117,3 +118,24 @@ def test_a_bad_value_leaves_only_its_own_pair_unjudged(index, side, bad):
             assert not (math.isfinite(peak) and math.isfinite(gap))
         else:
             assert (peak, gap) == clean[i]
+
+
+def test_joined_copies_stay_within_their_bound_and_agree_with_single_tensors(monkeypatch):
+    """Many small tensors are joined in groups of at most JOINED_PER_SAMPLE_ELEMENTS per-sample
+    entries (a tensor above the bound alone), with the same stats as taken one by one."""
+    gen = torch.Generator().manual_seed(6)
+    pairs = [(torch.randn(n, generator=gen), torch.randn(4, n, generator=gen)) for n in (3, 20, 1, 9, 30, 2, 7)]
+    alone = [_checked_stats([pair], undo_mean=True)[0] for pair in pairs]
+    joined_sizes, original = [], outside_use_totals._joined_stats
+
+    def spied(group, undo_mean):
+        joined_sizes.append((sum(g.numel() for _, g in group), len(group)))
+        return original(group, undo_mean)
+
+    monkeypatch.setattr(outside_use_totals, "JOINED_PER_SAMPLE_ELEMENTS", 60)
+    monkeypatch.setattr(outside_use_totals, "_joined_stats", spied)
+    stats = _checked_stats(pairs, undo_mean=True)
+    assert len(joined_sizes) > 2 and all(size <= 60 or count == 1 for size, count in joined_sizes)
+    assert sum(count for _, count in joined_sizes) == len(pairs)
+    for (peak, gap), (peak_alone, gap_alone) in zip(stats, alone):
+        assert peak == peak_alone and gap == pytest.approx(gap_alone, rel=1e-5, abs=1e-6)
