@@ -37,6 +37,7 @@ from opacus_dp.torch_internals import current_graph_task_id
 TOLERANCE = {torch.float16: 3e-2, torch.bfloat16: 3e-2}  # also for calls under autocast
 DEFAULT_TOLERANCE = 1e-3
 JOINED_PER_SAMPLE_ELEMENTS = 1 << 20  # per-sample entries joined into one copy at most (4 MiB in float32)
+SEGMENT_DEVICES = ("cpu", "cuda")  # where torch.segment_reduce runs; elsewhere one tensor at a time
 OUTSIDE_USE = (
     "parameter {name} received a gradient from a use outside the module that owns it "
     "(e.g. F.linear(h, emb.weight) in a parent's forward or in the loss): that use has no "
@@ -110,20 +111,26 @@ class OutsideUseTotals:
 
 def _checked_stats(pairs: List[Tuple[torch.Tensor, torch.Tensor]], undo_mean: bool) -> List[Tuple[float, float]]:
     """``(max |G|, max |Σ_i g_i − G|)`` of each ``(G, per-sample gradients g)``: totals of at most
-    ``JOINED_CHECK_ELEMENTS`` entries of a device and batch together, in groups of at most
+    ``JOINED_CHECK_ELEMENTS`` entries of a device (CPU, CUDA) and batch together, in groups of at most
     :data:`JOINED_PER_SAMPLE_ELEMENTS` per-sample entries (:func:`_joined_stats`: a few operations
     for many small tensors, a bounded copy), the others one by one; one transfer per device."""
     stats: List[Tuple[int, torch.Tensor]] = []
-    groups: Dict[tuple, List[List[int]]] = {}
+    groups: List[List[int]] = []
+    sizes: List[int] = []  # per-sample entries of each group
+    filling: Dict[tuple, int] = {}  # (device, batch): the group it fills
     for i, (total, grad_sample) in enumerate(pairs):
-        if total.numel() > JOINED_CHECK_ELEMENTS:
+        if total.numel() > JOINED_CHECK_ELEMENTS or total.device.type not in SEGMENT_DEVICES:
             stats.append((i, _stats(total, _summed(grad_sample, undo_mean))))
             continue
-        group = groups.setdefault((total.device, grad_sample.shape[0]), [[]])
-        if group[-1] and sum(pairs[j][1].numel() for j in group[-1]) + grad_sample.numel() > JOINED_PER_SAMPLE_ELEMENTS:
-            group.append([])
-        group[-1].append(i)
-    for indices in (indices for group in groups.values() for indices in group):
+        key = (total.device, grad_sample.shape[0])
+        g = filling.get(key)
+        if g is None or sizes[g] + grad_sample.numel() > JOINED_PER_SAMPLE_ELEMENTS:
+            g = filling[key] = len(groups)
+            groups.append([])
+            sizes.append(0)
+        groups[g].append(i)
+        sizes[g] += grad_sample.numel()
+    for indices in groups:
         rows = _joined_stats([pairs[i] for i in indices], undo_mean)
         stats.extend(zip(indices, rows.unbind(0)))
     return _transferred(stats, len(pairs))
