@@ -7,19 +7,15 @@ These tests read the settings, so they run on any CPU (whether the CPU honours a
 precision is what ``test_float32_products.py``'s end-to-end checks need)."""
 
 import threading
-import warnings
 
 import pytest
 import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import opacus_dp
 from opacus_dp.grad_sample.bookkeeping import bookkeeper
 from opacus_dp.grad_sample.bookkeeping.norm_samplers import linear as linear_norms
 from opacus_dp.maths import float32_products
 from opacus_dp.maths.float32_products import FULL_PRECISION, ieee_float32_products
 from tests.ghost.test_float32_products import _restore_precision  # noqa: F401 (autouse fixture)
+from tests.precision.helpers import mlp, private, squared_error
 
 pytestmark = pytest.mark.skipif(not float32_products._precision_settings(),
                                 reason="torch < 2.9: legacy settings")
@@ -116,18 +112,9 @@ def test_norms_and_clipped_sums_run_with_ieee_settings_under_reduced_precision(m
     norms = _Spy(monkeypatch, linear_norms, "gram_sq_norms")
     sums = _Spy(monkeypatch, linear_norms, "matrix_product")  # the clipped sum's product
     per_sample = _Spy(monkeypatch, bookkeeper, "weighted_sum")  # called inside the step's block
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
-    x, y = torch.randn(4, 6), torch.randn(4, 3)
-    extra = {"criterion": nn.MSELoss()} if mode == "ghost" else {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = opacus_dp.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=1.0,
-            max_grad_norm=1.0, grad_sample_mode=mode, poisson_sampling=False, **extra)
-    model, optimizer = out[0], out[1]
-    criterion = out[2] if len(out) == 4 else nn.MSELoss()
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    _, model, optimizer, criterion = private(mlp(), x, y, mode=mode)
+    criterion = criterion or squared_error
     torch.set_float32_matmul_precision("medium")
     before = _values(float32_products._precision_settings(cpu_only=True))
     assert "bf16" in before
