@@ -17,8 +17,8 @@ from opacus_dp.maths.float32_products import FULL_PRECISION, ieee_float32_produc
 from tests.ghost.test_float32_products import _restore_precision  # noqa: F401 (autouse fixture)
 from tests.precision.helpers import mlp, private, squared_error
 
-pytestmark = pytest.mark.skipif(not float32_products._precision_settings(),
-                                reason="torch < 2.9: legacy settings")
+pytestmark = [pytest.mark.skipif(not float32_products._precision_settings(), reason="torch < 2.9: legacy settings"),
+              pytest.mark.filterwarnings("ignore:secure_mode")]
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
