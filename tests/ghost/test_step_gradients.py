@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from opacus_dp.grad_sample import BookkeepingGradSampleModule
 from opacus_dp.grad_sample.bookkeeping.passes import Call
+from opacus_dp.grad_sample.bookkeeping import step_gradients
 from opacus_dp.grad_sample.bookkeeping.step_gradients import share_step_gradients, step_projections
 from opacus_dp.layers import DPGRU, DPLSTM, DPRNN
 from opacus_dp.maths.views import joined
@@ -71,7 +73,7 @@ def _cells(model):
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("name", sorted(LAYERS))
-def test_shared_gate_gradients_give_the_oracle_norms_and_sums(name, rule):
+def test_shared_gate_gradients_give_the_oracle_norms_and_sums(name, rule, comparison):
     model, wrapper, oracle = _wrapped(LAYERS[name], rule)
     kept = _kept(wrapper)
     for cell in _cells(model):
@@ -155,12 +157,39 @@ def _steps(g, times):
     return [_call(g[:, t].clone()) for t in times]
 
 
+@pytest.fixture(params=["per step", "one read"])
+def comparison(request, monkeypatch):
+    """Both ways of comparing the steps: one ``torch.equal`` each (CPU), or all at once with one
+    read of the result (other devices; forced here on CPU)."""
+    if request.param == "one read":
+        monkeypatch.setattr(step_gradients, "EARLY_EXIT_DEVICES", ())
+    return request.param
+
+
+class _DeviceReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value by the host (a synchronisation on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("recorded", ["last step first", "first step first"])
-def test_steps_become_views_of_the_whole_gradient_in_time_order(recorded):
+def test_steps_become_views_of_the_whole_gradient_in_time_order(recorded, comparison):
     g = torch.randn(3, 5, 4)
     times = [4, 3, 2, 1, 0] if recorded == "last step first" else [0, 1, 2, 3, 4]
     steps = _steps(g, times)
-    assert share_step_gradients(_call(g), steps, steps_pending=0)
+    with _DeviceReads() as reads:
+        assert share_step_gradients(_call(g), steps, steps_pending=0)
+    if comparison == "one read":  # one read per order of the steps tried
+        assert reads.count == (1 if recorded == "last step first" else 2)
+    else:
+        assert reads.count >= len(times)
     for t, c in enumerate(steps):
         (b,) = c.backprops
         assert b.data_ptr() == g[:, t].data_ptr() and torch.equal(b, g[:, t])
@@ -168,14 +197,16 @@ def test_steps_become_views_of_the_whole_gradient_in_time_order(recorded):
     assert merged.data_ptr() == g.data_ptr() and torch.equal(merged, g)
 
 
-@pytest.mark.parametrize("spoil", ["one value", "steps still pending", "one step missing", "other scale",
-                                   "other dtype", "swapped steps"])
-def test_any_mismatch_leaves_the_recorded_calls(spoil):
+@pytest.mark.parametrize("spoil", ["one value", "a NaN on both sides", "steps still pending", "one step missing",
+                                   "other scale", "other dtype", "swapped steps"])
+def test_any_mismatch_leaves_the_recorded_calls(spoil, comparison):
     g = torch.randn(3, 5, 4, dtype=torch.float64)
     steps = _steps(g, [4, 3, 2, 1, 0])
     pending = 0
     if spoil == "one value":
         steps[2].backprops[0][1, 3] += 1e-12
+    elif spoil == "a NaN on both sides":  # NaN equals nothing, as torch.equal has it
+        g[1, 2, 0] = steps[2].backprops[0][1, 0] = float("nan")
     elif spoil == "steps still pending":
         pending = 1
     elif spoil == "one step missing":

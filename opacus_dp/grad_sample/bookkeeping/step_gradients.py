@@ -28,6 +28,8 @@ import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping.passes import Call
 
+EARLY_EXIT_DEVICES = ("cpu",)  # where one comparison per step costs no device synchronisation
+
 
 def step_projections(model: nn.Module) -> Dict[nn.Module, nn.Module]:
     """``{whole-sequence projection: step projection}`` declared by the model's cells."""
@@ -51,7 +53,7 @@ def share_step_gradients(whole: Call, steps: Optional[List[Call]], steps_pending
         return False
     count = len(steps)
     for times in (range(count - 1, -1, -1), range(count)):  # recorded backwards, or reversed cell
-        if all(torch.equal(part, g[:, t]) for part, t in zip(parts, times)):
+        if _all_equal(parts, g, times):
             break
     else:
         return False
@@ -59,6 +61,16 @@ def share_step_gradients(whole: Call, steps: Optional[List[Call]], steps_pending
         c.backprops = [g[:, t]]
     steps[:] = [c for _, c in sorted(zip(times, steps), key=lambda pair: pair[0])]
     return True
+
+
+def _all_equal(parts: List[torch.Tensor], g: torch.Tensor, times) -> bool:
+    """Whether each part equals, value for value, its step ``t`` of ``g`` (``g[:, t]``; a NaN equals
+    nothing): one comparison per step where that stops at the first difference (CPU), elsewhere all
+    steps compared at once with one read of the result (a read per step would wait for the device
+    at every step)."""
+    if g.device.type in EARLY_EXIT_DEVICES:
+        return all(torch.equal(part, g[:, t]) for part, t in zip(parts, times))
+    return bool(torch.stack([torch.eq(part, g[:, t]).all() for part, t in zip(parts, times)]).all())
 
 
 def _is_step_of(part: Optional[torch.Tensor], g: torch.Tensor) -> bool:
