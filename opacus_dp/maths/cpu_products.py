@@ -1,7 +1,9 @@
-"""Which library multiplies the clipped sums' matrices on CPU: torch's BLAS or oneDNN.
+"""Which library multiplies the clipped sums' and the ghost norms' matrices on CPU: torch's BLAS
+or oneDNN.
 
 The clipped sum of a ``Linear`` layer in the norms-only modes is one matrix product of the
-weight's size, ``(f ⊙ G)ᵀ A`` over the batch's ``B·T`` rows. torch multiplies float32 matrices
+weight's size, ``(f ⊙ G)ᵀ A`` over the batch's ``B·T`` rows; its ghost norm takes, per sample,
+the Gram products ``A_i A_iᵀ`` and ``G_i G_iᵀ`` (:func:`per_sample_products`). torch multiplies float32 matrices
 on CPU with its BLAS (MKL in the official x86 wheels), which on AMD CPUs with AVX-512 runs its
 AVX2 kernels; oneDNN, which torch ships for its convolutions, uses the CPU's widest vector
 instructions. Where oneDNN forms a product, it does so only where the product is large (at least
@@ -24,6 +26,15 @@ Both libraries compute IEEE float32 products (inside
 the user allowed), summing in different orders: the sums agree to float32 rounding, not bit for
 bit, so a run is reproducible with either setting but not across them (``"torch"`` gives the
 bits of earlier releases). The noise, clipping bound and accounting are the same with either.
+
+Per-sample products (the Gram products' row blocks, ``(B, r, d) × (B, d, c)``) are one call per
+sample where oneDNN forms them, since it has no batched product in torch: on one and two threads
+of an AVX-512 AMD CPU, 0.52–0.82 × the time of ``torch.bmm`` from ``2²¹`` multiply-adds per sample
+and thread on (rows of 64, ``T`` = 128–512, ``d`` = 256–1024), slower below (up to 3 × at
+``2¹⁹``; ``bmm`` parallelises over the samples, one product over its own rows). So oneDNN takes a
+per-sample product of at least ``MIN_SAMPLE_MULTIPLY_ADDS_PER_THREAD`` multiply-adds per thread
+(``torch.get_num_threads()``): with ``"onednn"`` the bits of a run's norms depend on its thread
+count where a layer's products lie between the thresholds of the two counts.
 """
 
 import os
@@ -45,6 +56,7 @@ MIN_MULTIPLY_ADDS = 1 << 24
 # and up do on the CPUs measured (docs/benchmarks.md). A result that glibc's settled heap keeps
 # (heap_threshold.py) is not mapped afresh: any number of rows then gains.
 MIN_INNER = 256
+MIN_SAMPLE_MULTIPLY_ADDS_PER_THREAD = 1 << 21  # per-sample products by oneDNN (module doc)
 _backend: Optional[str] = None  # None until set or read from the environment
 _onednn_works: Optional[bool] = None
 
@@ -173,3 +185,25 @@ def matrix_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         return _onednn_product(left, right)
     out = empty_on_huge_pages((left.shape[0], right.shape[1]), torch.result_type(left, right), left.device)
     return torch.mm(left, right, out=out)
+
+
+def routes_samples_to_onednn(rows: torch.Tensor, cols: torch.Tensor) -> bool:
+    """True if :func:`per_sample_products` forms ``rows[i] @ cols[i]ᵀ`` by oneDNN: CPU float32
+    operands whose per-sample rows are contiguous, at least ``MIN_SAMPLE_MULTIPLY_ADDS_PER_THREAD``
+    multiply-adds per sample and thread, with the ``"onednn"`` backend set."""
+    batch, r, d = rows.shape
+    return (rows.device.type == "cpu" and rows.dtype == torch.float32 == cols.dtype and batch > 0
+            and rows.stride(2) == 1 and rows.stride(1) == d
+            and r * cols.shape[1] * d >= MIN_SAMPLE_MULTIPLY_ADDS_PER_THREAD * torch.get_num_threads()
+            and cpu_products() == "onednn")
+
+
+def per_sample_products(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``rows[i] @ cols[i]ᵀ`` for every sample ``i``: ``(B, r, d)``, ``(B, c, d)`` → ``(B, r, c)``, by
+    oneDNN one sample at a time where :func:`routes_samples_to_onednn`, else by ``torch.bmm``."""
+    if not routes_samples_to_onednn(rows, cols):
+        return torch.bmm(rows, cols.transpose(1, 2))
+    out = rows.new_empty((rows.shape[0], rows.shape[1], cols.shape[1]))
+    for i in range(rows.shape[0]):
+        out[i] = _onednn_linear(rows[i], cols[i])
+    return out

@@ -33,6 +33,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from opacus_dp.maths.cpu_products import per_sample_products
 from opacus_dp.torch_internals import version_counter
 
 _ACTIVE = threading.local()  # the resolution running on this thread: (SharedInputGrams, key, keep)
@@ -154,7 +155,7 @@ class SharedInputGrams:
 
 def _block_products(a: torch.Tensor, bounds: Sequence[int]) -> Iterator[torch.Tensor]:
     for low, high in zip(bounds[:-1], bounds[1:]):
-        yield torch.bmm(a[:, low:high], a[:, low:].transpose(1, 2))
+        yield per_sample_products(a[:, low:high], a[:, low:])
 
 
 def tensor_key(t: torch.Tensor) -> Optional[Key]:

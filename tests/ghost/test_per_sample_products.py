@@ -1,0 +1,109 @@
+"""Per-sample products on CPU (the ghost norms' Gram products) by oneDNN or ``torch.bmm``
+(``maths.cpu_products.per_sample_products``).
+
+Oracles: float64 products of the same float32 operands; for a bookkeeping pass, the norms of
+per-sample gradients formed in float64 by autograd one sample at a time. A spy on the oneDNN
+entry point shows which products it formed."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from opacus_dp.maths import cpu_products
+from tests.ghost.test_cpu_products import _clipped_sums, _restore_backend, needs_onednn, onednn_calls  # noqa: F401
+
+PER_THREAD = cpu_products.MIN_SAMPLE_MULTIPLY_ADDS_PER_THREAD
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for a test (restored after it)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _operands(batch, rows, cols, inner, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(batch, rows + cols, inner, generator=gen)
+    return a[:, :rows], a[:, rows:]  # row slices of one tensor, as the Gram blocks are
+
+
+def _close_to_float64(found, rows, cols):
+    exact = torch.bmm(rows.double(), cols.double().transpose(1, 2))
+    return found.dtype == rows.dtype and found.shape == exact.shape and \
+        float((found.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+
+
+@needs_onednn
+def test_onednn_forms_each_samples_product_to_float32_rounding(onednn_calls, threads):
+    threads(1)
+    cpu_products.set_cpu_products("onednn")
+    rows, cols = _operands(3, 64, 128, 512)  # 2^22 multiply-adds per sample
+    found = cpu_products.per_sample_products(rows, cols)
+    assert onednn_calls == [((64, 512), (128, 512))] * 3
+    assert _close_to_float64(found, rows, cols)
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["torch backend", "float64", "below the threshold", "two threads",
+                                  "strided rows", "empty batch"])
+def test_other_per_sample_products_are_torchs_bmm_bit_for_bit(case, onednn_calls, threads):
+    threads(2 if case == "two threads" else 1)
+    cpu_products.set_cpu_products("torch" if case == "torch backend" else "onednn")
+    inner = 256 if case in ("below the threshold", "two threads") else 512
+    rows, cols = _operands(0 if case == "empty batch" else 3, 64, 128, inner)  # 2^21 per sample at 256
+    if case == "float64":
+        rows, cols = rows.double(), cols.double()
+    if case == "strided rows":
+        rows = torch.randn(3, inner, 64).transpose(1, 2)  # each sample's rows are columns in memory
+    if case == "below the threshold":
+        rows = rows[:, :63]  # one row fewer than 2^21 multiply-adds
+    found = cpu_products.per_sample_products(rows, cols)
+    assert onednn_calls == []
+    assert torch.equal(found, torch.bmm(rows, cols.transpose(1, 2)))
+
+
+@needs_onednn
+def test_the_threshold_is_per_thread(onednn_calls, threads):
+    """One thread takes a product of 2^21 multiply-adds by oneDNN, two threads need twice that."""
+    cpu_products.set_cpu_products("onednn")
+    rows, cols = _operands(2, 64, 128, 256)
+    assert 64 * 128 * 256 == PER_THREAD
+    for count, routed in ((1, True), (2, False)):
+        threads(count)
+        assert cpu_products.routes_samples_to_onednn(rows, cols) is routed
+    threads(2)
+    assert cpu_products.routes_samples_to_onednn(*_operands(2, 64, 128, 512))
+
+
+def _exact_norms(model, x):
+    """``‖∇_θ Σ_t out_i‖`` per parameter and sample, in float64, one sample at a time."""
+    model64 = copy.deepcopy(model).double()
+    norms = [[] for _ in model64.parameters()]
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(model64(x[i:i + 1].double()).sum(), list(model64.parameters()))
+        for found, g in zip(norms, grads):
+            found.append(g.norm())
+    return [torch.stack(n) for n in norms]
+
+
+@needs_onednn
+def test_a_bookkeeping_pass_forms_its_ghost_norms_with_onednn(onednn_calls, threads):
+    """A 1024 × 1024 layer at T = 128 takes the ghost norm (``T(d + p) < dp``); its Gram products in
+    two row blocks of 64 have 2^23 and 2^22 multiply-adds per sample."""
+    threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024))
+    x, factors = torch.randn(2, 128, 1024), torch.rand(2)
+    norms_torch, _ = _clipped_sums("torch", model, x, factors)
+    assert onednn_calls == []
+    norms_onednn, _ = _clipped_sums("onednn", model, x, factors)
+    grams = [shapes for shapes in onednn_calls if shapes[0] == (64, 1024)]
+    assert grams.count(((64, 1024), (128, 1024))) == 2 * 2  # first block: two samples, inputs and gradients
+    assert grams.count(((64, 1024), (64, 1024))) == 2 * 2  # second block
+    for n_torch, n_onednn, exact in zip(norms_torch, norms_onednn, _exact_norms(model, x)):
+        assert torch.allclose(n_onednn.double(), exact, rtol=1e-5, atol=0)
+        assert torch.allclose(n_torch.double(), exact, rtol=1e-5, atol=0)
