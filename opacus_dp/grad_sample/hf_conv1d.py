@@ -23,6 +23,7 @@ from opacus_dp.grad_sample.bookkeeping.norm_rules import register_norm_rule
 from opacus_dp.grad_sample.bookkeeping.norm_samplers.hf_conv1d import CONV1D_NORM_RULE
 from opacus_dp.grad_sample.optional_layers import add_loader
 from opacus_dp.grad_sample.registry import register_grad_sampler
+from opacus_dp.maths.cpu_products import outer_sums
 from opacus_dp.grad_sample.support import sum_over_positions
 
 HF_MODULE = "transformers.pytorch_utils"
@@ -37,7 +38,7 @@ def conv1d_grad_sample(layer: nn.Module, activations: List[torch.Tensor],
     g = backprops.reshape(batch_size, -1, backprops.shape[-1])
     grads = {}
     if layer.weight.requires_grad:
-        grads[layer.weight] = torch.bmm(x.transpose(1, 2), g)
+        grads[layer.weight] = outer_sums(x, g)
     if layer.bias is not None and layer.bias.requires_grad:
         grads[layer.bias] = sum_over_positions(g)
     return grads

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.registry import register_grad_sampler
-from opacus_dp.maths.huge_pages import batched_outer_sums
+from opacus_dp.maths.cpu_products import outer_sums
 from opacus_dp.grad_sample.support import sum_over_positions
 
 
@@ -29,7 +29,7 @@ def linear_grad_sample(
     g = backprops.reshape(batch_size, -1, backprops.shape[-1])
     grads = {}
     if layer.weight.requires_grad:
-        grads[layer.weight] = batched_outer_sums(g, x)
+        grads[layer.weight] = outer_sums(g, x)
     if layer.bias is not None and layer.bias.requires_grad:
         grads[layer.bias] = sum_over_positions(g)
     return grads

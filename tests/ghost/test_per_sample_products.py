@@ -1,5 +1,6 @@
-"""Per-sample products on CPU (the ghost norms' Gram products) by oneDNN or ``torch.bmm``
-(``maths.cpu_products.per_sample_products``).
+"""Per-sample products on CPU by oneDNN or ``torch.bmm``: the ghost norms' Gram products
+(``maths.cpu_products.per_sample_products``) and ``Linear`` layers' per-sample gradients
+(``maths.cpu_products.outer_sums``).
 
 Oracles: float64 products of the same float32 operands; for a bookkeeping pass, the norms of
 per-sample gradients formed in float64 by autograd one sample at a time. A spy on the oneDNN
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from opacus_dp.grad_sample import GradSampleModule
 from opacus_dp.maths import cpu_products
 from tests.ghost.test_cpu_products import _clipped_sums, _restore_backend, needs_onednn, onednn_calls  # noqa: F401
 
@@ -107,3 +109,70 @@ def test_a_bookkeeping_pass_forms_its_ghost_norms_with_onednn(onednn_calls, thre
     for n_torch, n_onednn, exact in zip(norms_torch, norms_onednn, _exact_norms(model, x)):
         assert torch.allclose(n_onednn.double(), exact, rtol=1e-5, atol=0)
         assert torch.allclose(n_torch.double(), exact, rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------ per-sample gradients of Linear layers
+OUTER_PER_THREAD = cpu_products.MIN_OUTER_SUM_MULTIPLY_ADDS_PER_THREAD
+
+
+def _sequences(batch, positions, left, right, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, positions, left, generator=gen), torch.randn(batch, positions, right, generator=gen)
+
+
+@needs_onednn
+def test_onednn_forms_each_samples_outer_sum_to_float32_rounding(onednn_calls, threads):
+    threads(1)
+    cpu_products.set_cpu_products("onednn")
+    g, x = _sequences(3, 128, 256, 128)  # 2^22 multiply-adds per sample
+    found = cpu_products.outer_sums(g, x)
+    assert len(onednn_calls) == 3
+    assert _close_to_float64(found, g.transpose(1, 2), x.transpose(1, 2))
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["torch backend", "float64", "below the threshold", "two threads",
+                                  "recorded by autograd", "empty batch"])
+def test_other_outer_sums_are_torchs_bmm_bit_for_bit(case, onednn_calls, threads):
+    threads(2 if case == "two threads" else 1)
+    cpu_products.set_cpu_products("torch" if case == "torch backend" else "onednn")
+    g, x = _sequences(0 if case == "empty batch" else 3, 128, 256, 127 if case == "below the threshold" else 128)
+    if case == "float64":
+        g, x = g.double(), x.double()
+    if case == "recorded by autograd":
+        g.requires_grad_(True)
+    found = cpu_products.outer_sums(g, x)
+    assert onednn_calls == []
+    assert torch.equal(found, torch.bmm(g.transpose(1, 2), x))
+    assert found.requires_grad == (case == "recorded by autograd")
+
+
+def _exact_per_sample_grads(model, x):
+    """``∇_θ Σ_t out_i`` per sample, in float64, one sample at a time."""
+    model64 = copy.deepcopy(model).double()
+    per_sample = [torch.autograd.grad(model64(x[i:i + 1].double()).sum(), list(model64.parameters()))
+                  for i in range(x.shape[0])]
+    return [torch.stack(g) for g in zip(*per_sample)]
+
+
+@needs_onednn
+@pytest.mark.parametrize("kind", ["linear", "hf_conv1d"])
+def test_hooks_forms_per_sample_gradients_with_onednn(kind, onednn_calls, threads):
+    """``hooks`` materialises a 256 → 128 layer's per-sample gradients at T = 128 (2^22 multiply-adds
+    per sample) by oneDNN, to float32 rounding of the float64 per-sample gradients."""
+    from tests.ghost.test_cpu_products import _layer
+
+    threads(1)
+    cpu_products.set_cpu_products("onednn")
+    torch.manual_seed(0)
+    model = nn.Sequential(_layer(kind, 256, 128))
+    x = torch.randn(2, 128, 256)
+    wrapper = GradSampleModule(model, loss_reduction="sum")
+    out = wrapper(x)
+    out.backward(torch.ones_like(out))
+    assert len(onednn_calls) == 2  # one per sample, the weight's
+    for p, exact in zip(model.parameters(), _exact_per_sample_grads(model, x)):
+        found = p.grad_sample.double()
+        assert found.shape == exact.shape
+        assert float((found - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+    wrapper.close()
