@@ -39,13 +39,27 @@ def _close_to_float64(found, rows, cols):
         float((found.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
 
 
+def _sequences(batch, positions, left, right, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, positions, left, generator=gen), torch.randn(batch, positions, right, generator=gen)
+
+
 @needs_onednn
-def test_onednn_forms_each_samples_product_to_float32_rounding(onednn_calls, threads):
+@pytest.mark.parametrize("product", ["gram blocks", "outer sums"])
+def test_onednn_forms_each_samples_product_to_float32_rounding(product, onednn_calls, threads):
+    """Three samples of 2^22 multiply-adds each: the Gram products' ``rows[i] @ cols[i]ᵀ`` and the
+    per-sample gradients' ``g[i]ᵀ x[i]``."""
     threads(1)
     cpu_products.set_cpu_products("onednn")
-    rows, cols = _operands(3, 64, 128, 512)  # 2^22 multiply-adds per sample
-    found = cpu_products.per_sample_products(rows, cols)
-    assert onednn_calls == [((64, 512), (128, 512))] * 3
+    if product == "gram blocks":
+        rows, cols = _operands(3, 64, 128, 512)
+        found = cpu_products.per_sample_products(rows, cols)
+        assert onednn_calls == [((64, 512), (128, 512))] * 3
+    else:
+        g, x = _sequences(3, 128, 256, 128)
+        found = cpu_products.outer_sums(g, x)
+        rows, cols = g.transpose(1, 2), x.transpose(1, 2)
+        assert len(onednn_calls) == 3
     assert _close_to_float64(found, rows, cols)
 
 
@@ -112,24 +126,6 @@ def test_a_bookkeeping_pass_forms_its_ghost_norms_with_onednn(onednn_calls, thre
 
 
 # ------------------------------------------------------------------ per-sample gradients of Linear layers
-OUTER_PER_THREAD = cpu_products.MIN_OUTER_SUM_MULTIPLY_ADDS_PER_THREAD
-
-
-def _sequences(batch, positions, left, right, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, positions, left, generator=gen), torch.randn(batch, positions, right, generator=gen)
-
-
-@needs_onednn
-def test_onednn_forms_each_samples_outer_sum_to_float32_rounding(onednn_calls, threads):
-    threads(1)
-    cpu_products.set_cpu_products("onednn")
-    g, x = _sequences(3, 128, 256, 128)  # 2^22 multiply-adds per sample
-    found = cpu_products.outer_sums(g, x)
-    assert len(onednn_calls) == 3
-    assert _close_to_float64(found, g.transpose(1, 2), x.transpose(1, 2))
-
-
 @needs_onednn
 @pytest.mark.parametrize("case", ["torch backend", "float64", "below the threshold", "two threads",
                                   "recorded by autograd", "empty batch"])
