@@ -1,5 +1,5 @@
-"""Which library multiplies the clipped sums' and the ghost norms' matrices on CPU: torch's BLAS
-or oneDNN.
+"""Which library multiplies the clipped sums', the ghost norms' and the per-sample gradients'
+matrices on CPU: torch's BLAS or oneDNN.
 
 The clipped sum of a ``Linear`` layer in the norms-only modes is one matrix product of the
 weight's size, ``(f ⊙ G)ᵀ A`` over the batch's ``B·T`` rows; its ghost norm takes, per sample,
@@ -193,15 +193,22 @@ def matrix_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return torch.mm(left, right, out=out)
 
 
+def _per_sample_by_onednn(first: torch.Tensor, second: torch.Tensor, multiply_adds: int,
+                          per_thread: int) -> bool:
+    """CPU float32 operands of a non-empty batch whose per-sample product has at least
+    ``per_thread`` multiply-adds per thread, with the ``"onednn"`` backend set."""
+    return (first.device.type == "cpu" and first.dtype == torch.float32 == second.dtype
+            and first.shape[0] > 0 and multiply_adds >= per_thread * torch.get_num_threads()
+            and cpu_products() == "onednn")
+
+
 def routes_samples_to_onednn(rows: torch.Tensor, cols: torch.Tensor) -> bool:
     """True if :func:`per_sample_products` forms ``rows[i] @ cols[i]ᵀ`` by oneDNN: CPU float32
     operands whose per-sample rows are contiguous, at least ``MIN_SAMPLE_MULTIPLY_ADDS_PER_THREAD``
     multiply-adds per sample and thread, with the ``"onednn"`` backend set."""
-    batch, r, d = rows.shape
-    return (rows.device.type == "cpu" and rows.dtype == torch.float32 == cols.dtype and batch > 0
-            and rows.stride(2) == 1 and rows.stride(1) == d
-            and r * cols.shape[1] * d >= MIN_SAMPLE_MULTIPLY_ADDS_PER_THREAD * torch.get_num_threads()
-            and cpu_products() == "onednn")
+    _, r, d = rows.shape
+    return (rows.stride(2) == 1 and rows.stride(1) == d
+            and _per_sample_by_onednn(rows, cols, r * cols.shape[1] * d, MIN_SAMPLE_MULTIPLY_ADDS_PER_THREAD))
 
 
 def per_sample_products(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -219,11 +226,9 @@ def routes_outer_sums_to_onednn(left: torch.Tensor, right: torch.Tensor) -> bool
     """True if :func:`outer_sums` forms ``left[i]ᵀ right[i]`` by oneDNN: CPU float32 operands of at
     least ``MIN_OUTER_SUM_MULTIPLY_ADDS_PER_THREAD`` multiply-adds per sample and thread, with the
     ``"onednn"`` backend set."""
-    batch, positions, rows = left.shape
-    return (left.device.type == "cpu" and left.dtype == torch.float32 == right.dtype and batch > 0
-            and rows * positions * right.shape[2]
-            >= MIN_OUTER_SUM_MULTIPLY_ADDS_PER_THREAD * torch.get_num_threads()
-            and cpu_products() == "onednn")
+    _, positions, rows = left.shape
+    return _per_sample_by_onednn(left, right, rows * positions * right.shape[2],
+                                 MIN_OUTER_SUM_MULTIPLY_ADDS_PER_THREAD)
 
 
 def outer_sums(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
