@@ -7,11 +7,13 @@ batches). The private optimizer's phases are timed by wrapping its methods on th
 (``bk`` forms its per-sample norms there), ``clip`` (norms gathered, clip factors, clipped sums),
 ``noise`` (drawing and adding it), ``scale`` (the mean's division, ``p.grad``), ``inner`` (SGD's
 update) and ``other`` (checks, accountant). Median process CPU milliseconds over ``--steps``
-steps, interleaved with the non-private step. ``--batch-size 2`` keeps the first two samples of each
+steps, interleaved with the non-private step (``--timer wall``: wall-clock milliseconds, for
+several threads, where process CPU time sums the threads' work and hides what runs on one). ``--batch-size 2`` keeps the first two samples of each
 batch: the per-sample work is then negligible and what remains above the non-private step is the
 step's fixed cost (hooks, bookkeeping, clip factors, noise of the model's size).
 
     OMP_NUM_THREADS=1 python scripts/profile_models.py --steps 9 [--fast-noise philox] [--batch-size 2]
+    OMP_NUM_THREADS=2 python scripts/profile_models.py --models llama --threads 2 --timer wall
 """
 
 import argparse
@@ -31,6 +33,7 @@ from benchmark_models import WORKLOADS  # noqa: E402
 from profile_step import instrument, step_phases, table  # noqa: E402
 
 FAST_NOISE = {"off": False, "threads": True, "philox": "philox"}
+CLOCKS = {"cpu": (time.process_time, "process CPU"), "wall": (time.perf_counter, "wall-clock")}
 
 
 def build(workload, mode, x, y, fast_noise):
@@ -58,7 +61,7 @@ def profile_model(name: str, args) -> dict:
     rows = {setting: defaultdict(list) for setting in settings}
     for step in range(args.warmup + args.steps):
         for setting, (model, optimizer, criterion, times, private) in settings.items():
-            row = step_phases(model, optimizer, criterion, x, y, times, private, clock=time.process_time)
+            row = step_phases(model, optimizer, criterion, x, y, times, private, clock=CLOCKS[args.timer][0])
             if step >= args.warmup:
                 for key, value in row.items():
                     rows[setting][key].append(value)
@@ -75,6 +78,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fast-noise", choices=sorted(FAST_NOISE), default="off")
+    parser.add_argument("--timer", choices=sorted(CLOCKS), default="cpu",
+                        help="cpu: process CPU time (one thread); wall: wall clock (several threads)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     results = {}
@@ -82,7 +87,7 @@ def main(argv=None) -> dict:
         results[name] = profile_model(name, args)
         batch = f" (its first {args.batch_size} samples)" if args.batch_size else ""
         print(f"\n{name}: {WORKLOADS[name].description}{batch}; noise {args.fast_noise}, {args.threads} thread(s), "
-              f"median process CPU ms over {args.steps} steps\n")
+              f"median {CLOCKS[args.timer][1]} ms over {args.steps} steps\n")
         print(table(results[name], {mode: "non-private" for mode in args.modes}))
     return results
 

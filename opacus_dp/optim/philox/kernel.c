@@ -36,6 +36,64 @@
 static inline float as_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 static inline uint32_t as_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* The rounds on x86 vector registers: each 32 x 32 -> 64-bit product by vpmuludq, of the even
+ * lanes and of the odd lanes shifted down, its low and high words blended back into place, the
+ * lane groups interleaved so that their products overlap. Compilers turn the portable form below
+ * into 64-bit multiplies (AVX-512) or slower code (AVX2): this form takes 0.6 (AVX-512) and 0.4
+ * (AVX2) of their time. The same integer operations, hence the same bits. */
+#include <immintrin.h>
+#if defined(__AVX512F__)
+typedef __m512i words;
+#define WIDTH 16
+#define LOAD(p) _mm512_loadu_si512(p)
+#define STORE(p, v) _mm512_storeu_si512(p, v)
+#define BROADCAST(w) _mm512_set1_epi32((int)(w))
+#define MUL_EVEN(a, b) _mm512_mul_epu32(a, b)
+#define SHIFT_DOWN(a) _mm512_srli_epi64(a, 32)
+#define SHIFT_UP(a) _mm512_slli_epi64(a, 32)
+#define ODD_FROM(a, b) _mm512_mask_blend_epi32(0xAAAA, a, b)
+#define XOR3(a, b, c) _mm512_ternarylogic_epi32(a, b, c, 0x96)
+#else
+typedef __m256i words;
+#define WIDTH 8
+#define LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define STORE(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#define BROADCAST(w) _mm256_set1_epi32((int)(w))
+#define MUL_EVEN(a, b) _mm256_mul_epu32(a, b)
+#define SHIFT_DOWN(a) _mm256_srli_epi64(a, 32)
+#define SHIFT_UP(a) _mm256_slli_epi64(a, 32)
+#define ODD_FROM(a, b) _mm256_blend_epi32(a, b, 0xAA)
+#define XOR3(a, b, c) _mm256_xor_si256(_mm256_xor_si256(a, b), c)
+#endif
+#define GROUPS (LANES / WIDTH)
+
+static void philox_rounds(uint32_t *restrict x0, uint32_t *restrict x1, uint32_t *restrict x2,
+                          uint32_t *restrict x3, uint32_t k0, uint32_t k1) {
+    const words m0 = BROADCAST(PHILOX_M0), m1 = BROADCAST(PHILOX_M1);
+    words a0[GROUPS], a1[GROUPS], a2[GROUPS], a3[GROUPS];
+    for (int g = 0; g < GROUPS; g++) {
+        a0[g] = LOAD(x0 + WIDTH * g); a1[g] = LOAD(x1 + WIDTH * g);
+        a2[g] = LOAD(x2 + WIDTH * g); a3[g] = LOAD(x3 + WIDTH * g);
+    }
+    for (int round = 0; round < 10; round++) {
+        words r0 = BROADCAST(k0), r1 = BROADCAST(k1);
+        for (int g = 0; g < GROUPS; g++) {  /* independent groups: their products overlap */
+            words p0e = MUL_EVEN(a0[g], m0), p0o = MUL_EVEN(SHIFT_DOWN(a0[g]), m0);
+            words p1e = MUL_EVEN(a2[g], m1), p1o = MUL_EVEN(SHIFT_DOWN(a2[g]), m1);
+            a0[g] = XOR3(ODD_FROM(SHIFT_DOWN(p1e), p1o), a1[g], r0);  /* hi(M1 x2) ^ x1 ^ k0 */
+            a2[g] = XOR3(ODD_FROM(SHIFT_DOWN(p0e), p0o), a3[g], r1);  /* hi(M0 x0) ^ x3 ^ k1 */
+            a1[g] = ODD_FROM(p1e, SHIFT_UP(p1o));                       /* lo(M1 x2) */
+            a3[g] = ODD_FROM(p0e, SHIFT_UP(p0o));                       /* lo(M0 x0) */
+        }
+        k0 += PHILOX_W0; k1 += PHILOX_W1;
+    }
+    for (int g = 0; g < GROUPS; g++) {
+        STORE(x0 + WIDTH * g, a0[g]); STORE(x1 + WIDTH * g, a1[g]);
+        STORE(x2 + WIDTH * g, a2[g]); STORE(x3 + WIDTH * g, a3[g]);
+    }
+}
+#else
 static void philox_rounds(uint32_t *restrict x0, uint32_t *restrict x1, uint32_t *restrict x2,
                           uint32_t *restrict x3, uint32_t k0, uint32_t k1) {
     for (int round = 0; round < 10; round++) {
@@ -48,6 +106,7 @@ static void philox_rounds(uint32_t *restrict x0, uint32_t *restrict x1, uint32_t
         k0 += PHILOX_W0; k1 += PHILOX_W1;
     }
 }
+#endif
 
 static void box_muller(const uint32_t *restrict wr, const uint32_t *restrict wa,
                        float *restrict zc, float *restrict zs) {
@@ -72,6 +131,11 @@ static void box_muller(const uint32_t *restrict wr, const uint32_t *restrict wa,
     }
 }
 
+/* Not inlined: inlined into the loop below, the tile stayed in registers and the passes that
+ * divide took about 1.7 times as long (GCC 12, AVX-512). */
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((noinline))
+#endif
 static void tile(uint64_t first_block, uint32_t k0, uint32_t k1, uint32_t c2, uint32_t c3,
                  float std, float *restrict z) {
     uint32_t x0[LANES], x1[LANES], x2[LANES], x3[LANES];
@@ -93,8 +157,13 @@ void opacus_dp_philox_normal(float *out, const float *base, int64_t start, int64
     int divide = divisor != 1.0f;
     for (int64_t done = 0; done < count; done += TILE) {
         int64_t n = count - done < TILE ? count - done : TILE;
-        tile((uint64_t)((start + done) / TILE) * LANES, k0, k1, c2, c3, std, z);
         float *o = out + done;
+        uint64_t first_block = (uint64_t)((start + done) / TILE) * LANES;
+        if (!base && !divide && n == TILE) {  /* a whole tile of plain noise: drawn in place */
+            tile(first_block, k0, k1, c2, c3, std, o);
+            continue;
+        }
+        tile(first_block, k0, k1, c2, c3, std, z);
         if (base) {
             const float *a = base + done;
             if (divide) {
