@@ -167,6 +167,37 @@ def test_every_build_gives_the_same_bits(tmp_path):
     assert native.build(flags=built["O0"], directory=tmp_path) in tmp_path.glob("*.so")  # cached
 
 
+def unaligned(values: torch.Tensor, shift: int) -> torch.Tensor:
+    """A copy of ``values`` that starts ``shift`` floats into its storage (not 64-byte aligned)."""
+    storage = torch.full((values.numel() + shift,), float("nan"))
+    storage[shift:] = values
+    return storage[shift:]
+
+
+def test_every_build_writes_unaligned_tensors_as_the_reference(tmp_path):
+    """Views that start inside a cache line, as a parameter sliced from a flat buffer does: the
+    whole tiles drawn straight into the output, the tiles added to a base, and the division."""
+    native_kernel()
+    n, start = 9 * 256 + 13, 256 * 2 ** 32
+    base = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    expected = {"plain": run_reference(n, start), "added": run_reference(n, start, base=base)}
+    divided = torch.empty(n)
+    reference.fill(divided, base, start, WORDS, STD, 3.0)
+    for name, flags in build_flag_sets().items():
+        kernel = native.load(native.build(flags=flags, directory=tmp_path))
+        for shift in (1, 3):
+            out, source = unaligned(torch.zeros(n), shift), unaligned(base, shift + 1)
+            kernel(out.data_ptr(), None, start, n, *WORDS, STD, 1.0)
+            assert torch.equal(out, expected["plain"]), (name, shift)
+            kernel(out.data_ptr(), source.data_ptr(), start, n, *WORDS, STD, 1.0)
+            assert torch.equal(out, expected["added"]), (name, shift)
+            kernel(out.data_ptr(), source.data_ptr(), start, n, *WORDS, STD, 3.0)
+            assert torch.equal(out, divided), (name, shift)
+            in_place = unaligned(base, shift)
+            kernel(in_place.data_ptr(), in_place.data_ptr(), start, n, *WORDS, STD, 1.0)
+            assert torch.equal(in_place, expected["added"]), (name, shift)
+
+
 def test_build_reports_a_failing_compiler(tmp_path):
     with pytest.raises(RuntimeError, match="compiler"):
         native.build(flags=FLAGS + ["-no-such-flag-xyz"], directory=tmp_path)
