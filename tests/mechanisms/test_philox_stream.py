@@ -6,6 +6,7 @@ import hashlib
 import math
 import platform
 import random
+import shutil
 import struct
 
 import numpy as np
@@ -196,6 +197,19 @@ def test_every_build_writes_unaligned_tensors_as_the_reference(tmp_path):
             in_place = unaligned(base, shift)
             kernel(in_place.data_ptr(), in_place.data_ptr(), start, n, *WORDS, STD, 1.0)
             assert torch.equal(in_place, expected["added"]), (name, shift)
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang is not installed")
+def test_clang_builds_give_the_same_bits(tmp_path):
+    """The vector Philox rounds (AVX2, AVX-512) and the portable code, built by another compiler."""
+    native_kernel()
+    n, start = 9 * 256 + 13, 256 * 2 ** 32
+    base = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    expected = (run_reference(n, start), run_reference(n, start, base=base))
+    for name, flags in build_flag_sets().items():
+        kernel = native.load(native.build(compiler="clang", flags=flags, directory=tmp_path))
+        assert torch.equal(run_kernel(kernel, n, start), expected[0]), name
+        assert torch.equal(run_kernel(kernel, n, start, base=base), expected[1]), name
 
 
 def test_build_reports_a_failing_compiler(tmp_path):
