@@ -38,3 +38,21 @@ def test_batch_size_keeps_the_first_samples(capsys, monkeypatch):
     rows = module.main(["--models", "lstm", "--steps", "1", "--warmup", "0", "--batch-size", "2"])["lstm"]
     assert seen == [(2, 2), (2, 2)] and set(rows) == {"non-private", "bk"}
     assert "(its first 2 samples)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("timer, clock", [("cpu", "process_time"), ("wall", "perf_counter")])
+def test_timer_chooses_the_clock_of_every_phase(capsys, monkeypatch, timer, clock):
+    """``--timer wall`` times the phases by the wall clock (several threads), ``cpu`` (default) by
+    the process's CPU time; the header names the clock."""
+    module = load()
+    clocks = []
+    step_phases = module.step_phases
+
+    def recording(*args, clock, **kwargs):
+        clocks.append(clock)
+        return step_phases(*args, clock=clock, **kwargs)
+
+    monkeypatch.setattr(module, "step_phases", recording)
+    module.main(["--models", "lstm", "--steps", "1", "--warmup", "0", "--batch-size", "2", "--timer", timer])
+    assert [c.__name__ for c in clocks] == [clock, clock]
+    assert f"median {'wall-clock' if timer == 'wall' else 'process CPU'} ms" in capsys.readouterr().out
