@@ -8,9 +8,10 @@ batches). The private optimizer's phases are timed by wrapping its methods on th
 ``noise`` (drawing and adding it), ``scale`` (the mean's division, ``p.grad``), ``inner`` (SGD's
 update) and ``other`` (checks, accountant). Median process CPU milliseconds over ``--steps``
 steps, interleaved with the non-private step (``--timer wall``: wall-clock milliseconds, for
-several threads, where process CPU time sums the threads' work and hides what runs on one). ``--batch-size 2`` keeps the first two samples of each
-batch: the per-sample work is then negligible and what remains above the non-private step is the
-step's fixed cost (hooks, bookkeeping, clip factors, noise of the model's size).
+several threads, where process CPU time sums the threads' work and hides what runs on one).
+``--batch-size 2`` keeps the first two samples of each batch: the per-sample work is then
+negligible and what remains above the non-private step is the step's fixed cost (hooks,
+bookkeeping, clip factors, noise of the model's size).
 
     OMP_NUM_THREADS=1 python scripts/profile_models.py --steps 9 [--fast-noise philox] [--batch-size 2]
     OMP_NUM_THREADS=2 python scripts/profile_models.py --models llama --threads 2 --timer wall
