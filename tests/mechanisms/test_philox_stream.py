@@ -154,18 +154,25 @@ def build_flag_sets():
     return sets
 
 
-def test_every_build_gives_the_same_bits(tmp_path):
+COMPILERS = [None, pytest.param("clang", marks=pytest.mark.skipif(
+    shutil.which("clang") is None, reason="clang is not installed"))]  # None: $CC, else cc
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_every_build_gives_the_same_bits(tmp_path, compiler):
+    """Each instruction level's build (the vector Philox rounds of AVX2 and AVX-512 and the portable
+    code), by the default compiler and by clang where installed, against the reference."""
     native_kernel()
     n, start = 64 * 256 + 77, 256 * 2 ** 33
     base = torch.randn(n, generator=torch.Generator().manual_seed(3))
     expected = (run_reference(n, start), run_reference(n, 0, std=1.0, base=base))
     built = build_flag_sets()
     for name, flags in built.items():
-        kernel = native.load(native.build(flags=flags, directory=tmp_path))
+        kernel = native.load(native.build(compiler, flags=flags, directory=tmp_path))
         assert torch.equal(run_kernel(kernel, n, start), expected[0]), name
         assert torch.equal(run_kernel(kernel, n, 0, std=1.0, base=base), expected[1]), name
     assert len(list(tmp_path.glob("philox_v*.so"))) == len(built)
-    assert native.build(flags=built["O0"], directory=tmp_path) in tmp_path.glob("*.so")  # cached
+    assert native.build(compiler, flags=built["O0"], directory=tmp_path) in tmp_path.glob("*.so")  # cached
 
 
 def unaligned(values: torch.Tensor, shift: int) -> torch.Tensor:
@@ -197,19 +204,6 @@ def test_every_build_writes_unaligned_tensors_as_the_reference(tmp_path):
             in_place = unaligned(base, shift)
             kernel(in_place.data_ptr(), in_place.data_ptr(), start, n, *WORDS, STD, 1.0)
             assert torch.equal(in_place, expected["added"]), (name, shift)
-
-
-@pytest.mark.skipif(shutil.which("clang") is None, reason="clang is not installed")
-def test_clang_builds_give_the_same_bits(tmp_path):
-    """The vector Philox rounds (AVX2, AVX-512) and the portable code, built by another compiler."""
-    native_kernel()
-    n, start = 9 * 256 + 13, 256 * 2 ** 32
-    base = torch.randn(n, generator=torch.Generator().manual_seed(6))
-    expected = (run_reference(n, start), run_reference(n, start, base=base))
-    for name, flags in build_flag_sets().items():
-        kernel = native.load(native.build(compiler="clang", flags=flags, directory=tmp_path))
-        assert torch.equal(run_kernel(kernel, n, start), expected[0]), name
-        assert torch.equal(run_kernel(kernel, n, start, base=base), expected[1]), name
 
 
 def test_build_reports_a_failing_compiler(tmp_path):
