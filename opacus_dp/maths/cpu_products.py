@@ -196,8 +196,10 @@ def matrix_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
 def _per_sample_by_onednn(first: torch.Tensor, second: torch.Tensor, multiply_adds: int,
                           per_thread: int) -> bool:
     """CPU float32 operands of a non-empty batch whose per-sample product has at least
-    ``per_thread`` multiply-adds per thread, with the ``"onednn"`` backend set."""
-    return (first.device.type == "cpu" and first.dtype == torch.float32 == second.dtype
+    ``per_thread`` multiply-adds per thread, with the ``"onednn"`` backend set, and no autograd
+    recording the product (oneDNN's product has no derivative in torch)."""
+    recorded = torch.is_grad_enabled() and (first.requires_grad or second.requires_grad)
+    return (first.device.type == "cpu" and first.dtype == torch.float32 == second.dtype and not recorded
             and first.shape[0] > 0 and multiply_adds >= per_thread * torch.get_num_threads()
             and cpu_products() == "onednn")
 
@@ -205,7 +207,7 @@ def _per_sample_by_onednn(first: torch.Tensor, second: torch.Tensor, multiply_ad
 def routes_samples_to_onednn(rows: torch.Tensor, cols: torch.Tensor) -> bool:
     """True if :func:`per_sample_products` forms ``rows[i] @ cols[i]ᵀ`` by oneDNN: CPU float32
     operands whose per-sample rows are contiguous, at least ``MIN_SAMPLE_MULTIPLY_ADDS_PER_THREAD``
-    multiply-adds per sample and thread, with the ``"onednn"`` backend set."""
+    multiply-adds per sample and thread, with the ``"onednn"`` backend set, not recorded by autograd."""
     _, r, d = rows.shape
     return (rows.stride(2) == 1 and rows.stride(1) == d
             and _per_sample_by_onednn(rows, cols, r * cols.shape[1] * d, MIN_SAMPLE_MULTIPLY_ADDS_PER_THREAD))
@@ -213,7 +215,8 @@ def routes_samples_to_onednn(rows: torch.Tensor, cols: torch.Tensor) -> bool:
 
 def per_sample_products(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """``rows[i] @ cols[i]ᵀ`` for every sample ``i``: ``(B, r, d)``, ``(B, c, d)`` → ``(B, r, c)``, by
-    oneDNN one sample at a time where :func:`routes_samples_to_onednn`, else by ``torch.bmm``."""
+    oneDNN one sample at a time where :func:`routes_samples_to_onednn`, else by ``torch.bmm`` (also
+    wherever autograd records the product)."""
     if not routes_samples_to_onednn(rows, cols):
         return torch.bmm(rows, cols.transpose(1, 2))
     out = rows.new_empty((rows.shape[0], rows.shape[1], cols.shape[1]))
@@ -225,7 +228,7 @@ def per_sample_products(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
 def routes_outer_sums_to_onednn(left: torch.Tensor, right: torch.Tensor) -> bool:
     """True if :func:`outer_sums` forms ``left[i]ᵀ right[i]`` by oneDNN: CPU float32 operands of at
     least ``MIN_OUTER_SUM_MULTIPLY_ADDS_PER_THREAD`` multiply-adds per sample and thread, with the
-    ``"onednn"`` backend set."""
+    ``"onednn"`` backend set, not recorded by autograd."""
     _, positions, rows = left.shape
     return _per_sample_by_onednn(left, right, rows * positions * right.shape[2],
                                  MIN_OUTER_SUM_MULTIPLY_ADDS_PER_THREAD)
@@ -235,10 +238,9 @@ def outer_sums(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """``out[i] = left[i]ᵀ right[i]`` for ``left (B, T, o)``, ``right (B, T, p)``: the per-sample
     gradients ``(B, o, p)`` of a ``Linear`` weight; by oneDNN one sample at a time where
     :func:`routes_outer_sums_to_onednn` (into memory advised to huge pages, as
-    :func:`~opacus_dp.maths.huge_pages.batched_outer_sums`), else by that function (``torch.bmm``).
-    Where autograd records the product it is always ``torch.bmm``."""
-    recorded = torch.is_grad_enabled() and (left.requires_grad or right.requires_grad)
-    if recorded or not routes_outer_sums_to_onednn(left, right):
+    :func:`~opacus_dp.maths.huge_pages.batched_outer_sums`), else by that function (``torch.bmm``,
+    also wherever autograd records the product)."""
+    if not routes_outer_sums_to_onednn(left, right):
         return batched_outer_sums(left, right)
     out = empty_on_huge_pages((left.shape[0], left.shape[2], right.shape[2]), left.dtype, left.device)
     for i in range(left.shape[0]):

@@ -65,7 +65,7 @@ def test_onednn_forms_each_samples_product_to_float32_rounding(product, onednn_c
 
 @needs_onednn
 @pytest.mark.parametrize("case", ["torch backend", "float64", "below the threshold", "two threads",
-                                  "strided rows", "empty batch"])
+                                  "strided rows", "recorded by autograd", "empty batch"])
 def test_other_per_sample_products_are_torchs_bmm_bit_for_bit(case, onednn_calls, threads):
     threads(2 if case == "two threads" else 1)
     cpu_products.set_cpu_products("torch" if case == "torch backend" else "onednn")
@@ -77,9 +77,12 @@ def test_other_per_sample_products_are_torchs_bmm_bit_for_bit(case, onednn_calls
         rows = torch.randn(3, inner, 64).transpose(1, 2)  # each sample's rows are columns in memory
     if case == "below the threshold":
         rows = rows[:, :63]  # one row fewer than 2^21 multiply-adds
+    if case == "recorded by autograd":
+        rows.requires_grad_(True)
     found = cpu_products.per_sample_products(rows, cols)
     assert onednn_calls == []
     assert torch.equal(found, torch.bmm(rows, cols.transpose(1, 2)))
+    assert found.requires_grad == (case == "recorded by autograd")
 
 
 @needs_onednn
