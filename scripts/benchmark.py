@@ -49,6 +49,10 @@ and prints each compiled variant's time divided by its eager time and by compile
 with the graphs and graph breaks Dynamo counts in two of its steps on fresh caches after the timed
 rounds (:mod:`compile_stats`; also in the JSON, ``raw_timing[variant]["graphs"]``).
 
+``--channels-last`` lays the image models (convnet, resnet) and their batch out
+``torch.channels_last``, every variant alike (the layout oneDNN's convolutions run fastest in on
+CPU, and the one ``torch.compile`` gives them).
+
 ``--ddp`` wraps every model (non-private included) in ``DistributedDataParallel`` in a process
 group of the benchmark's process alone (:mod:`ddp_single_process`), the private ones before
 ``make_private``, as a DDP script on one rank: with ``--compile``, compiled DDP.
@@ -142,12 +146,13 @@ def _theirs(model, optimizer, loader, mode, criterion):
 
 
 def build_step(workload, variant: str, x, y, precision: str = "fp32", wrap=None,
-               fast_noise=False) -> Callable[[], None]:
+               fast_noise=False, channels_last: bool = False) -> Callable[[], None]:
     """One training step of ``variant`` on a fresh copy of ``workload``'s model, on ``x``'s device.
     ``<name>@<backend>``: the step of ``name`` (one of ours, or non-private) with the model it
     trains compiled in place (``model.compile(backend=...)``; the private model after
     ``make_private``; docs/compile.md); ``wrap``: applied to the model first (``--ddp``);
-    ``fast_noise``: ``make_private``'s setting for our variants."""
+    ``fast_noise``: ``make_private``'s setting for our variants; ``channels_last``: an image
+    model's parameters laid out ``torch.channels_last`` (``--channels-last``)."""
     name, _, backend = variant.partition(COMPILED)
     theirs = name.startswith("opacus:")
     if theirs:
@@ -156,6 +161,8 @@ def build_step(workload, variant: str, x, y, precision: str = "fp32", wrap=None,
         import opacus_dp.layers as layers
     torch.manual_seed(0)
     model = workload.build(layers).to(x.device)
+    if channels_last and x.dim() == 4:
+        model = model.to(memory_format=torch.channels_last)
     model = wrap(model) if wrap is not None else model
     optimizer, criterion = torch.optim.SGD(model.parameters(), lr=LR), workload.criterion()
     if name != "non-private":
@@ -182,9 +189,11 @@ def auto_choice(workload) -> str:
 
 # ----------------------------------------------------------------------------- timing
 def _precision(args) -> dict:
-    """``build_step``'s keywords for ``--precision`` (none for fp32, the default) and ``--ddp``."""
+    """``build_step``'s keywords for ``--precision`` (none for fp32, the default), ``--ddp`` and
+    ``--channels-last``."""
     precision = getattr(args, "precision", "fp32")
-    return {**({} if precision == "fp32" else {"precision": precision}), **ddp_kwargs(args)}
+    layout = {"channels_last": True} if getattr(args, "channels_last", False) else {}
+    return {**({} if precision == "fp32" else {"precision": precision}), **ddp_kwargs(args), **layout}
 
 
 def _timer(kind: str) -> Callable[[], float]:
@@ -194,13 +203,17 @@ def _timer(kind: str) -> Callable[[], float]:
 
 
 def _batch(workload, args):
-    """The workload's fixed batch (seed 1): its first ``--batch-size`` samples, on ``--device``."""
+    """The workload's fixed batch (seed 1): its first ``--batch-size`` samples, on ``--device``;
+    images laid out ``torch.channels_last`` with ``--channels-last``."""
     torch.manual_seed(1)
     x, y = workload.batch()
     size, device = getattr(args, "batch_size", None), getattr(args, "device", "cpu")
     if size:
         x, y = x[:size], y[:size]
-    return (x, y) if device == "cpu" else (x.to(device), y.to(device))
+    x, y = (x, y) if device == "cpu" else (x.to(device), y.to(device))
+    if getattr(args, "channels_last", False) and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, y
 
 
 def time_variants(workload, variants: List[str], args) -> Dict[str, dict]:
@@ -270,7 +283,7 @@ def probe_memory(model_name: str, variant: str, args) -> dict:
     (``tensor_peak_mib``: on CPU over as many further steps, :func:`allocated_peak_mib`)."""
     workload = WORKLOADS[model_name]
     x, y = _batch(workload, args)
-    step, steps = build_step(workload, variant, x, y, args.precision, **ddp_kwargs(args)), args.memory_steps
+    step, steps = build_step(workload, variant, x, y, **_precision(args)), args.memory_steps
 
     def run():
         for _ in range(steps):
@@ -299,6 +312,7 @@ def measure_memory(model_name: str, variant: str, args) -> dict:
     if getattr(args, "batch_size", None):
         cmd += ["--batch-size", str(args.batch_size)]
     cmd += ["--ddp"] if getattr(args, "ddp", False) else []
+    cmd += ["--channels-last"] if getattr(args, "channels_last", False) else []
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1][:160]}
@@ -338,6 +352,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="run models and batches there (cuda: the timer is the synchronised wall clock)")
     parser.add_argument("--batch-size", type=int, help="only the first B samples of each model's batch")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="the image models (convnet, resnet) and their batch in torch.channels_last, "
+                             "every variant alike")
     parser.add_argument("--ddp", action="store_true", help="every model (non-private too) in DistributedDataParallel, "
                         "in a process group of this process alone (scripts/ddp_single_process.py)")
     parser.add_argument("--json", help="also write the report to this file")
@@ -377,7 +394,8 @@ def main(argv=None) -> None:
         print(f"done: {model_name}", file=sys.stderr)
     report["machine"]["load_average_after"] = os.getloadavg()
     print(f"allocator settings of the timed process: {report['machine']['allocator'] or 'defaults'}; "
-          f"precision: {args.precision}; clipped sums' CPU products: {report['machine']['cpu_products']}")
+          f"precision: {args.precision}; clipped sums' CPU products: {report['machine']['cpu_products']}"
+          + ("; images channels-last" if args.channels_last else ""))
     print_table(report)
     if args.compile:
         print_compile_ratios(report)

@@ -109,6 +109,8 @@ def all_cases() -> List[Case]:
              _randn(32, 3, 32, 32)),
         Case("Conv2d", "B32 32->64 k3 32x32", lambda: nn.Conv2d(32, 64, 3, padding=1),
              _randn(32, 32, 32, 32)),
+        Case("Conv2d", "B32 64->64 k3 56x56", lambda: nn.Conv2d(64, 64, 3, padding=1),
+             _randn(32, 64, 56, 56)),
         Case("Conv2d stride 2", "B32 64->128 k3 16x16",
              lambda: nn.Conv2d(64, 128, 3, stride=2, padding=1), _randn(32, 64, 16, 16)),
         Case("Conv2d", "B32 256->256 k3 8x8", lambda: nn.Conv2d(256, 256, 3, padding=1),

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from opacus_dp.grad_sample.registry import register_grad_sampler, register_saved_statistics
 from opacus_dp.grad_sample.support import sum_over_positions
+from opacus_dp.maths.layouts import channels_last_only, positions_by_channels
 from opacus_dp.module_parameters import trainable
 from opacus_dp.torch_internals import saved_tensor_hooks_active, saved_value
 
@@ -161,6 +162,8 @@ def group_norm_grad_sample(
     x = activations[0].to(backprops.dtype)
     _check_channels(layer, x, layer.num_channels)
     if statistics is not None and _group_statistics_fit(layer, x, backprops, statistics):
+        if channels_last_only(x) and channels_last_only(backprops) and x.dtype in (torch.float32, torch.float64):
+            return _group_norm_grads_channels_last(layer, x, backprops, statistics)
         return _group_norm_grads_from_statistics(layer, x, backprops, statistics)
 
     def x_hat():
@@ -211,6 +214,26 @@ def _group_norm_grads_from_statistics(layer: nn.GroupNorm, x: torch.Tensor, back
         grads[layer.weight] = weight_grad.view(batch, channels)
     if wanted[2]:
         grads[layer.bias] = bias_grad.view(batch, channels)
+    return grads
+
+
+def _group_norm_grads_channels_last(layer: nn.GroupNorm, x: torch.Tensor, backprops: torch.Tensor,
+                                    statistics) -> Dict[nn.Parameter, torch.Tensor]:
+    """The sums of :func:`_group_norm_grads_from_statistics` read in the channels-last layout
+    (where folding the batch into the channels would copy ``x`` and ``gy``): per sample and
+    channel ``c`` of group ``g``, ``Σ_s x_hat·gy = rstd_g (Σ_s x·gy − mean_g Σ_s gy)``, the sums
+    over the positions of ``(B, positions, C)`` views."""
+    mean, rstd = statistics
+    channels = x.shape[1]
+    x_rows, gy_rows = positions_by_channels(x), positions_by_channels(backprops)
+    sum_gy = sum_over_positions(gy_rows)
+    grads = {}
+    if trainable(layer.weight):
+        per_group = channels // layer.num_groups
+        mean_c, rstd_c = (t.repeat_interleave(per_group, dim=1) for t in (mean, rstd))
+        grads[layer.weight] = sum_over_positions(x_rows * gy_rows).sub_(mean_c * sum_gy).mul_(rstd_c)
+    if trainable(layer.bias):
+        grads[layer.bias] = sum_gy
     return grads
 
 

@@ -256,3 +256,61 @@ def test_memory_probe_sees_the_per_sample_gradients_of_hooks(bench):
     assert hooks["peak_increase_mib"] - plain["peak_increase_mib"] > 30
     assert plain["tensor_peak_mib"] > 0  # the same 39 MiB of per-sample gradients, counted as tensors
     assert hooks["tensor_peak_mib"] - plain["tensor_peak_mib"] > 30
+
+
+class TinyImageModel(nn.Module):
+    def __init__(self, layers=None):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _image_workload():
+    from benchmark_models import Workload
+
+    def batch():
+        generator = torch.Generator().manual_seed(6)
+        return torch.randn(BATCH, 3, 6, 6, generator=generator), torch.randint(0, 3, (BATCH,), generator=generator)
+
+    return Workload("tiny-images", TinyImageModel, batch, "test image model")
+
+
+@pytest.mark.parametrize("variant", ["non-private", "hooks", "bk"])
+def test_channels_last_lays_out_model_and_batch_and_trains_the_same(bench, monkeypatch, variant):
+    """``--channels-last``: the batch and the convolution's weight in ``torch.channels_last``, and
+    the step's gradient that of the default layout (σ = 0)."""
+    monkeypatch.setattr(bench, "SIGMA", 0.0)
+    workload = _image_workload()
+    x, y = bench._batch(workload, SimpleNamespace(channels_last=True))
+    assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    plain_x, _ = bench._batch(workload, SimpleNamespace())
+    assert plain_x.is_contiguous() and torch.equal(plain_x, x)
+    gradients = {}
+    for layout, batch in (("channels-last", x), ("default", plain_x)):
+        step = bench.build_step(workload, variant, batch, y, **bench._precision(
+            SimpleNamespace(channels_last=layout == "channels-last")))
+        cells = dict(zip(step.__code__.co_freevars, (c.cell_contents for c in step.__closure__)))
+        params = [p for group in cells["optimizer"].param_groups for p in group["params"]]
+        conv_weight = params[0]
+        assert conv_weight.is_contiguous(memory_format=torch.channels_last) == (layout == "channels-last")
+        assert conv_weight.is_contiguous() == (layout == "default")
+        step()
+        gradients[layout] = [p.grad.detach().clone() for p in params]
+    for got, want in zip(gradients["channels-last"], gradients["default"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_memory_probe_is_asked_for_the_same_layout(bench, monkeypatch):
+    seen = []
+
+    def run(cmd, **kwargs):
+        seen.append(cmd)
+        return SimpleNamespace(returncode=0, stdout='{"peak_increase_mib": 1.0, "tensor_peak_mib": 1.0}\n')
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    bench.measure_memory("convnet", "bk", SimpleNamespace(threads=1, memory_steps=1, channels_last=True))
+    bench.measure_memory("convnet", "bk", SimpleNamespace(threads=1, memory_steps=1))
+    assert "--channels-last" in seen[0] and "--channels-last" not in seen[1]

@@ -52,6 +52,7 @@ from opacus_dp.grad_sample.conv import _prepare_input, conv_windows, padded_inpu
 from opacus_dp.grad_sample.bookkeeping.norm_rules import register_norm_rule
 from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import (
     bound_from_diagonal, materialised_sq_norms, trusted_sq_norms)
+from opacus_dp.maths.layouts import positions_by_channels
 from opacus_dp.module_parameters import trainable
 from opacus_dp.grad_sample.registry import PerSampleGrads, register_norm_sampler
 
@@ -199,12 +200,12 @@ def _autocorrelation_gram(layer: ConvNd, x: torch.Tensor) -> torch.Tensor:
     dims = _dims_taps(layer, x)
     if layer.padding_mode != "zeros":
         x = padded_input(layer, x)
-    rows, channels, spatial = x.shape[0] * layer.groups, layer.in_channels // layer.groups, len(dims)
+    rows, spatial = x.shape[0] * layer.groups, len(dims)
     grams = {}
     for phase in itertools.product(*(taps.phases() for taps in dims)):
         part = x[(slice(None), slice(None), *(slice(r, None, taps.stride) for r, taps in zip(phase, dims)))]
-        flat = part.reshape(rows, channels, -1)
-        grams[phase] = torch.bmm(flat.transpose(1, 2), flat).view(rows, *part.shape[2:], *part.shape[2:])
+        by_position = positions_by_channels(part, layer.groups)
+        grams[phase] = torch.bmm(by_position, by_position.transpose(1, 2)).view(rows, *part.shape[2:], *part.shape[2:])
     for dim, taps in enumerate(dims):  # the phases of dimension dim summed out, those after it kept
         grams = {rest: _tap_sum({phase[0]: g for phase, g in grams.items() if phase[1:] == rest},
                                 (1 + dim, 1 + spatial + dim), taps)
