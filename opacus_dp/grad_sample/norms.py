@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from opacus_dp.grad_sample.registry import register_grad_sampler, register_saved_statistics
 from opacus_dp.grad_sample.support import sum_over_positions
-from opacus_dp.maths.layouts import channels_last_only, positions_by_channels
+from opacus_dp.maths.layouts import channels_innermost, positions_by_channels
 from opacus_dp.module_parameters import trainable
 from opacus_dp.torch_internals import saved_tensor_hooks_active, saved_value
 
@@ -162,7 +162,7 @@ def group_norm_grad_sample(
     x = activations[0].to(backprops.dtype)
     _check_channels(layer, x, layer.num_channels)
     if statistics is not None and _group_statistics_fit(layer, x, backprops, statistics):
-        if channels_last_only(x) and channels_last_only(backprops) and x.dtype in (torch.float32, torch.float64):
+        if channels_innermost(x) and channels_innermost(backprops) and x.dtype in (torch.float32, torch.float64):
             return _group_norm_grads_channels_last(layer, x, backprops, statistics)
         return _group_norm_grads_from_statistics(layer, x, backprops, statistics)
 

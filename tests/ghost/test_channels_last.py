@@ -17,7 +17,7 @@ from opacus_dp import PrivacyEngine
 from opacus_dp.grad_sample import conv as conv_samplers
 from opacus_dp.grad_sample import norms
 from opacus_dp.grad_sample.bookkeeping.norm_samplers import conv as conv_norms
-from opacus_dp.maths.layouts import channels_last_only, positions_by_channels
+from opacus_dp.maths.layouts import channels_innermost, positions_by_channels
 from tests.engine.helpers import clipped_sum_oracle
 from tests.grad_sample.oracle import default_loss, oracle_grad_samples, trainable
 
@@ -38,19 +38,24 @@ def test_positions_by_channels_reads_channels_last_without_transposing(shape, gr
     plain = positions_by_channels(x, groups)
     assert plain.stride() == expected.stride() and plain.data_ptr() == x.data_ptr()  # the old view itself
     laid_out = channels_last(x)
-    assert channels_last_only(laid_out) and not channels_last_only(x)
+    assert channels_innermost(laid_out) and not channels_innermost(x)
     got = positions_by_channels(laid_out, groups)
     assert torch.equal(got, expected)
     assert got.stride(-1) == 1  # each position's channels together: no transposing copy
     if groups == 1:
         assert got.data_ptr() == laid_out.data_ptr()  # a view
+    phase = laid_out[:, :, 1::2]  # a strided convolution's phase: channels still inner
+    assert channels_innermost(phase)
+    got = positions_by_channels(phase, groups)
+    assert torch.equal(got, x[:, :, 1::2].reshape(rows, channels, -1).transpose(1, 2))
+    assert got.stride(-1) == 1
 
 
 def test_a_tensor_contiguous_in_both_layouts_keeps_the_default_path():
     """One channel, or one position: both layouts at once; the default layout's reading is kept."""
     for t in (torch.randn(3, 1, 4, 4), torch.randn(3, 5, 1, 1)):
-        assert not channels_last_only(t)
-        assert not channels_last_only(t.contiguous(memory_format=torch.channels_last))
+        assert not channels_innermost(t)
+        assert not channels_innermost(t.contiguous(memory_format=torch.channels_last))
 
 
 def oracle_norm_grads(layer: nn.GroupNorm, x: torch.Tensor, gy: torch.Tensor) -> dict:
@@ -145,7 +150,7 @@ def spy_on_layouts(monkeypatch) -> list:
     seen = []
 
     def spy(x, groups=1):
-        seen.append("channels-last" if channels_last_only(x) else "default")
+        seen.append("channels-last" if channels_innermost(x) else "default")
         return positions_by_channels(x, groups)
 
     monkeypatch.setattr(conv_samplers, "positions_by_channels", spy)
