@@ -48,6 +48,13 @@ def clipped_sum_oracle(grads, bounds, per_layer: bool):
     return [(f.view(-1, *[1] * (g.dim() - 1)) * g).sum(0) for g in grads]
 
 
+def median_clipped_mean(rows, batch: int):
+    """``(bound, update)``: the per-sample norms' median as the bound (about half the samples
+    clipped) and the flat-clipped mean ``1/B Σ_i f_i g_i`` of each tensor's rows."""
+    bound = torch.sqrt(sum(g.reshape(batch, -1).pow(2).sum(1) for g in rows)).median().item()
+    return bound, [s / batch for s in clipped_sum_oracle(rows, bound, False)]
+
+
 def train_plain(model, batches, make_optimizer, reduction="mean"):
     """Non-private reference training: one optimizer step per batch."""
     opt = make_optimizer(model.parameters())

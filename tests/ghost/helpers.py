@@ -56,3 +56,26 @@ def assert_norms_and_sums(wrapper, oracle: Dict[str, torch.Tensor], seed: int = 
         torch.testing.assert_close(total, weighted(f, expected), rtol=rtol, atol=atol,
                                    msg=lambda m: f"clipped sum of {name}: {m}")
     return norms
+
+
+def private_update(model: nn.Module, loader, mode: str, bound: float, batch: int, prepare=None,
+                   **private) -> List[torch.Tensor]:
+    """``before − after`` of each parameter after one ``make_private`` SGD step (lr 1, σ 0, flat
+    bound ``bound``, loss ``default_loss / batch``) on the loader's first batch, ``prepare``d."""
+    import warnings
+
+    from opacus_dp import PrivacyEngine
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
+            noise_multiplier=0.0, max_grad_norm=bound, poisson_sampling=False, grad_sample_mode=mode,
+            criterion=lambda out, *_: default_loss(out) / batch, **private)
+    wrapper, optimizer, loader = result[0], result[1], result[-1]
+    criterion = result[2] if mode == "ghost" else (lambda out: default_loss(out) / batch)
+    before = [p.detach().clone() for p in model.parameters()]
+    (xb,) = next(iter(loader))
+    criterion(wrapper(xb if prepare is None else prepare(xb))).backward()
+    optimizer.step()
+    return [b - p.detach() for b, p in zip(before, model.parameters())]

@@ -6,20 +6,19 @@ step of a channels-last model against the float64 per-sample oracle, with spies 
 channels-last paths ran."""
 
 import copy
-import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from opacus_dp import PrivacyEngine
 from opacus_dp.grad_sample import conv as conv_samplers
 from opacus_dp.grad_sample import norms
 from opacus_dp.grad_sample.bookkeeping.norm_samplers import conv as conv_norms
 from opacus_dp.maths.layouts import channels_innermost, positions_by_channels
-from tests.engine.helpers import clipped_sum_oracle
-from tests.grad_sample.oracle import default_loss, oracle_grad_samples, trainable
+from tests.engine.helpers import median_clipped_mean
+from tests.ghost.helpers import private_update
+from tests.grad_sample.oracle import oracle_grad_samples, trainable
 
 F64 = torch.float64
 
@@ -171,23 +170,11 @@ def test_every_mode_trains_a_channels_last_model_as_the_oracle(monkeypatch, mode
     grads = oracle_grad_samples(copy.deepcopy(model), (x,))
     names = [n for n, _ in trainable(model)]
     rows = [grads[n] for n in names]
-    bound = torch.sqrt(sum(g.reshape(batch, -1).pow(2).sum(1) for g in rows)).median().item()
-    expected = [s / batch for s in clipped_sum_oracle(rows, bound, False)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = PrivacyEngine(accountant="rdp").make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            data_loader=DataLoader(TensorDataset(x), batch_size=batch), noise_multiplier=0.0,
-            max_grad_norm=bound, poisson_sampling=False, grad_sample_mode=mode,
-            criterion=lambda out, *_: default_loss(out) / batch)
-    private, optimizer, loader = result[0], result[1], result[-1]
-    criterion = result[2] if mode == "ghost" else (lambda out: default_loss(out) / batch)
-    before = [p.detach().clone() for p in model.parameters()]
-    (xb,) = next(iter(loader))
-    xb = xb.contiguous(memory_format=torch.channels_last)  # the loader stacks samples in the default layout
-    criterion(private(xb)).backward()
-    optimizer.step()
-    for name, b, p, e in zip(names, before, model.parameters(), expected):
-        torch.testing.assert_close(b - p.detach(), e, rtol=1e-9, atol=1e-12, msg=lambda m: f"update of {name}: {m}")
+    bound, expected = median_clipped_mean(rows, batch)
+    updates = private_update(  # the loader stacks samples in the default layout: laid out again
+        model, DataLoader(TensorDataset(x), batch_size=batch), mode, bound, batch,
+        prepare=lambda xb: xb.contiguous(memory_format=torch.channels_last))
+    for name, u, e in zip(names, updates, expected):
+        torch.testing.assert_close(u, e, rtol=1e-9, atol=1e-12, msg=lambda m: f"update of {name}: {m}")
     if mode != "functorch":  # functorch differentiates each layer's forward: no formula of its own
         assert "channels-last" in seen and "group norm" in seen, seen

@@ -12,7 +12,8 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_dp import PrivacyEngine
-from tests.engine.helpers import clipped_sum_oracle
+from tests.engine.helpers import median_clipped_mean
+from tests.ghost.helpers import private_update
 from tests.grad_sample.oracle import default_loss, oracle_grad_samples, trainable
 
 BATCH = WIDTH = 4
@@ -62,25 +63,11 @@ def test_batch_first_layers_in_a_sequence_first_model_equal_the_oracle(layer, mo
     grads = oracle_grad_samples(m64, (x.transpose(0, 1),), batch_dim=1)
     names = [n for n, _ in trainable(m64)]
     rows = [grads[n] for n in names]
-    bound = torch.sqrt(sum(g.reshape(BATCH, -1).pow(2).sum(1) for g in rows)).median().item()
-    expected = [s / BATCH for s in clipped_sum_oracle(rows, bound, False)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = PrivacyEngine(accountant="rdp").make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            data_loader=sequence_first_loader(x), noise_multiplier=0.0, max_grad_norm=bound,
-            batch_first=False, poisson_sampling=False, grad_sample_mode=mode,
-            criterion=lambda out, *_: default_loss(out) / BATCH)
-    gsm, optimizer, loader = result[0], result[1], result[-1]
-    criterion = result[2] if mode == "ghost" else (lambda out: default_loss(out) / BATCH)
-    before = [p.detach().clone() for p in model.parameters()]
-    (xb,) = next(iter(loader))
-    criterion(gsm(xb)).backward()
-    optimizer.step()
+    bound, expected = median_clipped_mean(rows, BATCH)
+    updates = private_update(model, sequence_first_loader(x), mode, bound, BATCH, batch_first=False)
     scale = max(e.abs().max().item() for e in expected)  # a norm after proj zeroes proj.bias's gradient
-    for name, b, p, e in zip(names, before, model.parameters(), expected):
-        torch.testing.assert_close(b - p.detach(), e, rtol=1e-9, atol=1e-9 * scale,
-                                   msg=lambda m: f"update of {name}: {m}")
+    for name, u, e in zip(names, updates, expected):
+        torch.testing.assert_close(u, e, rtol=1e-9, atol=1e-9 * scale, msg=lambda m: f"update of {name}: {m}")
 
 
 class SequenceFirstHead(nn.Module):
@@ -104,24 +91,10 @@ def test_two_dimensional_head_of_a_sequence_first_model_equals_the_oracle(mode):
     grads = oracle_grad_samples(copy.deepcopy(model), (x.transpose(0, 1),), batch_dim=1)
     names = [n for n, _ in trainable(model)]
     rows = [grads[n] for n in names]
-    bound = torch.sqrt(sum(g.reshape(BATCH, -1).pow(2).sum(1) for g in rows)).median().item()
-    expected = [s / BATCH for s in clipped_sum_oracle(rows, bound, False)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = PrivacyEngine(accountant="rdp").make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            data_loader=sequence_first_loader(x), noise_multiplier=0.0, max_grad_norm=bound,
-            batch_first=False, poisson_sampling=False, grad_sample_mode=mode,
-            criterion=lambda out, *_: default_loss(out) / BATCH)
-    gsm, optimizer, loader = result[0], result[1], result[-1]
-    criterion = result[2] if mode == "ghost" else (lambda out: default_loss(out) / BATCH)
-    before = [p.detach().clone() for p in model.parameters()]
-    (xb,) = next(iter(loader))
-    criterion(gsm(xb)).backward()
-    optimizer.step()
-    for name, b, p, e in zip(names, before, model.parameters(), expected):
-        torch.testing.assert_close(b - p.detach(), e, rtol=1e-9, atol=1e-12,
-                                   msg=lambda m: f"update of {name}: {m}")
+    bound, expected = median_clipped_mean(rows, BATCH)
+    updates = private_update(model, sequence_first_loader(x), mode, bound, BATCH, batch_first=False)
+    for name, u, e in zip(names, updates, expected):
+        torch.testing.assert_close(u, e, rtol=1e-9, atol=1e-12, msg=lambda m: f"update of {name}: {m}")
 
 
 class SequenceFirstWithId(nn.Module):
@@ -151,8 +124,7 @@ def test_embedding_of_a_per_example_id_in_a_sequence_first_model_equals_the_orac
                                     [p for _, p in trainable(m64)])
         per_sample.append(grads)
     rows = [torch.stack([g[k] for g in per_sample]) for k in range(len(names))]
-    bound = torch.sqrt(sum(g.reshape(BATCH, -1).pow(2).sum(1) for g in rows)).median().item()
-    expected = [s / BATCH for s in clipped_sum_oracle(rows, bound, False)]
+    bound, expected = median_clipped_mean(rows, BATCH)
     collate = lambda items: (torch.stack([i[0] for i in items], dim=1), torch.stack([i[1] for i in items]))  # noqa: E731
     loader = DataLoader(TensorDataset(x, ids), batch_size=BATCH, collate_fn=collate)
     with warnings.catch_warnings():
