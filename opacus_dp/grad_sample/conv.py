@@ -18,9 +18,9 @@ ways to get all ``B`` of them at once, chosen by measurement (``scripts/benchmar
   gradients, inputs and output gradients each fill at most about 2 MiB, each block written into
   the result: the convolution's own weight-gradient buffer and the copy it makes of it stay that
   small (not two of the result's size), and a block's operands stay in cache (a channels-last
-  block is copied to the default layout there; on 56 × 56 inputs, blocks of two samples took
-  two thirds of the time of blocks sized by the gradients alone). Each sample's gradient is its own group's convolution either way: the
-  same numbers, bit for bit where the kernel does not depend on the number of groups (float64;
+  block is copied to the default layout there: docs/benchmarks.md, "Channels-last image
+  models"). Each sample's gradient is its own group's convolution either way: the same
+  numbers, bit for bit where the kernel does not depend on the number of groups (float64;
   oneDNN's float32 kernels may block a smaller problem differently, a rounding difference);
 * im2col (Chellapilla et al., "High performance convolutional neural networks for document
   processing", 2006) + batched matrix product: ``x`` unfolded to ``(B, G, C/G*K, L)``
