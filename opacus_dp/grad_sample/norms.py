@@ -226,12 +226,12 @@ def _group_norm_grads_channels_last(layer: nn.GroupNorm, x: torch.Tensor, backpr
     mean, rstd = statistics
     channels = x.shape[1]
     x_rows, gy_rows = positions_by_channels(x), positions_by_channels(backprops)
-    sum_gy = sum_over_positions(gy_rows)
+    sum_gy = gy_rows.sum(dim=1)  # with few channels per row, faster than sum_over_positions' product
     grads = {}
     if trainable(layer.weight):
         per_group = channels // layer.num_groups
         mean_c, rstd_c = (t.repeat_interleave(per_group, dim=1) for t in (mean, rstd))
-        grads[layer.weight] = sum_over_positions(x_rows * gy_rows).sub_(mean_c * sum_gy).mul_(rstd_c)
+        grads[layer.weight] = (x_rows * gy_rows).sum(dim=1).sub_(mean_c * sum_gy).mul_(rstd_c)
     if trainable(layer.bias):
         grads[layer.bias] = sum_gy
     return grads
