@@ -178,3 +178,54 @@ def test_every_mode_trains_a_channels_last_model_as_the_oracle(monkeypatch, mode
         torch.testing.assert_close(u, e, rtol=1e-9, atol=1e-12, msg=lambda m: f"update of {name}: {m}")
     if mode != "functorch":  # functorch differentiates each layer's forward: no formula of its own
         assert "channels-last" in seen and "group norm" in seen, seen
+
+
+def layout_update(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, per_layer: bool,
+                  autocast: bool, channels_last_layout: bool):
+    """One private SGD step's update (σ = 0, cross-entropy) of a copy of ``model`` in the given layout."""
+    import warnings
+
+    from opacus_dp import PrivacyEngine
+
+    model = copy.deepcopy(model)
+    if channels_last_layout:
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    count = len(list(model.parameters()))
+    clipping = dict(clipping="per_layer", max_grad_norm=[0.3] * count) if per_layer else dict(max_grad_norm=0.3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        private, optimizer, _ = PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x, y), batch_size=len(x)),
+            noise_multiplier=0.0, poisson_sampling=False, grad_sample_mode=mode, **clipping)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = nn.functional.cross_entropy(private(x), y)
+    loss.backward()
+    optimizer.step()
+    return [b - p.detach() for b, p in zip(before, model.parameters())]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_channels_last_updates_equal_the_default_layouts(monkeypatch, mode, per_layer, autocast):
+    """Per-layer clipping and bfloat16 autocast in channels-last: the update of the same model and
+    batch in the default layout. (Under bfloat16 autocast GroupNorm's input is bfloat16 and its
+    statistics float32, so its per-sample terms come from the recomputed normalisation in either
+    layout; the convolutions' read the channels-last tensors in place.)"""
+    seen = spy_on_layouts(monkeypatch)
+    torch.manual_seed(5)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1, groups=2), nn.GroupNorm(4, 16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 5, (16,))
+    default = layout_update(model, x, y, mode, per_layer, autocast, channels_last_layout=False)
+    assert "group norm" not in seen and "channels-last" not in seen
+    laid_out = layout_update(model, x, y, mode, per_layer, autocast, channels_last_layout=True)
+    assert "channels-last" in seen and ("group norm" in seen) != autocast
+    tolerance = dict(rtol=2e-3, atol=2e-4) if autocast else dict(rtol=1e-4, atol=1e-6)
+    for got, want in zip(laid_out, default):
+        torch.testing.assert_close(got, want, **tolerance)
