@@ -161,6 +161,8 @@ def group_norm_grad_sample(
     saved ``statistics`` (:func:`saved_statistics`) in one pass where they fit."""
     x = activations[0].to(backprops.dtype)
     _check_channels(layer, x, layer.num_channels)
+    if statistics is not None and _lifted_by_autocast(layer, x, statistics):
+        x, backprops = x.to(statistics[0].dtype), backprops.to(statistics[0].dtype)
     if statistics is not None and _group_statistics_fit(layer, x, backprops, statistics):
         if channels_innermost(x) and channels_innermost(backprops) and x.dtype in (torch.float32, torch.float64):
             return _group_norm_grads_channels_last(layer, x, backprops, statistics)
@@ -186,6 +188,16 @@ def saved_statistics(layer: nn.Module, output) -> Optional[Tuple[torch.Tensor, t
     if node is None or type(node).__name__ != expected or saved_tensor_hooks_active():
         return None
     return saved_value(node, "result1").detach(), saved_value(node, "result2").detach()
+
+
+def _lifted_by_autocast(layer: nn.GroupNorm, x: torch.Tensor, statistics) -> bool:
+    """A half-precision input normalised with float32 statistics into a float32-parameter layer
+    (bfloat16 autocast on CPU): its per-sample sums are taken in float32, from the statistics, as
+    torch's own backward takes its weight gradient (not from a normalisation recomputed in half
+    precision)."""
+    mean = statistics[0]
+    return (x.dtype in (torch.float16, torch.bfloat16) and mean.dtype == torch.float32
+            and layer.weight is not None and layer.weight.dtype == torch.float32)
 
 
 def _group_statistics_fit(layer: nn.GroupNorm, x: torch.Tensor, backprops: torch.Tensor,

@@ -391,3 +391,31 @@ def test_sum_over_positions_equals_sum_over_the_middle_dimension(dtype, shape):
         if got.numel():
             got.add_(1.0)  # a new tensor: the input is not changed
             torch.testing.assert_close(view.double(), t.double())
+
+
+@pytest.mark.parametrize("laid_out", ["default", "channels-last"])
+def test_group_norm_under_bfloat16_autocast_sums_in_float32_from_the_statistics(monkeypatch, laid_out):
+    """bfloat16 autocast on CPU: GroupNorm's input and output gradient are bfloat16, its statistics
+    and parameters float32. The per-sample sums are taken in float32 from the statistics (one pass,
+    as torch's own weight gradient): they equal the float32 oracle on the same bfloat16 values to
+    float32 rounding, where a normalisation recomputed in bfloat16 gave bfloat16 sums."""
+    used = []
+    original = norms._group_statistics_fit
+    monkeypatch.setattr(norms, "_group_statistics_fit", lambda *a: used.append(original(*a)) or used[-1])
+    torch.manual_seed(3)
+    layer = randomise_affine(nn.GroupNorm(4, 8))
+    x = (3 + 2 * torch.randn(5, 8, 6, 6)).to(torch.bfloat16)
+    if laid_out == "channels-last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    statistics = norms.saved_statistics(layer, out)
+    assert statistics is not None and statistics[0].dtype == torch.float32 and out.dtype == torch.bfloat16
+    gy = torch.randn(out.shape).to(torch.bfloat16).contiguous(memory_format=torch.channels_last
+                                                              if laid_out == "channels-last" else torch.contiguous_format)
+    got = norms.group_norm_grad_sample(layer, [x], gy, statistics=statistics)
+    assert used == [True]
+    expected = oracle_per_sample_grads(layer, x.float(), gy.float())
+    for p, g in expected.items():
+        assert got[p].dtype == torch.float32
+        torch.testing.assert_close(got[p], g, rtol=1e-5, atol=1e-5)
