@@ -161,12 +161,13 @@ def group_norm_grad_sample(
     saved ``statistics`` (:func:`saved_statistics`) in one pass where they fit."""
     x = activations[0].to(backprops.dtype)
     _check_channels(layer, x, layer.num_channels)
-    if statistics is not None and _lifted_by_autocast(layer, x, statistics):
-        x, backprops = x.to(statistics[0].dtype), backprops.to(statistics[0].dtype)
-    if statistics is not None and _group_statistics_fit(layer, x, backprops, statistics):
-        if channels_innermost(x) and channels_innermost(backprops) and x.dtype in (torch.float32, torch.float64):
-            return _group_norm_grads_channels_last(layer, x, backprops, statistics)
-        return _group_norm_grads_from_statistics(layer, x, backprops, statistics)
+    if statistics is not None:
+        if _lifted_by_autocast(layer, x, statistics):
+            x, backprops = x.to(statistics[0].dtype), backprops.to(statistics[0].dtype)
+        if _group_statistics_fit(layer, x, backprops, statistics):
+            if channels_innermost(x) and channels_innermost(backprops) and x.dtype in (torch.float32, torch.float64):
+                return _group_norm_grads_channels_last(layer, x, backprops, statistics)
+            return _group_norm_grads_from_statistics(layer, x, backprops, statistics)
 
     def x_hat():
         return F.group_norm(x, layer.num_groups, eps=layer.eps)
