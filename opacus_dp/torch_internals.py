@@ -60,3 +60,14 @@ def reparametrized(module: torch.nn.Module, tensors: Dict[str, torch.Tensor]) ->
     from torch.nn.utils.stateless import _reparametrize_module
 
     return _reparametrize_module(module, tensors)
+
+
+def global_module_hook_ids() -> set:
+    """The handle ids of the global module hooks (``torch.nn.modules.module._global_*_hooks``:
+    what ``register_module_forward_pre_hook`` and its siblings add), which every module call
+    runs."""
+    from torch.nn.modules import module
+
+    tables = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+              "_global_backward_hooks")
+    return {key for name in tables for key in getattr(module, name)}

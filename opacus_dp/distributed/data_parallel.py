@@ -83,6 +83,12 @@ def acquire(owner: object) -> None:
         _OWNERS[owner] = weakref.finalize(owner, _drop_owner)
 
 
+def own_global_hook_ids() -> set:
+    """The handle id of the global call hook :func:`acquire` installs (empty when none is)."""
+    hook = _CALL_HOOK
+    return set() if hook is None else {hook.id}
+
+
 def release(owner: nn.Module) -> None:
     """``owner`` is closed: give back the DataParallel instances around or inside it.
 

@@ -158,6 +158,11 @@ class TracedTaps:
             self.current.setdefault(layout.path, []).append(layout.tap(batch, self._zeros))
         return TAPPED
 
+    @property
+    def learning(self) -> bool:
+        """Whether an eager forward is learning a layout now (:meth:`learn`)."""
+        return self._learned is not None
+
     @torch.compiler.disable
     def learn(self, module: nn.Module, args, kwargs):
         """Run ``module`` eagerly (its hooks note each call: :meth:`note`) and keep the layout."""

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from opacus_dp.layers.arguments import check_positive_int, check_probability
 from opacus_dp.layers.batch_first import RNNLinear
+from opacus_dp.layers.joined_steps import joined_steps
 from opacus_dp.layers.param_rename import StateDictAliasMixin
 from opacus_dp.layers.rnn_cells import (
     CELL_TYPES,
@@ -50,16 +51,24 @@ def _run_direction(cell: DPRNNCellBase, x: torch.Tensor, state: State,
     The input projection of all steps is cut into steps once (``unbind``): its backward stacks
     the steps' gradients, where indexing ``[:, t]`` at every step would make each step's backward
     write a zero gradient of the whole sequence (``T`` times the projection's size per step)."""
-    input_gates = cell.ih(x).unbind(1)
+    gates = cell.ih(x)
+    input_gates = gates.unbind(1)
     steps = x.shape[1]
+    joined = joined_steps(cell, gates)  # a wrapper's: hh's steps recorded as one call
     outputs: List[Optional[torch.Tensor]] = [None] * steps
     for t in (reversed(range(steps)) if reverse else range(steps)):
-        new_state = cell.recurrence(input_gates[t], state)
+        if joined is None:
+            new_state = cell.recurrence(input_gates[t], state)
+        else:
+            joined.inputs[t] = state[0]
+            new_state = cell.recurrence(input_gates[t], state, joined.project)
         if valid is not None:
             keep = valid[:, t : t + 1]
             new_state = tuple(torch.where(keep, new, old) for new, old in zip(new_state, state))
         state = new_state
         outputs[t] = state[0]
+    if joined is not None:
+        joined.finish(gates)
     return torch.stack(outputs, dim=1), state
 
 

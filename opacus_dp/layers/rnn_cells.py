@@ -91,7 +91,9 @@ class DPRNNCellBase(StateDictAliasMixin, nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def recurrence(self, input_gates: torch.Tensor, state: State) -> State:
-        """One step from ``input_gates = ih(x_t)`` of shape ``(B, num_gates * hidden)``."""
+        """One step from ``input_gates = ih(x_t)`` of shape ``(B, num_gates * hidden)``. The cells
+        whose gradients ``_dp_shared_gate_gradients`` declares also take ``project``, what
+        computes ``hh(h)`` (default ``self.hh``; :mod:`~opacus_dp.layers.joined_steps`)."""
 
     def _initial_state(self, hx, batch: int, like: torch.Tensor) -> State:
         if hx is None:
@@ -140,8 +142,8 @@ class DPRNNCell(DPRNNCellBase):
         super().__init__(input_size, hidden_size, bias, device=device, dtype=dtype)
         self.nonlinearity = nonlinearity
 
-    def recurrence(self, input_gates: torch.Tensor, state: State) -> State:
-        pre = input_gates + self.hh(state[0])
+    def recurrence(self, input_gates: torch.Tensor, state: State, project=None) -> State:
+        pre = input_gates + (project or self.hh)(state[0])
         return (torch.tanh(pre) if self.nonlinearity == "tanh" else torch.relu(pre),)
 
 
@@ -177,9 +179,9 @@ class DPLSTMCell(DPRNNCellBase):
     def state_sizes(self) -> Tuple[int, ...]:
         return (self.output_size, self.hidden_size)
 
-    def recurrence(self, input_gates: torch.Tensor, state: State) -> State:
+    def recurrence(self, input_gates: torch.Tensor, state: State, project=None) -> State:
         h, c = state
-        i, f, g, o = (input_gates + self.hh(h)).chunk(4, dim=-1)
+        i, f, g, o = (input_gates + (project or self.hh)(h)).chunk(4, dim=-1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)
         if self.proj_size > 0:

@@ -83,3 +83,16 @@ def test_stateless_reparametrize_module_swaps_and_restores_parameters():
         assert layer.weight is swapped
         assert torch.equal(layer(torch.ones(1, 2)).detach(), layer.bias.detach().view(1, 1))
     assert layer.weight is own and isinstance(layer.weight, nn.Parameter)
+
+
+def test_global_module_hook_ids_name_every_global_hook():
+    before = internals.global_module_hook_ids()
+    handles = [nn.modules.module.register_module_forward_pre_hook(lambda m, a: None),
+               nn.modules.module.register_module_forward_hook(lambda m, a, o: None),
+               nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: None)]
+    try:
+        assert internals.global_module_hook_ids() == before | {h.id for h in handles}
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert internals.global_module_hook_ids() == before

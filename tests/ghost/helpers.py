@@ -58,6 +58,15 @@ def assert_norms_and_sums(wrapper, oracle: Dict[str, torch.Tensor], seed: int = 
     return norms
 
 
+def per_step(model: nn.Module) -> None:
+    """Make the recurrent layers' steps call ``hh`` (hooked per step) instead of the wrapper's
+    joined call: the cells' recorders removed (:mod:`opacus_dp.layers.joined_steps`)."""
+    from opacus_dp.layers import joined_steps
+
+    for cell in model.modules():
+        joined_steps._RECORDERS.pop(cell, None)
+
+
 def private_update(model: nn.Module, loader, mode: str, bound: float, batch: int, prepare=None,
                    **private) -> List[torch.Tensor]:
     """``before − after`` of each parameter after one ``make_private`` SGD step (lr 1, σ 0, flat

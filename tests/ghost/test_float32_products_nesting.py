@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from opacus_dp.grad_sample.bookkeeping import bookkeeper
+from opacus_dp.grad_sample.bookkeeping import pass_sums
 from opacus_dp.grad_sample.bookkeeping.norm_samplers import linear as linear_norms
 from opacus_dp.maths import float32_products
 from opacus_dp.maths.float32_products import FULL_PRECISION, ieee_float32_products
@@ -111,7 +111,7 @@ def test_norms_and_clipped_sums_run_with_ieee_settings_under_reduced_precision(m
     (its per-sample gradients summed at the step): every product with oneDNN's settings IEEE."""
     norms = _Spy(monkeypatch, linear_norms, "gram_sq_norms")
     sums = _Spy(monkeypatch, linear_norms, "matrix_product")  # the clipped sum's product
-    per_sample = _Spy(monkeypatch, bookkeeper, "weighted_sum")  # called inside the step's block
+    per_sample = _Spy(monkeypatch, pass_sums, "weighted_sum")  # called inside the step's block
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     _, model, optimizer, criterion = private(mlp(), x, y, mode=mode)
     criterion = criterion or squared_error

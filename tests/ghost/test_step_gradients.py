@@ -19,7 +19,7 @@ from opacus_dp.grad_sample.bookkeeping import step_gradients
 from opacus_dp.grad_sample.bookkeeping.step_gradients import share_step_gradients, step_projections
 from opacus_dp.layers import DPGRU, DPLSTM, DPRNN
 from opacus_dp.maths.views import joined
-from tests.ghost.helpers import assert_norms_and_sums, model_oracle, run_backward
+from tests.ghost.helpers import assert_norms_and_sums, model_oracle, per_step, run_backward
 
 RULES = ["mixed", "ghost"]
 
@@ -49,7 +49,9 @@ LAYERS = {
 }
 
 
-def _wrapped(make_layer, rule, lengths=(7, 3, 5, 1), step_layers=True):
+def _wrapped(make_layer, rule, lengths=(7, 3, 5, 1), step_layers=True, joined=True):
+    """``joined=False``: the steps call ``hh`` (hooked per step), whose calls are then shared
+    here; by default the wrapper records them as one call (test_joined_step_calls)."""
     torch.manual_seed(0)
     model = Recurrent(make_layer()).double()
     x = torch.randn(len(lengths), 7, model.rnn.input_size, dtype=torch.float64)
@@ -58,6 +60,8 @@ def _wrapped(make_layer, rule, lengths=(7, 3, 5, 1), step_layers=True):
     wrapper = BookkeepingGradSampleModule(model, layer_rule=rule)
     if not step_layers:
         wrapper._bookkeeper.step_layers = {}
+    if not joined:
+        per_step(model)
     run_backward(wrapper, inputs, "mean", len(lengths))
     return model, wrapper, oracle
 
@@ -71,10 +75,11 @@ def _cells(model):
     return [m for m in model.modules() if hasattr(m, "ih") and hasattr(m, "hh")]
 
 
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "per-step"])
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("name", sorted(LAYERS))
-def test_shared_gate_gradients_give_the_oracle_norms_and_sums(name, rule, comparison):
-    model, wrapper, oracle = _wrapped(LAYERS[name], rule)
+def test_shared_gate_gradients_give_the_oracle_norms_and_sums(name, rule, joined, comparison):
+    model, wrapper, oracle = _wrapped(LAYERS[name], rule, joined=joined)
     kept = _kept(wrapper)
     for cell in _cells(model):
         g = kept[cell.ih]
@@ -84,13 +89,14 @@ def test_shared_gate_gradients_give_the_oracle_norms_and_sums(name, rule, compar
     assert_norms_and_sums(wrapper, oracle)
 
 
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "per-step"])
 @pytest.mark.parametrize("name", ["lstm", "lstm-two-layers-bidirectional"])
-def test_the_step_projection_takes_the_gradient_products_of_the_input_projection(name):
+def test_the_step_projection_takes_the_gradient_products_of_the_input_projection(name, joined):
     """``G_i G_iᵀ`` is formed once per cell: the step projection takes the input projection's
     (counted as taken products; the bidirectional layers' input projections also share ``X``'s)."""
     taken = []
     for step_layers in (True, False):
-        model, wrapper, oracle = _wrapped(LAYERS[name], "ghost", step_layers=step_layers)
+        model, wrapper, oracle = _wrapped(LAYERS[name], "ghost", step_layers=step_layers, joined=joined)
         taken.append(wrapper._bookkeeper._input_grams.taken)
         assert_norms_and_sums(wrapper, oracle)
     assert taken[0] - taken[1] == len(_cells(model))

@@ -52,18 +52,16 @@ import torch.nn as nn
 from opacus_dp.grad_sample.bookkeeping.passes import (
     LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, resolve_calls)
 from opacus_dp.grad_sample.bookkeeping.chunked_sums import ChunkBuffer
-from opacus_dp.grad_sample.bookkeeping.grouped_units import (grouped_clipped_sums, grouped_sq_norms, resolve_grouped,
-                                                             row_factors)
+from opacus_dp.grad_sample.bookkeeping.grouped_units import grouped_sq_norms, resolve_grouped
 from opacus_dp.grad_sample.broadcast_inputs import BROADCAST_HINT
 from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.per_sample_store import second_batch_error
-from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import materialise
 from opacus_dp.grad_sample.bookkeeping.norm_rules import norm_rule_of
+from opacus_dp.grad_sample.bookkeeping.pass_sums import owned_factors, passes_clipped_sums
 from opacus_dp.grad_sample.bookkeeping.shared_input_grams import SharedInputGrams, tensor_key
 from opacus_dp.grad_sample.bookkeeping.step_gradients import share_step_gradients
-from opacus_dp.module_parameters import own_tensors
-from opacus_dp.maths.per_sample import any_dropped, finite_factors, weighted_sum
-from opacus_dp.torch_internals import current_graph_task_id, queue_end_of_backward_callback
+from opacus_dp.maths.per_sample import any_dropped, finite_factors
+from opacus_dp.torch_internals import current_graph_task_id, queue_end_of_backward_callback, version_counter
 
 
 @dataclass
@@ -99,6 +97,7 @@ class Bookkeeper:
         self.keep_ghost_calls = True
         self.factor_function: Optional[Callable] = None
         self._pending: Dict[nn.Module, int] = {}
+        self._joined: Dict[nn.Module, int] = {}  # step projections' joined calls awaiting gradients
         self._open: Dict[int, Pass] = {}
         self._resolved: List[Pass] = []
         self.tasks: Set[int] = set()  # graph tasks that opened a pass since the last take/clear
@@ -119,23 +118,35 @@ class Bookkeeper:
             if rule is not None and rule.shares_input_products:
                 self._input_grams.expect(inputs)
 
+    def expect_joined(self, step_layer: nn.Module) -> None:
+        """The call of ``step_layer`` just expected (:meth:`expect_call`) joins a recurrent run's
+        steps (:mod:`~opacus_dp.grad_sample.bookkeeping.joined_step_calls`): its output gradient
+        is its cell's input projection's, which waits for it to be resolved with it."""
+        with self._lock:
+            self._joined[step_layer] = self._joined.get(step_layer, 0) + 1
+
     def record(self, layer: nn.Module, name: str, call, backprops: List[Optional[torch.Tensor]],
                scale: float) -> None:
         """Keep (or resolve) one call of ``layer`` (``name`` for messages) seen by the current
-        backward pass."""
+        backward pass. An input projection whose step projection has a joined call coming waits
+        for it (the two hooks of one tensor, called one after the other)."""
         task = call.outer_task if call.outer_task != -1 else current_graph_task_id()
         if task == -1:
             raise RuntimeError("layer calls can only be recorded during a backward pass")
         with self._lock:
             pending = max(self._pending.get(layer, 0) - 1, 0)
             self._pending[layer] = pending
+            if self._joined.get(layer):
+                self._joined[layer] -= 1
             entry = Call(layer, name, call, backprops, scale)
             if self._summing is not None:
                 self._add_sums(task, entry)
                 return
             current = self._open_pass(task, call.batch_size, name)
             _settle(current)
-            if pending == 0 and layer not in current.deferred and layer not in self.shared_layers:
+            awaits_joined = self._joined.get(self.step_layers.get(layer), 0) > 0
+            if pending == 0 and layer not in current.deferred and layer not in self.shared_layers \
+                    and not awaits_joined:
                 self._resolve_single(current, entry)
                 self._release([entry])
             else:
@@ -179,6 +190,8 @@ class Bookkeeper:
         its output gradient to the step projection's recorded calls; if it keeps that gradient for
         the step, keeping the step projection's calls costs only their inputs
         (:mod:`~opacus_dp.grad_sample.bookkeeping.step_gradients`)."""
+        if self._resolve_joined(current, entry):
+            return
         step_layer = self.step_layers.get(entry.layer)
         shared = step_layer is not None and step_layer not in self.shared_layers and share_step_gradients(
             entry, current.deferred.get(step_layer), self._pending.get(step_layer, 0))
@@ -188,6 +201,31 @@ class Bookkeeper:
             current.gradient_shared[step_layer] = key
         else:
             self._input_grams.drop(key)
+
+    def _resolve_joined(self, current: Pass, entry: Call) -> bool:
+        """Resolve a step projection's joined call with the input projection's call that waits
+        for it, if that one received the same output gradient ``G`` (one tensor): the input projection
+        keeps ``G``'s Gram products for the step projection; whether it did."""
+        whole = next((w for w, s in self.step_layers.items() if s is entry.layer), None)
+        waiting = current.deferred.get(whole) if whole is not None else None
+        if not waiting or len(waiting) != 1 or whole in self.shared_layers:
+            return False
+        other = waiting[0]
+        if len(other.backprops) != 1 or len(entry.backprops) != 1 or other.scale != entry.scale:
+            return False
+        key = tensor_key(entry.backprops[0])  # the same memory, view and version: the same tensor
+        mine, theirs = entry.backprops[0], other.backprops[0]
+        if key is None or key != tensor_key(theirs) or version_counter(mine) != version_counter(theirs):
+            return False
+        del current.deferred[whole]
+        self._resolve(current, whole, [other], gradient=(key, True))
+        self._release([other])
+        if any(kept[0] is whole for kept in current.ghost_calls):
+            self._resolve(current, entry.layer, [entry], gradient=(key, False))
+        else:
+            self._input_grams.drop(key)
+            self._resolve(current, entry.layer, [entry])
+        return True
 
     def _resolve(self, current: Pass, layer: nn.Module, calls: List[Call],
                  gradient: Optional[Tuple[object, bool]] = None) -> None:
@@ -245,7 +283,7 @@ class Bookkeeper:
             raise ValueError("the second backward pass saw a different batch than the first one")
         if entry.layer not in target.ghost_layers:
             return  # materialised in the norms pass: its per-sample gradients are kept
-        wanted = _owned(entry.layer, self._summing.factors, entry.scale, target)
+        wanted = owned_factors(entry.layer, self._summing.factors, entry.scale, target)
         for p, s in ghost_weighted_grad(entry.layer, entry.call.activations(entry.layer),
                                         entry.backprops[0], wanted, drops=self._summing.drops).items():
             add_to(target.sums, p, s)
@@ -299,32 +337,7 @@ class Bookkeeper:
                      factors: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         """``Σ_i f_i g_i`` per param (None if it has no gradient); consumes the passes."""
         self.check_kept_calls()
-        by_param = dict(zip(params, factors))
-        sums: Dict[torch.Tensor, torch.Tensor] = {}
-        offset = 0
-        for resolved in self._take():
-            rows = resolved.batch_size if resolved.groups is None else resolved.groups.num_units
-            window = slice(offset, offset + rows)
-            offset += rows
-            _check_same_factors(resolved, by_param, window)
-            for p, s in resolved.sums.items():
-                add_to(sums, p, s)
-            resolved.unsettled.clear()
-            while resolved.ghost_calls:  # each call's tensors freed once used (memory reused)
-                layer, activations, backprops, scale = resolved.ghost_calls.pop()
-                wanted = _owned(layer, by_param, scale, resolved, window)
-                for p, s in ghost_weighted_grad(layer, materialise(activations), backprops,
-                                                wanted).items():
-                    add_to(sums, p, s)
-                del activations, backprops
-            for p, s in grouped_clipped_sums(resolved, by_param, window).items():
-                add_to(sums, p, s)
-            for p in list(resolved.grads):
-                g = resolved.grads.pop(p)
-                if p in by_param:
-                    add_to(sums, p, weighted_sum(row_factors(resolved, by_param[p][window])
-                                                 * resolved.grad_scales[p], g))
-        return [sums.get(p) for p in params]
+        return passes_clipped_sums(self._take(), params, factors)
 
     def _take(self) -> List[Pass]:
         with self._lock:
@@ -348,27 +361,3 @@ def _settle(current: Pass) -> None:
     in place, while the activation's input is still in cache, instead of at the step."""
     if current.unsettled:
         current.unsettled = [r for r in current.unsettled if not r.settle()]
-
-
-def _owned(layer: nn.Module, by_param: Dict[torch.Tensor, torch.Tensor], scale: float,
-           resolved: Pass, window: slice = slice(None)) -> Dict:
-    """``{p: scale · factors[p][window]}`` for the parameters ``layer`` owns that have norms in
-    the pass ``resolved``, but not those kept there as per-sample gradients (summed apart).
-    A parameter without norms did not require grad during the backward pass; unfrozen before
-    the step, its kept output gradients would otherwise add an unclipped sum."""
-    return {p: by_param[p][window] * scale for p in own_tensors(layer)
-            if p in by_param and p in resolved.sq_norms and p not in resolved.grads}
-
-
-def _check_same_factors(resolved: Pass, by_param, window) -> None:
-    if resolved.factors is None:
-        return
-    for p, used in resolved.factors.items():
-        if p in by_param and not torch.allclose(by_param[p][window].to(used.dtype), used,
-                                                rtol=1e-6, atol=0.0):
-            raise RuntimeError(
-                "the clip factors changed between loss.backward() and optimizer.step() (was "
-                "max_grad_norm changed in between?): the clipped sums computed during the "
-                "backward pass (the 'ghost' mode's second pass, or 'bk' with per-layer "
-                "clipping) used other factors"
-            )

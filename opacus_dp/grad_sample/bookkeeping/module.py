@@ -32,8 +32,10 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DataParallel
+from torch.utils.hooks import RemovableHandle
 
 from opacus_dp.grad_sample.bookkeeping.bookkeeper import Bookkeeper
+from opacus_dp.grad_sample.bookkeeping.joined_step_calls import JoinedStepCalls, joinable_cells
 from opacus_dp.grad_sample.bookkeeping.passes import shared_layers
 from opacus_dp.grad_sample.bookkeeping.step_gradients import step_projections
 from opacus_dp.grad_sample.attachments import weakly
@@ -94,6 +96,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
                          check_sample_independence=check_sample_independence, public_buffers=public_buffers)
         self._bookkeeper.shared_layers = shared_layers(self._hooked_layers())
         self._bookkeeper.step_layers = step_projections(self._module)
+        self._join_step_calls()
         store, bookkeeper = self._store, weakref.ref(self._bookkeeper)
         self._bookkeeper.other_batches = lambda: store.passes
         store.other_batches = lambda: getattr(bookkeeper(), "num_passes", 0)
@@ -104,6 +107,24 @@ class BookkeepingGradSampleModule(GradSampleModule):
         return self._bookkeeper.layer_rule
 
     # ------------------------------------------------------------------ hooks
+    def _join_step_calls(self) -> None:
+        """Recurrent cells record their step projection as one call per run (joined_step_calls),
+        where this wrapper hooks it and skips autograd's weight gradients, and not under FSDP2."""
+        if not self.skips_weight_grads or is_sharded_model(self._module):
+            return
+        for path, cell in joinable_cells(self._module):
+            tables = (id(cell.hh._forward_pre_hooks), id(cell.hh._forward_hooks))
+            own = {h.id for h in self._handles if isinstance(h, RemovableHandle) and id(h.hooks_dict_ref()) in tables}
+            if own:
+                self._handles.append(JoinedStepCalls(self, path, cell, own).install())
+
+    def _record_joined_steps(self, path: str, hh: nn.Module, inputs: torch.Tensor, gates: torch.Tensor) -> None:
+        """One call of ``hh`` on ``inputs`` (its steps' inputs, ``(B, T, H)``) whose output gradient
+        is that of ``gates`` (joined_step_calls)."""
+        self._capture(path, hh, hh, (inputs,), {}, gates)
+        if self._recording() and torch.is_grad_enabled():
+            self._bookkeeper.expect_joined(hh)
+
     def _capture(self, path, master, layer, args, kwargs, output, traced: bool = False):
         """The forward hook of GradSampleModule, plus: count the call as awaiting its backward
         (counted whenever it may have been hooked; an excess count only delays resolution)."""

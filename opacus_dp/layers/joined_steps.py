@@ -1,0 +1,66 @@
+"""Where a per-sample-gradient wrapper may record a recurrent layer's step projection as one call.
+
+:class:`~opacus_dp.layers.dp_rnn.DPRNNBase` runs its recurrent projection ``hh`` once per step,
+``z_t = ih(x)_t + W_hh h_{t-1} + b_hh``. Before a run over a sequence it asks
+:func:`joined_steps` whether a wrapper registered for the cell (:func:`register`) takes over those
+calls for this run: if it does, the steps compute ``W_hh h_{t-1} + b_hh`` with the
+:class:`JoinedSteps`' tensors (not calling the module), keep each step's input ``h_{t-1}``, and
+hand them over stacked, ``(B, T, H)``, with ``ih``'s output at the end of the run
+(:meth:`JoinedSteps.finish`). Otherwise (None, the usual case) the steps call ``hh``.
+
+The layers never import the wrappers: this module is the whole interface between them.
+"""
+
+import weakref
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_RECORDERS: "weakref.WeakKeyDictionary[nn.Module, Callable]" = weakref.WeakKeyDictionary()
+
+
+class JoinedSteps:
+    """One run's steps: :meth:`project` replaces ``hh``'s call; ``inputs[t]`` is step ``t``'s
+    ``h_{t-1}``; ``finish(H, gates)`` is the recorder's (``H``: the inputs stacked along dim 1)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], steps: int,
+                 finish: Callable[[torch.Tensor, torch.Tensor], None]):
+        self.weight, self.bias = weight, bias
+        self.inputs: List[Optional[torch.Tensor]] = [None] * steps
+        self._finish = finish
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight, self.bias)
+
+    def finish(self, gates: torch.Tensor) -> None:
+        """After the last step: ``gates`` is ``ih``'s output that the steps added into ``z_t``."""
+        self._finish(torch.stack(self.inputs, dim=1), gates)
+
+
+class _Registration:
+    """Handle of :func:`register` (``remove()``, as a hook handle)."""
+
+    def __init__(self, cell: nn.Module, recorder: Callable):
+        self._cell, self._recorder = weakref.ref(cell), recorder
+
+    def remove(self) -> None:
+        cell = self._cell()
+        if cell is not None and _RECORDERS.get(cell) is self._recorder:
+            del _RECORDERS[cell]
+
+
+def register(cell: nn.Module, recorder: Callable[[torch.Tensor, int], Optional[JoinedSteps]]) -> _Registration:
+    """``recorder(gates, steps)`` is asked before each run of ``cell`` over a sequence."""
+    _RECORDERS[cell] = recorder
+    return _Registration(cell, recorder)
+
+
+def joined_steps(cell: nn.Module, gates: torch.Tensor) -> Optional[JoinedSteps]:
+    """The run's :class:`JoinedSteps` if a wrapper takes over ``cell.hh``'s steps, else None;
+    ``gates``: ``ih``'s output for the run, ``(B, T, num_gates * hidden)``."""
+    if torch.compiler.is_compiling():  # a traced run calls hh (the wrapper's taps: compile.md)
+        return None
+    recorder = _RECORDERS.get(cell)
+    return None if recorder is None or gates.dim() != 3 or gates.shape[1] == 0 else recorder(gates, gates.shape[1])

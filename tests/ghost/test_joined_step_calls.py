@@ -1,0 +1,260 @@
+"""The step projection of DPLSTM/DPRNN recorded as one call per run (``bk``, ``ghost``).
+
+The norms and clipped sums must be the autograd oracle's with the joined call and with the
+per-step calls it replaces; the joined call must be used where it is equivalent (one capture of
+``hh`` per run, not one per step) and must leave the per-step calls wherever it might not be: a
+user's hook on ``hh``, a global module hook, hooks disabled (ordinary gradients), no grad, a frozen
+projection, a wrapper that keeps autograd's weight gradients or has been closed.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from opacus_dp.grad_sample import BookkeepingGradSampleModule
+from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule as Wrapper
+from opacus_dp.layers import DPLSTM, DPRNN
+from opacus_dp.layers import joined_steps
+from tests.ghost.helpers import assert_norms_and_sums, model_oracle, per_step, private_update, run_backward
+
+STEPS = 6
+LAYERS = {
+    "lstm": lambda: DPLSTM(4, 8, batch_first=True),
+    "lstm-two-layers-bidirectional": lambda: DPLSTM(4, 8, num_layers=2, bidirectional=True, batch_first=True),
+    "lstm-proj": lambda: DPLSTM(4, 8, proj_size=3, batch_first=True),
+    "rnn-relu-bidirectional": lambda: DPRNN(5, 6, nonlinearity="relu", bidirectional=True, batch_first=True),
+}
+
+
+class Recurrent(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.rnn = layer
+
+    def forward(self, x):
+        return self.rnn(x)[0].sum(dim=1)
+
+
+def _cells(model):
+    return [m for m in model.modules() if hasattr(m, "ih") and hasattr(m, "hh")]
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """``{layer: calls recorded}`` by every wrapper's forward hook (not the calls of forward
+    passes that record nothing, such as the wrapper's own checks of the model)."""
+    counts = {}
+    capture = Wrapper._capture
+
+    def counting(self, path, master, *rest, **kwargs):
+        if self._recording() and torch.is_grad_enabled():
+            counts[master] = counts.get(master, 0) + 1
+        return capture(self, path, master, *rest, **kwargs)
+
+    monkeypatch.setattr(Wrapper, "_capture", counting)
+    return counts
+
+
+def _wrapped(name, rule="mixed", joined=True, batch=4, hook=None, check=True):
+    torch.manual_seed(0)
+    model = Recurrent(LAYERS[name]()).double()
+    if hook is not None:
+        for cell in _cells(model):
+            cell.hh.register_forward_hook(hook)
+    x = torch.randn(batch, STEPS, model.rnn.input_size, dtype=torch.float64)
+    oracle = model_oracle(model, (x,))
+    wrapper = BookkeepingGradSampleModule(model, layer_rule=rule, check_sample_independence=check)
+    if not joined:
+        per_step(model)
+    return model, wrapper, x, oracle
+
+
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "per-step"])
+@pytest.mark.parametrize("rule", ["mixed", "ghost"])
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_norms_and_sums_are_the_oracles(name, rule, joined, captures):
+    model, wrapper, x, oracle = _wrapped(name, rule, joined)
+    run_backward(wrapper, (x,), "mean", len(x))
+    for cell in _cells(model):
+        assert captures[cell.hh] == (1 if joined else STEPS), "one call of hh per run, or one per step"
+        assert captures[cell.ih] == 1
+    assert_norms_and_sums(wrapper, oracle)
+
+
+def test_the_joined_call_takes_the_input_projections_gradient_products():
+    """``ih`` and ``hh`` receive one output gradient: its Gram products are formed once per cell."""
+    taken = {}
+    for joined in (True, False):
+        model, wrapper, x, oracle = _wrapped("lstm-two-layers-bidirectional", "ghost", joined)
+        run_backward(wrapper, (x,), "mean", len(x))
+        taken[joined] = wrapper._bookkeeper._input_grams.taken
+        assert_norms_and_sums(wrapper, oracle)
+    assert taken[True] == taken[False] >= len(_cells(model))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_private_updates_equal_the_per_step_updates(mode, clipping, captures):
+    """A whole ``make_private`` step on packed sequences of several lengths (PackedSequence,
+    the masked steps), the same with the steps' own calls."""
+    torch.manual_seed(1)
+    lengths = torch.tensor([6, 2, 5, 1, 6, 3])
+    tokens = torch.randint(1, 20, (6, STEPS)) * (torch.arange(STEPS) < lengths[:, None])  # 0: padding
+
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.rnn = nn.Embedding(20, 4), DPLSTM(4, 5, num_layers=2, batch_first=True)
+
+        def forward(self, t):
+            packed = nn.utils.rnn.pack_padded_sequence(self.emb(t), (t != 0).sum(dim=1), batch_first=True,
+                                                       enforce_sorted=False)
+            return nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0].sum(dim=1)
+
+    updates = []
+    for joined in (True, False):
+        torch.manual_seed(0)
+        model = Packed().double()
+        prepare = None if joined else (lambda t, m=model: (per_step(m), t)[1])
+        bound = 0.05 if clipping == "flat" else [0.05] * len(list(model.parameters()))
+        captures.clear()
+        updates.append(private_update(model, DataLoader(TensorDataset(tokens), batch_size=6), mode, bound, 6,
+                                      prepare=prepare, clipping=clipping))
+        assert [captures[cell.hh] for cell in _cells(model)] == [1 if joined else STEPS] * 2
+    for a, b in zip(*updates):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+        assert a.abs().sum() > 0
+
+
+def test_a_users_hook_on_the_step_projection_keeps_the_step_calls(captures):
+    """The hook runs at every step and its change of the output is in the gradients."""
+    seen = []
+    model, wrapper, x, oracle = _wrapped("lstm", hook=lambda m, a, out: seen.append(1) or out * 0.5, check=False)
+    seen.clear()  # the oracle's calls
+    run_backward(wrapper, (x,), "mean", len(x))
+    assert len(seen) == STEPS and captures[model.rnn.l0.hh] == STEPS
+    assert_norms_and_sums(wrapper, oracle)
+
+
+def test_a_global_module_hook_keeps_the_step_calls(captures):
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, a, out: seen.append(m) if isinstance(m, nn.Linear) else None)
+    try:
+        model, wrapper, x, oracle = _wrapped("lstm", check=False)
+        seen.clear()  # the oracle's calls
+        run_backward(wrapper, (x,), "mean", len(x))
+    finally:
+        handle.remove()
+    assert seen.count(model.rnn.l0.hh) == STEPS and captures[model.rnn.l0.hh] == STEPS
+    assert_norms_and_sums(wrapper, oracle)
+
+
+def _plain_grads(name, x):
+    torch.manual_seed(0)
+    model = Recurrent(LAYERS[name]()).double()
+    model(x).pow(2).sum().backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_with_the_hooks_disabled_every_projection_gets_its_ordinary_gradient():
+    model, wrapper, x, _ = _wrapped("lstm-proj")
+    wrapper.disable_hooks()
+    wrapper(x).pow(2).sum().backward()
+    expected = _plain_grads("lstm-proj", x)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], msg=lambda m: f"{n}: {m}")
+
+
+def test_without_grad_nothing_is_recorded(captures):
+    model, wrapper, x, _ = _wrapped("lstm")
+    with torch.no_grad():
+        out = wrapper(x)
+    torch.manual_seed(0)
+    plain = Recurrent(LAYERS["lstm"]()).double()
+    torch.testing.assert_close(out, plain(x), rtol=0, atol=0)
+    assert not captures
+
+
+def test_a_frozen_step_projection_is_not_joined(captures):
+    torch.manual_seed(0)
+    model = Recurrent(LAYERS["lstm"]()).double()
+    model.rnn.l0.hh.requires_grad_(False)
+    x = torch.randn(4, STEPS, 4, dtype=torch.float64)
+    oracle = model_oracle(model, (x,))
+    wrapper = BookkeepingGradSampleModule(model)
+    run_backward(wrapper, (x,), "mean", len(x))
+    assert captures[model.rnn.l0.ih] == 1 and captures.get(model.rnn.l0.hh, 0) <= STEPS
+    assert_norms_and_sums(wrapper, oracle)
+
+
+def test_a_wrapper_that_keeps_weight_gradients_registers_nothing():
+    model = Recurrent(LAYERS["lstm"]())
+    wrapper = BookkeepingGradSampleModule(model, skip_weight_grads=False)
+    assert all(cell not in joined_steps._RECORDERS for cell in _cells(model))
+    del wrapper
+
+
+def test_closing_the_wrapper_gives_the_steps_back():
+    """After ``close()`` the model trains with ordinary gradients of every parameter."""
+    model, wrapper, x, _ = _wrapped("lstm-two-layers-bidirectional")
+    assert all(cell in joined_steps._RECORDERS for cell in _cells(model))
+    wrapper.close()
+    assert all(cell not in joined_steps._RECORDERS for cell in _cells(model))
+    model(x).pow(2).sum().backward()
+    expected = _plain_grads("lstm-two-layers-bidirectional", x)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_private_model_steps_as_the_eager_one(backend):
+    """A traced forward calls ``hh`` at every step (tapped); the update is the eager one."""
+    torch.manual_seed(2)
+    x = torch.randn(4, STEPS, 4)
+    loader = DataLoader(TensorDataset(x), batch_size=4)
+    updates = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Recurrent(LAYERS["lstm"]())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            updates.append(_compiled_update(model, loader, backend if compiled else None))
+    for a, b in zip(*updates):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _compiled_update(model, loader, backend):
+    from opacus_dp import PrivacyEngine
+
+    wrapper, optimizer, loader = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
+        noise_multiplier=0.0, max_grad_norm=0.1, poisson_sampling=False, grad_sample_mode="bk")
+    if backend is not None:
+        wrapper.compile(backend=backend)
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in range(3):  # the first compiled forward learns the calls, the later ones are tapped
+        (xb,) = next(iter(loader))
+        optimizer.zero_grad()
+        wrapper(xb).pow(2).sum().backward()
+        optimizer.step()
+    return [b - p.detach() for b, p in zip(before, model.parameters())]
+
+
+def test_under_bfloat16_autocast_the_joined_call_gives_the_per_step_norms():
+    norms = []
+    for joined in (True, False):
+        torch.manual_seed(0)
+        model, x = Recurrent(LAYERS["lstm-two-layers-bidirectional"]()), torch.randn(4, STEPS, 4)
+        wrapper = BookkeepingGradSampleModule(model)
+        if not joined:
+            per_step(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = wrapper(x)
+        out.float().pow(2).sum().backward()
+        norms.append(torch.stack(wrapper.per_sample_norms([p for _, p in wrapper.trainable_parameters()])))
+    assert norms[0].dtype == torch.float32 and norms[0].abs().sum() > 0
+    torch.testing.assert_close(norms[0], norms[1], rtol=2e-2, atol=1e-3)
