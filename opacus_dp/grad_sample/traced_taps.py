@@ -131,16 +131,19 @@ class TracedTaps:
         self.used: Dict[str, int] = {}  # how many of them its calls took
         self.idle = False  # the running forward records nothing (hooks disabled, no grad)
         self.records: List[tuple] = []
+        self.last_call: Optional[tuple] = None  # (path, tap) of the traced forward's latest tapped call
         self._learned: Optional[List[Optional[CallLayout]]] = None
         self._zeros: Dict[tuple, torch.Tensor] = {}
         self.compiled_forward = False  # whether the wrapper's last forward ran compiled
+        self.on_tapped: Callable[[], None] = lambda: None  # before each tapped forward (joined_step_calls)
+        self.on_finished: Callable[[], None] = lambda: None  # after each traced forward
 
     @torch.compiler.disable
     def prepare(self, args, kwargs, recording: Callable[[], bool]) -> str:
         """Before a traced forward: make its taps (``TAPPED``), or ask for a learning forward
         (``LEARN``), or neither (``UNTAPPED``: the hooks stay outside the graph; ``IDLE``: they
         have nothing to do, without grad or ``recording()``, whether the wrapper's hooks record)."""
-        self.current, self.used, self.records = None, {}, []
+        self.current, self.used, self.records, self.last_call = None, {}, [], None
         self.compiled_forward = True
         self.idle = not (torch.is_grad_enabled() and recording())
         if self.idle:
@@ -156,6 +159,7 @@ class TracedTaps:
         self.current = {}
         for layout in layouts:
             self.current.setdefault(layout.path, []).append(layout.tap(batch, self._zeros))
+        self.on_tapped()
         return TAPPED
 
     @property
@@ -208,7 +212,8 @@ class TracedTaps:
             return eager(*hook_args)
         tap = taps[used]
         self.used[path] = used + 1
-        self.records.append((path, _values(args), {k: _values((v,))[0] for k, v in kwargs.items()}, tap))
+        self.records.append((path, _values(args), {k: _values((v,))[0] for k, v in kwargs.items()}, tap, False))
+        self.last_call = (path, tap)
         if self.skips_weight_grads:
             output = self.forwards[path](master, args[0])
         return output + tap
@@ -233,13 +238,26 @@ class TracedTaps:
             return eager(*hook_args)
         return traced
 
+    def last_tap(self, path: str) -> Optional[torch.Tensor]:
+        """The tap of the traced forward's latest tapped call if it was a call of ``path``, else None."""
+        last = self.last_call
+        return last[1] if last is not None and last[0] == path else None
+
+    def add_joined(self, path: str, inputs: torch.Tensor, tap: torch.Tensor) -> None:
+        """A step projection's joined call (:mod:`~opacus_dp.grad_sample.bookkeeping.joined_step_calls`)
+        of the traced forward: its steps' inputs, and the tap of the input projection's call."""
+        self.records.append((path, (inputs.detach(),), {}, tap, True))
+        self.last_call = None
+
     @torch.compiler.disable
     def finish(self) -> List[tuple]:
-        """After a tapped forward: its traced calls ``(path, args, kwargs, tap)``, in order."""
-        records, self.records, self.current = self.records, [], None
+        """After a tapped forward: its traced calls ``(path, args, kwargs, tap, joined)``, in order."""
+        records, self.records, self.current, self.last_call = self.records, [], None, None
+        self.on_finished()
         return records
 
     @torch.compiler.disable
     def end(self) -> None:
         """After a forward that was not tapped."""
         self.current, self.idle = None, False
+        self.on_finished()

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 _RECORDERS: "weakref.WeakKeyDictionary[nn.Module, Callable]" = weakref.WeakKeyDictionary()
+_TRACED = "_dp_traced_joined_steps"  # mark_traced
 
 
 class JoinedSteps:
@@ -49,18 +50,31 @@ class _Registration:
         cell = self._cell()
         if cell is not None and _RECORDERS.get(cell) is self._recorder:
             del _RECORDERS[cell]
+            mark_traced(cell, None)
 
 
-def register(cell: nn.Module, recorder: Callable[[torch.Tensor, int], Optional[JoinedSteps]]) -> _Registration:
-    """``recorder(gates, steps)`` is asked before each run of ``cell`` over a sequence."""
+def register(cell: nn.Module, recorder: Callable[[nn.Module, torch.Tensor, int], Optional[JoinedSteps]]) -> _Registration:
+    """``recorder(cell, gates, steps)`` is asked before each run of ``cell`` over a sequence (a
+    copy of the cell made while it was marked passes itself: the recorder answers None)."""
     _RECORDERS[cell] = recorder
     return _Registration(cell, recorder)
+
+
+def mark_traced(cell: nn.Module, recorder: Optional[Callable]) -> None:
+    """The recorder asked in the compiled forward about to run (None: none). A traced forward
+    reads it from the cell itself, an attribute present only while that forward runs: the
+    compiler guards on what a traced function reads, and a process-wide table changes whenever
+    any model's wrapper comes or goes."""
+    if recorder is None:
+        cell.__dict__.pop(_TRACED, None)
+    else:
+        cell.__dict__[_TRACED] = recorder
 
 
 def joined_steps(cell: nn.Module, gates: torch.Tensor) -> Optional[JoinedSteps]:
     """The run's :class:`JoinedSteps` if a wrapper takes over ``cell.hh``'s steps, else None;
     ``gates``: ``ih``'s output for the run, ``(B, T, num_gates * hidden)``."""
-    if torch.compiler.is_compiling():  # a traced run calls hh (the wrapper's taps: compile.md)
+    if gates.dim() != 3 or gates.shape[1] == 0:
         return None
-    recorder = _RECORDERS.get(cell)
-    return None if recorder is None or gates.dim() != 3 or gates.shape[1] == 0 else recorder(gates, gates.shape[1])
+    recorder = getattr(cell, _TRACED, None) if torch.compiler.is_compiling() else _RECORDERS.get(cell)
+    return None if recorder is None else recorder(cell, gates, gates.shape[1])

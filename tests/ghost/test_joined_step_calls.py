@@ -210,21 +210,27 @@ def test_closing_the_wrapper_gives_the_steps_back():
         torch.testing.assert_close(p.grad, expected[n], msg=lambda m: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_a_compiled_private_model_steps_as_the_eager_one(backend):
-    """A traced forward calls ``hh`` at every step (tapped); the update is the eager one."""
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_a_compiled_private_model_steps_as_the_eager_one(backend, monkeypatch):
+    """The graph joins the steps too (after the forward that learns the taps' layout, which calls
+    ``hh`` at every step); the update is the eager one."""
+    joined, record = [], Wrapper._record_joined_steps
+    monkeypatch.setattr(Wrapper, "_record_joined_steps",
+                        lambda self, *args, traced=False: joined.append(traced) or record(self, *args, traced=traced))
     torch.manual_seed(2)
     x = torch.randn(4, STEPS, 4)
     loader = DataLoader(TensorDataset(x), batch_size=4)
     updates = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        model = Recurrent(LAYERS["lstm"]())
+        model = Recurrent(LAYERS["lstm-two-layers-bidirectional"]())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             updates.append(_compiled_update(model, loader, backend if compiled else None))
+    assert joined == [False] * 12 + [True] * 8  # 4 cells: 3 eager steps; compiled, 2 tapped ones
     for a, b in zip(*updates):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert a.abs().sum() > 0
 
 
 def _compiled_update(model, loader, backend):
@@ -258,3 +264,24 @@ def test_under_bfloat16_autocast_the_joined_call_gives_the_per_step_norms():
         norms.append(torch.stack(wrapper.per_sample_norms([p for _, p in wrapper.trainable_parameters()])))
     assert norms[0].dtype == torch.float32 and norms[0].abs().sum() > 0
     torch.testing.assert_close(norms[0], norms[1], rtol=2e-2, atol=1e-3)
+
+
+def test_wrappers_that_come_and_go_do_not_disturb_a_compiled_model(monkeypatch):
+    """The traced forward reads no process-wide table: another model's wrapper, made and closed
+    between two compiled steps, changes neither the compiled model's code nor its joined calls."""
+    joined, record = [], Wrapper._record_joined_steps
+    monkeypatch.setattr(Wrapper, "_record_joined_steps",
+                        lambda self, *args, traced=False: joined.append(traced) or record(self, *args, traced=traced))
+    torch.manual_seed(0)
+    model = Recurrent(LAYERS["lstm"]())
+    wrapper = BookkeepingGradSampleModule(model)
+    wrapper.compile(backend="eager")
+    x = torch.randn(4, STEPS, 4)
+    for step in range(4):
+        other = BookkeepingGradSampleModule(Recurrent(LAYERS["lstm"]()))
+        other.close()
+        del other
+        wrapper(x).pow(2).sum().backward()
+        wrapper.per_sample_norms([p for _, p in wrapper.trainable_parameters()])
+        wrapper._bookkeeper.clear()
+    assert joined[-3:] == [True] * 3

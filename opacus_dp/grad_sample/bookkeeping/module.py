@@ -32,10 +32,9 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DataParallel
-from torch.utils.hooks import RemovableHandle
 
 from opacus_dp.grad_sample.bookkeeping.bookkeeper import Bookkeeper
-from opacus_dp.grad_sample.bookkeeping.joined_step_calls import JoinedStepCalls, joinable_cells
+from opacus_dp.grad_sample.bookkeeping.joined_step_calls import JoinedStepCalls, joinable_cells, own_hook_ids
 from opacus_dp.grad_sample.bookkeeping.passes import shared_layers
 from opacus_dp.grad_sample.bookkeeping.step_gradients import step_projections
 from opacus_dp.grad_sample.attachments import weakly
@@ -110,18 +109,32 @@ class BookkeepingGradSampleModule(GradSampleModule):
     def _join_step_calls(self) -> None:
         """Recurrent cells record their step projection as one call per run (joined_step_calls),
         where this wrapper hooks it and skips autograd's weight gradients, and not under FSDP2."""
+        self._joined_calls: List[JoinedStepCalls] = []
         if not self.skips_weight_grads or is_sharded_model(self._module):
             return
         for path, cell in joinable_cells(self._module):
-            tables = (id(cell.hh._forward_pre_hooks), id(cell.hh._forward_hooks))
-            own = {h.id for h in self._handles if isinstance(h, RemovableHandle) and id(h.hooks_dict_ref()) in tables}
-            if own:
-                self._handles.append(JoinedStepCalls(self, path, cell, own).install())
+            hooks = {layer: own_hook_ids(self._handles, layer) for layer in (cell.ih, cell.hh)}
+            if all(hooks.values()):
+                self._joined_calls.append(JoinedStepCalls(self, path, cell, hooks))
+                self._handles.append(self._joined_calls[-1].install())
+        self._taps.on_tapped = weakly(self._plan_traced_joins)
+        self._taps.on_finished = weakly(self._end_traced_joins)
 
-    def _record_joined_steps(self, path: str, hh: nn.Module, inputs: torch.Tensor, gates: torch.Tensor) -> None:
+    def _plan_traced_joins(self) -> None:
+        """Before a tapped (compiled) forward: which cells' steps its graph joins."""
+        for joined in self._joined_calls:
+            joined.plan_traced(self)
+
+    def _end_traced_joins(self) -> None:
+        for joined in self._joined_calls:
+            joined.end_traced()
+
+    def _record_joined_steps(self, path: str, hh: nn.Module, inputs: torch.Tensor, gates: torch.Tensor,
+                             traced: bool = False) -> None:
         """One call of ``hh`` on ``inputs`` (its steps' inputs, ``(B, T, H)``) whose output gradient
-        is that of ``gates`` (joined_step_calls)."""
-        self._capture(path, hh, hh, (inputs,), {}, gates)
+        is that of ``gates`` (joined_step_calls; ``traced``: the input projection's tap, after a
+        compiled forward)."""
+        self._capture(path, hh, hh, (inputs,), {}, gates, traced=traced)
         if self._recording() and torch.is_grad_enabled():
             self._bookkeeper.expect_joined(hh)
 
