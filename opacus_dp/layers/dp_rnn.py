@@ -60,7 +60,7 @@ def _run_direction(cell: DPRNNCellBase, x: torch.Tensor, state: State,
         if joined is None:
             new_state = cell.recurrence(input_gates[t], state)
         else:
-            joined.inputs[t] = state[0]
+            joined.keep(t, state[0])
             new_state = cell.recurrence(input_gates[t], state, joined.project)
         if valid is not None:
             keep = valid[:, t : t + 1]

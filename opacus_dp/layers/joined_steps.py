@@ -12,7 +12,7 @@ The layers never import the wrappers: this module is the whole interface between
 """
 
 import weakref
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -23,21 +23,28 @@ _TRACED = "_dp_traced_joined_steps"  # mark_traced
 
 
 class JoinedSteps:
-    """One run's steps: :meth:`project` replaces ``hh``'s call; ``inputs[t]`` is step ``t``'s
-    ``h_{t-1}``; ``finish(H, gates)`` is the recorder's (``H``: the inputs stacked along dim 1)."""
+    """One run's steps: :meth:`project` replaces ``hh``'s call; :meth:`keep` copies step ``t``'s
+    input ``h_{t-1}`` into ``(B, T, H)`` (the states are not kept alive); ``finish(H, gates)`` is the
+    recorder's."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], steps: int,
                  finish: Callable[[torch.Tensor, torch.Tensor], None]):
-        self.weight, self.bias = weight, bias
-        self.inputs: List[Optional[torch.Tensor]] = [None] * steps
+        self.weight, self.bias, self.steps = weight, bias, steps
+        self.inputs: Optional[torch.Tensor] = None
         self._finish = finish
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.weight, self.bias)
 
+    def keep(self, t: int, h: torch.Tensor) -> None:
+        """Step ``t``'s input (before the step runs)."""
+        if self.inputs is None:
+            self.inputs = h.new_empty(h.shape[0], self.steps, h.shape[1])
+        self.inputs[:, t] = h.detach()
+
     def finish(self, gates: torch.Tensor) -> None:
         """After the last step: ``gates`` is ``ih``'s output that the steps added into ``z_t``."""
-        self._finish(torch.stack(self.inputs, dim=1), gates)
+        self._finish(self.inputs, gates)
 
 
 class _Registration:
