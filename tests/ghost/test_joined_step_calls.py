@@ -285,3 +285,37 @@ def test_wrappers_that_come_and_go_do_not_disturb_a_compiled_model(monkeypatch):
         wrapper.per_sample_norms([p for _, p in wrapper.trainable_parameters()])
         wrapper._bookkeeper.clear()
     assert joined[-3:] == [True] * 3
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_empty_batches_before_a_step_change_nothing(mode):
+    """Poisson sampling's empty batches run the layer on no rows: the next step's update is the
+    per-step calls' and no joined call is left waiting."""
+    from opacus_dp import PrivacyEngine
+
+    torch.manual_seed(3)
+    x = torch.randn(4, STEPS, 4, dtype=torch.float64)
+    updates = []
+    for joined in (True, False):
+        torch.manual_seed(0)
+        model = Recurrent(LAYERS["lstm-proj"]()).double()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = PrivacyEngine().make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                data_loader=DataLoader(TensorDataset(x), batch_size=4), noise_multiplier=0.0, max_grad_norm=0.1,
+                poisson_sampling=False, grad_sample_mode=mode, criterion=lambda out, *_: out.pow(2).sum())
+        wrapper, optimizer = result[0], result[1]
+        criterion = result[2] if mode == "ghost" else (lambda out: out.pow(2).sum())
+        if not joined:
+            per_step(model)
+        before = [p.detach().clone() for p in model.parameters()]
+        for batch in (x[:0], x[:0], x):
+            optimizer.zero_grad()
+            criterion(wrapper(batch)).backward()
+            optimizer.step()
+        assert not wrapper._bookkeeper._joined.get(model.rnn.l0.hh)
+        updates.append([b - p.detach() for b, p in zip(before, model.parameters())])
+    for a, b in zip(*updates):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+        assert a.abs().sum() > 0

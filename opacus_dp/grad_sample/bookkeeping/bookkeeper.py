@@ -247,6 +247,7 @@ class Bookkeeper:
 
     def _close(self, task: int) -> None:
         with self._lock:
+            self._joined.clear()  # a joined call not seen by its pass will not come (its forward was not used)
             finished = self._open.pop(task, None)
             if finished is None or not (finished.deferred or finished.modes):
                 return  # no call recorded (a pass opened for a recomputation that was not used)
