@@ -2,22 +2,23 @@
 
 The wrapper registers hooks on the user's own submodules; it never copies them.
 
-* forward hook (with kwargs) of every layer owning parameters: keeps the call's inputs (detached)
-  and registers one gradient hook on that call's outputs;
-* that gradient hook fires during backward with ``backprops = dLoss/dOutput`` of exactly that call,
-  computes the per-sample gradients with the registered sampler of the layer's exact type, or the generic
-  ``torch.func`` fallback, and adds them to a side table (:mod:`per_sample_store`: sum within, concatenate
-  across).
+* forward hook (with kwargs) of every layer owning parameters: keeps the call's inputs
+  (detached) and registers one gradient hook on that call's outputs;
+* that gradient hook fires during backward with ``backprops = dLoss/dOutput`` of exactly
+  that call, computes the per-sample gradients with the registered sampler of the
+  layer's exact type, or the generic ``torch.func`` fallback, and adds them to a side
+  table (see :mod:`per_sample_store` for the sum-within / concatenate-across rule).
 
-After ``loss.backward()`` every trainable parameter ``p`` has ``p.grad_sample`` of shape ``(B, *p.shape)``:
-row ``i`` is the gradient of sample ``i``'s own loss term. For ``loss_reduction="mean"`` the backprops
-are multiplied by the call's batch size ``B`` to undo the ``1/B`` of the mean. Gradient hooks are tied
-to one call's outputs (not to the module), so in-place operations after a layer (``ReLU(inplace=True)``),
-calls whose outputs never reach the loss, and evaluation passes leave no stale state behind
-(module-level full backward hooks are not used: torch forbids in-place changes of the outputs they
-wrap). A layer called on one sample that is broadcast over the batch (position ids of shape ``(1, T)``)
-is called on its inputs expanded to the batch (a view), which makes its per-sample gradients exact
-(:mod:`~opacus_dp.grad_sample.broadcast_inputs`).
+After ``loss.backward()`` every trainable parameter ``p`` has ``p.grad_sample`` of shape
+``(B, *p.shape)``: row ``i`` is the gradient of sample ``i``'s own loss term. For
+``loss_reduction="mean"`` the backprops are multiplied by the call's batch size ``B`` to
+undo the ``1/B`` of the mean. Gradient hooks are tied to one call's outputs (not to the
+module), so in-place operations after a layer (``ReLU(inplace=True)``), calls whose
+outputs never reach the loss, and evaluation passes leave no stale state behind
+(module-level full backward hooks are not used: torch forbids in-place changes of the
+outputs they wrap). A layer called on one sample that is broadcast over the batch (position ids
+of shape ``(1, T)``) is called on its inputs expanded to the batch (a view), which makes its
+per-sample gradients exact (:mod:`~opacus_dp.grad_sample.broadcast_inputs`).
 
 The hooks on the user's layers refer to their wrapper weakly: a wrapper dropped without ``close()``
 is collected while the model lives on, and a finalizer removes all it attached (:class:`_Attachments`).
@@ -46,7 +47,8 @@ from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck, Switches
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import skip_weight_grads as install_skipping
 from opacus_dp.grad_sample.support import autocast_of, describe, same_autocast, unsupported_modules
-from opacus_dp.grad_sample.traced_taps import IDLE, LEARN, TAPPED, TracedTaps
+from opacus_dp.grad_sample.traced_forward import tapped_forward
+from opacus_dp.grad_sample.traced_taps import TracedTaps
 from opacus_dp.module_parameters import (has_trainable_parameters, is_fsdp_module, own_parameters,
                                          register_canonical_if_sharded, to_canonical)
 
@@ -196,12 +198,14 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         return forward_hook
 
     def _capture(self, path, master, layer, args, kwargs, output, traced: bool = False):
-        """Forward hook body: record the call and hook its outputs' gradients. Returns None (output
-        unchanged) or, for a layer with several differentiable outputs, the output with those tensors
-        replaced by clones (see ``separate_outputs``). ``traced``: a call of a compiled forward recorded
-        after it (its inputs are the graph's outputs, ``output`` its tap:
-        :mod:`~opacus_dp.grad_sample.traced_taps`); its inputs are kept as they are and a norm layer's
-        statistics computed again."""
+        """Forward hook body: record the call and hook its outputs' gradients.
+
+        Returns None (output unchanged) or, for a layer with several differentiable
+        outputs, the output with those tensors replaced by clones (see ``separate_outputs``).
+        ``traced``: a call of a compiled forward recorded after it (its inputs are the graph's
+        outputs, ``output`` its tap: :mod:`~opacus_dp.grad_sample.traced_taps`); its inputs are
+        kept as they are and a norm layer's statistics computed again.
+        """
         if not self.hooks_enabled or getattr(_RECOMPUTING, "active", False):
             return None
         if not torch.is_grad_enabled() or not has_trainable_parameters(master):
@@ -326,44 +330,9 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
     def forward(self, *args, **kwargs):
         self._restore_switches()
         if torch.compiler.is_compiling() and self._taps.enabled:
-            return self._tapped_forward(args, kwargs)
+            return tapped_forward(self, args, kwargs)
         self._taps.compiled_forward = False
         return self._module(*args, **kwargs)
-
-    def _tapped_forward(self, args, kwargs):
-        """The forward as dynamo traces it: the hooked calls tapped where their layout is known
-        (:mod:`~opacus_dp.grad_sample.traced_taps`)."""
-        plan = self._taps.prepare(args, kwargs, self._recording)
-        if plan == LEARN:
-            return self._taps.learn(self._module, args, kwargs)
-        if plan == IDLE and self.skips_weight_grads and torch.is_grad_enabled():
-            self._excuse_weight_grads()  # hooks disabled: ordinary gradients, as eagerly
-        output = self._module(*args, **kwargs)
-        if plan == TAPPED:
-            self._record_traced_calls(self._taps.finish())
-        else:
-            self._taps.end()
-        return output
-
-    @torch.compiler.disable
-    def _excuse_weight_grads(self) -> None:
-        for layer in self._hooked_layers():
-            for _, param in own_parameters(layer):
-                self._outside_use.excuse(param)
-
-    @torch.compiler.disable
-    def _record_traced_calls(self, records) -> None:
-        """Record the tapped calls of a compiled forward, as their eager hooks would have."""
-        for path, args, kwargs, tap, joined in records:
-            master = self._taps.layers[path]
-            if joined:  # a recurrent layer's steps as one call (bookkeeping/joined_step_calls.py)
-                self._record_joined_steps(path, master, args[0], tap, traced=True)
-            else:
-                self._capture(path, master, master, args, kwargs, tap, traced=True)
-            if self.skips_weight_grads:
-                for _, param in own_parameters(master):
-                    self._outside_use.watch(param)
-                    self._outside_use.note_grad(param)
 
     def __getattr__(self, name: str):
         try:
