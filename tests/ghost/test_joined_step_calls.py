@@ -319,3 +319,53 @@ def test_empty_batches_before_a_step_change_nothing(mode):
     for a, b in zip(*updates):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
         assert a.abs().sum() > 0
+
+
+def test_a_cell_with_its_own_recurrence_keeps_the_step_calls(captures):
+    """A subclass inherits the declared pair but changes what ``hh``'s output feeds (here halved):
+    ``ih``'s output gradient is no longer ``hh``'s, and the checked per-step calls give the oracle."""
+    from opacus_dp.layers.rnn_cells import DPLSTMCell
+
+    class HalvedCell(DPLSTMCell):
+        def recurrence(self, input_gates, state, project=None):
+            h, c = state
+            i, f, g, o = (input_gates + 0.5 * self.hh(h)).chunk(4, dim=-1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            return torch.sigmoid(o) * torch.tanh(c), c
+
+    class HalvedLSTM(DPLSTM):
+        def _make_cell(self, layer_input, device, dtype):
+            return HalvedCell(layer_input, self.hidden_size, self.bias, device=device, dtype=dtype)
+
+    torch.manual_seed(0)
+    model = Recurrent(HalvedLSTM(4, 8, batch_first=True)).double()
+    x = torch.randn(4, STEPS, 4, dtype=torch.float64)
+    oracle = model_oracle(model, (x,))
+    wrapper = BookkeepingGradSampleModule(model)
+    run_backward(wrapper, (x,), "mean", len(x))
+    assert captures[model.rnn.l0.hh] == STEPS
+    assert_norms_and_sums(wrapper, oracle)
+
+
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "per-step"])
+def test_a_sequence_first_model_gives_the_oracle(joined, captures):
+    """``batch_first=False`` (model and wrapper): the steps' inputs and ``G`` are batch-first inside."""
+
+    class SequenceFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.fc = DPLSTM(4, 8, num_layers=2, bidirectional=True), nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.fc(self.rnn(x)[0]).sum(dim=0)
+
+    torch.manual_seed(0)
+    model = SequenceFirst().double()
+    x = torch.randn(STEPS, 3, 4, dtype=torch.float64)
+    oracle = model_oracle(model, (x,), batch_dim=1)
+    wrapper = BookkeepingGradSampleModule(model, batch_first=False)
+    if not joined:
+        per_step(model)
+    run_backward(wrapper, (x,), "mean", 3)
+    assert [captures[c.hh] for c in _cells(model)] == [1 if joined else STEPS] * 4
+    assert_norms_and_sums(wrapper, oracle)

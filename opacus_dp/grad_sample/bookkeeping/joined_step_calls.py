@@ -26,9 +26,11 @@ change ``ih``'s output after the tap); the decision is made before each compiled
 The steps call ``hh`` as before (hooked per step) wherever that is not certain to be equivalent:
 without grad or while the hooks are disabled, in the forward that learns the taps' layout,
 during a backward pass (a checkpoint's recomputation), when ``ih``'s output does not require
-grad, when ``hh`` is not a plain ``RNNLinear`` (a subclass, a replaced ``forward``, a
-parametrization), carries hooks other than the wrapper's own or none of its parameters is
-trainable, when global module hooks other than the engine's are registered, and when the
+grad, when the cell's recurrence is not ``DPLSTMCell``'s or ``DPRNNCell``'s own (a subclass that
+changes it inherits the declared pair, but perhaps not the sum ``z_t``), when ``hh`` is not a
+plain ``RNNLinear`` (a subclass, a replaced ``forward``, a parametrization), carries hooks other
+than the wrapper's own or none of its parameters is trainable, when global module hooks other
+than the engine's are registered, and when the
 wrapper keeps autograd's weight gradients or the model is sharded (FSDP2).
 """
 
@@ -42,15 +44,26 @@ from torch.utils.hooks import RemovableHandle
 from opacus_dp.distributed.data_parallel import own_global_hook_ids
 from opacus_dp.layers.batch_first import BatchFirstLinear
 from opacus_dp.layers.joined_steps import JoinedSteps, mark_traced, register
+from opacus_dp.layers.rnn_cells import DPLSTMCell, DPRNNCell, DPRNNCellBase
 from opacus_dp.module_parameters import has_trainable_parameters, own_parameters
 from opacus_dp.torch_internals import current_graph_task_id, global_module_hook_ids
+
+
+# the steps whose z_t = ih(x)_t + hh(h_{t-1}) is known to feed hh's output into nothing else: a
+# subclass's own recurrence (which inherits the declared pair) keeps the checked per-step calls
+JOINABLE_RECURRENCES = (DPLSTMCell.recurrence, DPRNNCell.recurrence)
+
+
+def _joinable(cell: nn.Module) -> bool:
+    return (type(cell).recurrence in JOINABLE_RECURRENCES and "recurrence" not in vars(cell)
+            and ("ih", "hh") in getattr(cell, "_dp_shared_gate_gradients", ())
+            and isinstance(getattr(cell, "hh", None), BatchFirstLinear))
 
 
 def joinable_cells(model: nn.Module):
     """``(path, cell)`` of the cells whose step projection shares ``ih``'s output gradient."""
     for path, cell in model.named_modules():
-        if ("ih", "hh") in getattr(cell, "_dp_shared_gate_gradients", ()) \
-                and isinstance(getattr(cell, "hh", None), BatchFirstLinear):
+        if isinstance(cell, DPRNNCellBase) and _joinable(cell):
             yield path, cell
 
 
@@ -127,6 +140,6 @@ class JoinedStepCalls:
         """The conditions that do not depend on the run's tensors (module doc)."""
         hh = cell.hh
         return (torch.is_grad_enabled() and wrapper._recording() and wrapper.skips_weight_grads
-                and type(hh) is BatchFirstLinear and "forward" not in vars(hh)
+                and _joinable(cell) and type(hh) is BatchFirstLinear and "forward" not in vars(hh)
                 and has_trainable_parameters(hh) and self._only_own_hooks(cell, "hh")
                 and global_module_hook_ids() <= own_global_hook_ids())
