@@ -44,12 +44,13 @@ from opacus_dp.grad_sample.layer_call import (LayerCall, batch_first_backprops, 
 from opacus_dp.grad_sample.replicas import has_data_parallel, has_replicas, master_grad_samples, needs_weight_grads
 from opacus_dp.grad_sample.per_sample_store import PerSampleGradStore
 from opacus_dp.grad_sample.registry import GRAD_SAMPLERS, SAVED_STATISTICS, find_sampler
+from opacus_dp.grad_sample.joined_step_calls import JoinedStepCalls, joinable_cells, own_hook_ids
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import OutsideUseCheck, Switches
 from opacus_dp.grad_sample.bookkeeping.weight_grad_skipping import skip_weight_grads as install_skipping
 from opacus_dp.grad_sample.support import autocast_of, describe, same_autocast, unsupported_modules
 from opacus_dp.grad_sample.traced_forward import tapped_forward
 from opacus_dp.grad_sample.traced_taps import TracedTaps
-from opacus_dp.module_parameters import (has_trainable_parameters, is_fsdp_module, own_parameters,
+from opacus_dp.module_parameters import (has_trainable_parameters, is_fsdp_module, is_sharded_model, own_parameters,
                                          register_canonical_if_sharded, to_canonical)
 
 _RECOMPUTING = threading.local()
@@ -136,6 +137,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
         elif not has_replicas(module) and not sharded:  # FSDP2 reduces p.grad across ranks
             self._compare_pass_totals()
         prepare_for_compile(module, self._handles, self._traced)  # torch.compile: see compiled_modules
+        self._join_step_calls()
 
     def _skip_weight_grads(self) -> None:
         self._outside_use = OutsideUseCheck({id(p): n for n, p in self._module.named_parameters()})
@@ -147,6 +149,35 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
             self._traced.update({handle.id: self._taps.passive for handle in handles})
             self._handles.extend(handles)
         self._handles.append(self._outside_use)
+
+    def _join_step_calls(self) -> None:
+        """Recurrent cells record their step projection as one call per run where this wrapper
+        hooks it (:mod:`~opacus_dp.grad_sample.joined_step_calls`); not under FSDP2,
+        nor for the ``torch.func`` recomputation of every layer."""
+        self._joined_calls: List[JoinedStepCalls] = []
+        if self.force_functorch or is_sharded_model(self._module):
+            return
+        for path, cell in joinable_cells(self._module):
+            hooks = {layer: own_hook_ids(self._handles, layer) for layer in (cell.ih, cell.hh)}
+            if all(hooks.values()):
+                self._joined_calls.append(JoinedStepCalls(self, path, cell, hooks))
+                self._handles.append(self._joined_calls[-1].install())
+        self._taps.on_tapped = weakly(self._plan_traced_joins)
+        self._taps.on_finished = weakly(self._end_traced_joins)
+
+    def _plan_traced_joins(self) -> None:
+        for joined in self._joined_calls:  # before a tapped (compiled) forward
+            joined.plan_traced(self)
+
+    def _end_traced_joins(self) -> None:
+        for joined in self._joined_calls:
+            joined.end_traced()
+
+    def _record_joined_steps(self, path: str, hh: nn.Module, inputs: torch.Tensor, gates: torch.Tensor,
+                             traced: bool = False) -> None:
+        """One call of ``hh`` on ``inputs`` (its steps' inputs, ``(B, T, H)``) whose output gradient
+        is that of ``gates`` (``traced``: the input projection's tap, after a compiled forward)."""
+        self._capture(path, hh, hh, (inputs,), {}, gates, traced=traced)
 
     def _compare_pass_totals(self) -> None:
         """Weight gradients kept: find outside uses from each pass's totals (outside_use_totals)."""

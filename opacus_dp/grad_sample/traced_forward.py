@@ -4,7 +4,7 @@ Inside a compiled forward the hooked calls are tapped (:mod:`~opacus_dp.grad_sam
 before the model runs, the wrapper's taps are made (or a forward learns their layout eagerly);
 after it, each tapped call is recorded as the layer's eager hook would have recorded it, from the
 graph's outputs, its tap standing in for its output. A recurrent layer's steps joined into one
-call (:mod:`~opacus_dp.grad_sample.bookkeeping.joined_step_calls`) are recorded as such.
+call (:mod:`~opacus_dp.grad_sample.joined_step_calls`) are recorded as such.
 """
 
 import torch

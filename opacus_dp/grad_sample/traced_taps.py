@@ -244,7 +244,7 @@ class TracedTaps:
         return last[1] if last is not None and last[0] == path else None
 
     def add_joined(self, path: str, inputs: torch.Tensor, tap: torch.Tensor) -> None:
-        """A step projection's joined call (:mod:`~opacus_dp.grad_sample.bookkeeping.joined_step_calls`)
+        """A step projection's joined call (:mod:`~opacus_dp.grad_sample.joined_step_calls`)
         of the traced forward: its steps' inputs, and the tap of the input projection's call."""
         self.records.append((path, (inputs.detach(),), {}, tap, True))
         self.last_call = None

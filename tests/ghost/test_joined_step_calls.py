@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from opacus_dp.grad_sample import BookkeepingGradSampleModule
+from opacus_dp.grad_sample import BookkeepingGradSampleModule, GradSampleModule
 from opacus_dp.grad_sample.bookkeeping.module import BookkeepingGradSampleModule as Wrapper
 from opacus_dp.layers import DPLSTM, DPRNN
 from opacus_dp.layers import joined_steps
@@ -47,14 +47,14 @@ def captures(monkeypatch):
     """``{layer: calls recorded}`` by every wrapper's forward hook (not the calls of forward
     passes that record nothing, such as the wrapper's own checks of the model)."""
     counts = {}
-    capture = Wrapper._capture
+    capture = GradSampleModule._capture  # the norms-only wrapper's calls it too
 
     def counting(self, path, master, *rest, **kwargs):
         if self._recording() and torch.is_grad_enabled():
             counts[master] = counts.get(master, 0) + 1
         return capture(self, path, master, *rest, **kwargs)
 
-    monkeypatch.setattr(Wrapper, "_capture", counting)
+    monkeypatch.setattr(GradSampleModule, "_capture", counting)
     return counts
 
 
@@ -84,6 +84,25 @@ def test_norms_and_sums_are_the_oracles(name, rule, joined, captures):
     assert_norms_and_sums(wrapper, oracle)
 
 
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "per-step"])
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_materialised_per_sample_gradients_and_ordinary_gradients(name, joined, captures):
+    """``hooks`` (``GradSampleModule``): ``p.grad_sample`` is the oracle's, and ``p.grad`` the
+    ordinary gradient (the joined steps compute ``hh`` from its parameters themselves there)."""
+    torch.manual_seed(0)
+    model = Recurrent(LAYERS[name]()).double()
+    x = torch.randn(4, STEPS, model.rnn.input_size, dtype=torch.float64)
+    oracle = model_oracle(model, (x,))
+    wrapper = GradSampleModule(model)
+    if not joined:
+        per_step(model)
+    run_backward(wrapper, (x,), "mean", len(x))
+    assert [captures[c.hh] for c in _cells(model)] == [1 if joined else STEPS] * len(_cells(model))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_sample, oracle[n], rtol=1e-9, atol=1e-10, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(p.grad, oracle[n].mean(dim=0), rtol=1e-9, atol=1e-10, msg=lambda m: f"{n}: {m}")
+
+
 def test_the_joined_call_takes_the_input_projections_gradient_products():
     """``ih`` and ``hh`` receive one output gradient: its Gram products are formed once per cell."""
     taken = {}
@@ -95,7 +114,7 @@ def test_the_joined_call_takes_the_input_projections_gradient_products():
     assert taken[True] == taken[False] >= len(_cells(model))
 
 
-@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("mode", ["bk", "ghost", "hooks"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_private_updates_equal_the_per_step_updates(mode, clipping, captures):
     """A whole ``make_private`` step on packed sequences of several lengths (PackedSequence,
@@ -191,11 +210,19 @@ def test_a_frozen_step_projection_is_not_joined(captures):
     assert_norms_and_sums(wrapper, oracle)
 
 
-def test_a_wrapper_that_keeps_weight_gradients_registers_nothing():
-    model = Recurrent(LAYERS["lstm"]())
+def test_a_wrapper_that_keeps_weight_gradients_joins_with_the_parameters_themselves(captures):
+    """``skip_weight_grads=False``: the joined steps compute ``hh`` from its parameters, so that
+    ``p.grad`` is the ordinary gradient, and the norms are the oracle's."""
+    torch.manual_seed(0)
+    model = Recurrent(LAYERS["lstm-proj"]()).double()
+    x = torch.randn(4, STEPS, 4, dtype=torch.float64)
+    oracle = model_oracle(model, (x,))
     wrapper = BookkeepingGradSampleModule(model, skip_weight_grads=False)
-    assert all(cell not in joined_steps._RECORDERS for cell in _cells(model))
-    del wrapper
+    run_backward(wrapper, (x,), "mean", len(x))
+    assert captures[model.rnn.l0.hh] == 1
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, oracle[n].mean(dim=0), rtol=1e-9, atol=1e-10, msg=lambda m: f"{n}: {m}")
+    assert_norms_and_sums(wrapper, oracle)
 
 
 def test_closing_the_wrapper_gives_the_steps_back():

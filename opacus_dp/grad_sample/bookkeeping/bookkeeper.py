@@ -120,7 +120,7 @@ class Bookkeeper:
 
     def expect_joined(self, step_layer: nn.Module) -> None:
         """The call of ``step_layer`` just expected (:meth:`expect_call`) joins a recurrent run's
-        steps (:mod:`~opacus_dp.grad_sample.bookkeeping.joined_step_calls`): its output gradient
+        steps (:mod:`~opacus_dp.grad_sample.joined_step_calls`): its output gradient
         is its cell's input projection's, which waits for it to be resolved with it."""
         with self._lock:
             self._joined[step_layer] = self._joined.get(step_layer, 0) + 1

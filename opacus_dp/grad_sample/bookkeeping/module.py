@@ -34,7 +34,6 @@ import torch.nn as nn
 from torch.nn.parallel import DataParallel
 
 from opacus_dp.grad_sample.bookkeeping.bookkeeper import Bookkeeper
-from opacus_dp.grad_sample.bookkeeping.joined_step_calls import JoinedStepCalls, joinable_cells, own_hook_ids
 from opacus_dp.grad_sample.bookkeeping.passes import shared_layers
 from opacus_dp.grad_sample.bookkeeping.step_gradients import step_projections
 from opacus_dp.grad_sample.attachments import weakly
@@ -95,7 +94,6 @@ class BookkeepingGradSampleModule(GradSampleModule):
                          check_sample_independence=check_sample_independence, public_buffers=public_buffers)
         self._bookkeeper.shared_layers = shared_layers(self._hooked_layers())
         self._bookkeeper.step_layers = step_projections(self._module)
-        self._join_step_calls()
         store, bookkeeper = self._store, weakref.ref(self._bookkeeper)
         self._bookkeeper.other_batches = lambda: store.passes
         store.other_batches = lambda: getattr(bookkeeper(), "num_passes", 0)
@@ -106,35 +104,11 @@ class BookkeepingGradSampleModule(GradSampleModule):
         return self._bookkeeper.layer_rule
 
     # ------------------------------------------------------------------ hooks
-    def _join_step_calls(self) -> None:
-        """Recurrent cells record their step projection as one call per run (joined_step_calls),
-        where this wrapper hooks it and skips autograd's weight gradients, and not under FSDP2."""
-        self._joined_calls: List[JoinedStepCalls] = []
-        if not self.skips_weight_grads or is_sharded_model(self._module):
-            return
-        for path, cell in joinable_cells(self._module):
-            hooks = {layer: own_hook_ids(self._handles, layer) for layer in (cell.ih, cell.hh)}
-            if all(hooks.values()):
-                self._joined_calls.append(JoinedStepCalls(self, path, cell, hooks))
-                self._handles.append(self._joined_calls[-1].install())
-        self._taps.on_tapped = weakly(self._plan_traced_joins)
-        self._taps.on_finished = weakly(self._end_traced_joins)
-
-    def _plan_traced_joins(self) -> None:
-        """Before a tapped (compiled) forward: which cells' steps its graph joins."""
-        for joined in self._joined_calls:
-            joined.plan_traced(self)
-
-    def _end_traced_joins(self) -> None:
-        for joined in self._joined_calls:
-            joined.end_traced()
-
     def _record_joined_steps(self, path: str, hh: nn.Module, inputs: torch.Tensor, gates: torch.Tensor,
                              traced: bool = False) -> None:
-        """One call of ``hh`` on ``inputs`` (its steps' inputs, ``(B, T, H)``) whose output gradient
-        is that of ``gates`` (joined_step_calls; ``traced``: the input projection's tap, after a
-        compiled forward)."""
-        self._capture(path, hh, hh, (inputs,), {}, gates, traced=traced)
+        """As the base wrapper's; the call's output gradient is its cell's input projection's,
+        which is resolved with it (the bookkeeper's joined calls)."""
+        super()._record_joined_steps(path, hh, inputs, gates, traced)
         if self._recording() and torch.is_grad_enabled():
             self._bookkeeper.expect_joined(hh)
 

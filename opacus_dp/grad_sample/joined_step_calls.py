@@ -1,19 +1,21 @@
-"""A recurrent layer's step projection recorded as one call per run of a sequence (``ghost``, ``bk``).
+"""A recurrent layer's step projection recorded as one call per run of a sequence.
 
 ``DPLSTM`` and ``DPRNN`` compute ``z_t = ih(x)_t + W_hh h_{t-1} + b_hh`` at each step ``t``, with
 one call of ``ih`` over the whole sequence and one call of ``hh`` per step. Hooked per step, each of
 the ``T`` calls of ``hh`` pays the hooks' bookkeeping (recording the call in the forward pass, its
-output gradient in the backward pass), which on a short step is a large part of the step's time.
+output gradient in the backward pass), and in ``hooks`` each materialises ``B`` per-sample gradients.
 
-In the norms-only modes autograd's weight gradients are switched off anyway, so for a run over a
-sequence the wrapper can take ``hh``'s steps over (:mod:`~opacus_dp.layers.joined_steps`): the steps
-compute ``W_hh h_{t-1} + b_hh`` from detached parameters, unhooked, and the wrapper records **one**
+For a run over a sequence the wrapper can take ``hh``'s steps over
+(:mod:`~opacus_dp.layers.joined_steps`): the steps compute ``W_hh h_{t-1} + b_hh`` unhooked, from
+``hh``'s parameters detached where the wrapper switches autograd's weight gradients off (``ghost``,
+``bk``) and from the parameters themselves otherwise (``hooks``: autograd forms ``hh``'s ordinary
+gradient, as the module's calls did), and the wrapper records **one**
 call of ``hh`` whose input is ``H = (h_{t-1})_t`` stacked ``(B, T, H)`` and whose output gradient
 is the gradient ``G (B, T, p)`` of ``ih``'s output. ``G_t = ∂L/∂z_t`` is the gradient of ``hh``'s
 output at step ``t`` too, since both outputs enter the step only through the sum ``z_t``, so the
 call's per-sample gradient ``Σ_t G_{i,t} h_{i,t-1}ᵀ`` is the sum of the per-step calls' (in another
-order of summation). ``G`` is the very tensor ``ih``'s call receives: the bookkeeper resolves the two
-calls together and forms ``G``'s Gram products once
+order of summation). ``G`` is the very tensor ``ih``'s call receives: in the norms-only modes the
+bookkeeper resolves the two calls together and forms ``G``'s Gram products once
 (:meth:`~opacus_dp.grad_sample.bookkeeping.bookkeeper.Bookkeeper.record`).
 
 In a compiled forward (:mod:`~opacus_dp.grad_sample.traced_taps`) the graph computes the steps
@@ -30,8 +32,8 @@ grad, when the cell's recurrence is not ``DPLSTMCell``'s or ``DPRNNCell``'s own 
 changes it inherits the declared pair, but perhaps not the sum ``z_t``), when ``hh`` is not a
 plain ``RNNLinear`` (a subclass, a replaced ``forward``, a parametrization), carries hooks other
 than the wrapper's own or none of its parameters is trainable, when global module hooks other
-than the engine's are registered, and when the
-wrapper keeps autograd's weight gradients or the model is sharded (FSDP2).
+than the engine's are registered, and when the model is sharded (FSDP2) or the wrapper
+recomputes every layer with ``torch.func`` (``functorch``).
 """
 
 import weakref
@@ -98,9 +100,11 @@ class JoinedStepCalls:
                 or current_graph_task_id() != -1 or not self._static(wrapper, cell):
             return None
         hh = cell.hh
-        for _, param in own_parameters(hh):
-            wrapper._outside_use.watch(param)  # as the weight-gradient switch does at a call
-        return self._steps(hh, steps, lambda inputs, out: wrapper._record_joined_steps(self._path, hh, inputs, out))
+        if wrapper.skips_weight_grads:
+            for _, param in own_parameters(hh):
+                wrapper._outside_use.watch(param)  # as the weight-gradient switch does at a call
+        return self._steps(hh, steps, wrapper.skips_weight_grads,
+                           lambda inputs, out: wrapper._record_joined_steps(self._path, hh, inputs, out))
 
     def plan_traced(self, wrapper) -> None:
         """Before a tapped forward (eagerly): whether its graph joins this cell's steps (the cell
@@ -123,12 +127,17 @@ class JoinedStepCalls:
         tap = taps.last_tap(self._ih_path)
         if tap is None or not gates.requires_grad:
             return None
-        return self._steps(cell.hh, steps, lambda inputs, out: taps.add_joined(self._path, inputs, tap))
+        return self._steps(cell.hh, steps, wrapper.skips_weight_grads,
+                           lambda inputs, out: taps.add_joined(self._path, inputs, tap))
 
     @staticmethod
-    def _steps(hh: nn.Module, steps: int, finish) -> JoinedSteps:
-        bias = None if hh.bias is None else hh.bias.detach()
-        return JoinedSteps(hh.weight.detach(), bias, steps, finish)
+    def _steps(hh: nn.Module, steps: int, detached: bool, finish) -> JoinedSteps:
+        """The run's steps, from ``hh``'s parameters (``detached``: where the wrapper switches
+        autograd's weight gradients off; otherwise autograd forms ``hh``'s ordinary gradient)."""
+        weight, bias = hh.weight, hh.bias
+        if detached:
+            weight, bias = weight.detach(), None if bias is None else bias.detach()
+        return JoinedSteps(weight, bias, steps, finish)
 
     def _only_own_hooks(self, cell: nn.Module, name: str) -> bool:
         """Whether ``cell.<name>`` is the layer the wrapper hooked and carries no other hooks."""
@@ -139,7 +148,7 @@ class JoinedStepCalls:
     def _static(self, wrapper, cell: nn.Module) -> bool:
         """The conditions that do not depend on the run's tensors (module doc)."""
         hh = cell.hh
-        return (torch.is_grad_enabled() and wrapper._recording() and wrapper.skips_weight_grads
+        return (torch.is_grad_enabled() and wrapper._recording()
                 and _joinable(cell) and type(hh) is BatchFirstLinear and "forward" not in vars(hh)
                 and has_trainable_parameters(hh) and self._only_own_hooks(cell, "hh")
                 and global_module_hook_ids() <= own_global_hook_ids())
