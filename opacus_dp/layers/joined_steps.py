@@ -24,8 +24,8 @@ _TRACED = "_dp_traced_joined_steps"  # mark_traced
 
 class JoinedSteps:
     """One run's steps: :meth:`project` replaces ``hh``'s call; :meth:`keep` copies step ``t``'s
-    input ``h_{t-1}`` into ``(B, T, H)`` (the states are not kept alive); ``finish(H, gates)`` is the
-    recorder's."""
+    input ``h_{t-1}`` into one ``(B, T, H)`` tensor (a copy: the recorded call holds no step's own
+    state); ``finish(H, gates)`` is the recorder's."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], steps: int,
                  finish: Callable[[torch.Tensor, torch.Tensor], None]):
