@@ -33,7 +33,8 @@ The patch Gram ``A_i A_iᵀ`` has two forms (:func:`patch_gram`, the cheaper one
   positions of a term ``t·s + k·δ`` and ``t'·s + k·δ`` lie in the same *phase* of the input
   (the positions ``r, r + s, r + 2s, …`` with ``r = k·δ mod s``, per spatial dimension), so
   only the Grams within each phase are needed (polyphase decomposition): ``(P/s)²`` entries per
-  phase, ``P²/s`` in all for one dimension, each phase a strided copy of the input; a tap
+  phase, ``P²/s`` in all for one dimension, the phases one de-interleaved copy of the input
+  (a strided copy each where the strides do not divide its sizes); a tap
   reads its phase's Gram at ``t + c_k`` (``c_k = (k·δ − r)/s``) with stride 1. Cheaper for
   layers with many channels per group (``P/s ≈ T``, so ``P² · C/G / s ≪ T² · d``).
 """
@@ -202,8 +203,7 @@ def _autocorrelation_gram(layer: ConvNd, x: torch.Tensor) -> torch.Tensor:
         x = padded_input(layer, x)
     rows, spatial = x.shape[0] * layer.groups, len(dims)
     grams = {}
-    for phase in itertools.product(*(taps.phases() for taps in dims)):
-        part = x[(slice(None), slice(None), *(slice(r, None, taps.stride) for r, taps in zip(phase, dims)))]
+    for phase, part in _phases(x, dims, layer.groups):
         by_position = positions_by_channels(part, layer.groups)
         grams[phase] = torch.bmm(by_position, by_position.transpose(1, 2)).view(rows, *part.shape[2:], *part.shape[2:])
     for dim, taps in enumerate(dims):  # the phases of dimension dim summed out, those after it kept
@@ -211,6 +211,27 @@ def _autocorrelation_gram(layer: ConvNd, x: torch.Tensor) -> torch.Tensor:
                                 (1 + dim, 1 + spatial + dim), taps)
                  for rest in dict.fromkeys(phase[1:] for phase in grams)}
     return grams[()].reshape(rows, math.prod(t.outputs for t in dims), -1)
+
+
+def _phases(x: torch.Tensor, dims: Sequence["_Taps"], groups: int):
+    """``(phase, part)`` for each phase the taps read: ``part`` the input at the phase's positions,
+    ``(B, C, m_1, …)``. A strided ungrouped layer's default-layout input whose every phase is read
+    and whose sizes the strides divide is de-interleaved by one copy, ``(B, s_1, …, C, m_1, …)``, of
+    which each phase is a view (its rows laid out as a copy of its own: the same products);
+    strided slices copied one phase at a time cost about four times as long on CPU."""
+    phases = list(itertools.product(*(taps.phases() for taps in dims)))
+    strides, sizes = [taps.stride for taps in dims], x.shape[2:]
+    if (len(phases) == 1 or groups != 1 or not x.is_contiguous()
+            or any(taps.phases() != list(range(taps.stride)) or n % taps.stride for n, taps in zip(sizes, dims))):
+        for phase in phases:
+            yield phase, x[(slice(None), slice(None), *(slice(r, None, s) for r, s in zip(phase, strides)))]
+        return
+    spatial = len(sizes)
+    split = x.reshape(*x.shape[:2], *[v for n, s in zip(sizes, strides) for v in (n // s, s)])  # (B, C, m_1, s_1, …)
+    order = [0, *(3 + 2 * d for d in range(spatial)), 1, *(2 + 2 * d for d in range(spatial))]
+    deinterleaved = split.permute(order).contiguous()  # (B, s_1, …, C, m_1, …)
+    for phase in phases:
+        yield phase, deinterleaved[(slice(None), *phase)]
 
 
 @dataclass(frozen=True)
@@ -238,23 +259,37 @@ def _tap_sum(grams: Dict[int, torch.Tensor], dims, taps: _Taps) -> torch.Tensor:
     """``Σ_k grams[r_k][.., t + c_k, .., t' + c_k, ..]`` over one spatial dimension's taps (its two
     positions at ``dims``; ``grams`` by phase), terms outside the phase being zero: that dimension
     shrinks from the phase's size to ``T`` in both. The taps are added in order, each into the
-    outputs it reaches (with zero padding the same numbers as summing the padded Gram's zeros too)."""
-    total = None
+    outputs it reaches (with zero padding the same numbers as summing the padded Gram's zeros too);
+    a first tap reaching only some outputs and a second reaching all start the sum as the second's
+    copy (``b + a`` is ``a + b``: the same numbers without a zero-filled start)."""
+    terms = []  # (view, first, last) of the taps that reach some output
     for phase, shift in taps.phase_shifts():
         gram = grams[phase]
         first, last = max(0, -shift), min(taps.outputs, gram.shape[dims[0]] - shift)
-        if first >= last:
-            continue
-        source, target = [slice(None)] * gram.dim(), [slice(None)] * gram.dim()
-        source[dims[0]] = source[dims[1]] = slice(first + shift, last + shift)
-        target[dims[0]] = target[dims[1]] = slice(first, last)
-        view = gram[tuple(source)]
-        if total is None and (first, last) == (0, taps.outputs):
-            total = view.clone()
-        else:
-            total = _zeros_of_outputs(gram, dims, taps.outputs) if total is None else total
-            total[tuple(target)].add_(view)
-    return _zeros_of_outputs(next(iter(grams.values())), dims, taps.outputs) if total is None else total
+        if first < last:
+            source = [slice(None)] * gram.dim()
+            source[dims[0]] = source[dims[1]] = slice(first + shift, last + shift)
+            terms.append((gram[tuple(source)], first, last))
+    if not terms:
+        return _zeros_of_outputs(next(iter(grams.values())), dims, taps.outputs)
+    if len(terms) > 1 and terms[0][1:] != (0, taps.outputs) and terms[1][1:] == (0, taps.outputs):
+        terms[0], terms[1] = terms[1], terms[0]
+    view, first, last = terms[0]
+    if (first, last) == (0, taps.outputs):
+        total = view.clone()
+    else:
+        total = _zeros_of_outputs(view, dims, taps.outputs)
+        total[_outputs(total, dims, first, last)].add_(view)
+    for view, first, last in terms[1:]:
+        total[_outputs(total, dims, first, last)].add_(view)
+    return total
+
+
+def _outputs(total: torch.Tensor, dims, first: int, last: int) -> tuple:
+    """The index of outputs ``[first, last)`` in both positions ``dims`` of ``total``."""
+    target = [slice(None)] * total.dim()
+    target[dims[0]] = target[dims[1]] = slice(first, last)
+    return tuple(target)
 
 
 def _zeros_of_outputs(gram: torch.Tensor, dims, outputs: int) -> torch.Tensor:
