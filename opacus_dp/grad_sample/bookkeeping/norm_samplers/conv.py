@@ -267,9 +267,7 @@ def _tap_sum(grams: Dict[int, torch.Tensor], dims, taps: _Taps) -> torch.Tensor:
         gram = grams[phase]
         first, last = max(0, -shift), min(taps.outputs, gram.shape[dims[0]] - shift)
         if first < last:
-            source = [slice(None)] * gram.dim()
-            source[dims[0]] = source[dims[1]] = slice(first + shift, last + shift)
-            terms.append((gram[tuple(source)], first, last))
+            terms.append((gram[_in_both(gram, dims, first + shift, last + shift)], first, last))
     if not terms:
         return _zeros_of_outputs(next(iter(grams.values())), dims, taps.outputs)
     if len(terms) > 1 and terms[0][1:] != (0, taps.outputs) and terms[1][1:] == (0, taps.outputs):
@@ -279,17 +277,17 @@ def _tap_sum(grams: Dict[int, torch.Tensor], dims, taps: _Taps) -> torch.Tensor:
         total = view.clone()
     else:
         total = _zeros_of_outputs(view, dims, taps.outputs)
-        total[_outputs(total, dims, first, last)].add_(view)
+        total[_in_both(total, dims, first, last)].add_(view)
     for view, first, last in terms[1:]:
-        total[_outputs(total, dims, first, last)].add_(view)
+        total[_in_both(total, dims, first, last)].add_(view)
     return total
 
 
-def _outputs(total: torch.Tensor, dims, first: int, last: int) -> tuple:
-    """The index of outputs ``[first, last)`` in both positions ``dims`` of ``total``."""
-    target = [slice(None)] * total.dim()
-    target[dims[0]] = target[dims[1]] = slice(first, last)
-    return tuple(target)
+def _in_both(gram: torch.Tensor, dims, start: int, stop: int) -> tuple:
+    """The index of ``[start, stop)`` in both positions ``dims`` of ``gram``."""
+    index = [slice(None)] * gram.dim()
+    index[dims[0]] = index[dims[1]] = slice(start, stop)
+    return tuple(index)
 
 
 def _zeros_of_outputs(gram: torch.Tensor, dims, outputs: int) -> torch.Tensor:
