@@ -49,6 +49,23 @@ def test_a_change_beyond_tolerance_differs_on_another_machine_too():
     assert verdict.status == "differs" and "epsilon" in verdict.detail
 
 
+def test_a_calibrated_sigma_may_move_within_the_calibration_window_on_another_machine():
+    """``make_private_with_epsilon`` stops anywhere in its ε window; the noise moves with σ."""
+    case = cases.Case(api="with_epsilon")
+    pinned, report = _entry(case), cases.run_case(case)
+    change = 2e-4  # as seen between two x86 machines (PRV)
+    report["noise_multiplier"] *= 1 + change
+    report["epsilon"] *= 1 + change
+    report["history"] = [[s * (1 + change), q, n] for s, q, n in report["history"]]
+    report["grads"] = [g * (1 + change / 2) if g is not None else None for g in report["grads"]]
+    moved = encode_case([report])
+    assert compare_case(case.name, pinned, moved, exact=False).status == "within tolerance"
+    assert compare_case(case.name, pinned, moved, exact=True).status == "differs"
+    assert compare_case(CASE.name, pinned, moved, exact=False).status == "differs"  # not calibrated
+    report["noise_multiplier"] *= 1.01  # beyond the window
+    assert compare_case(case.name, pinned, encode_case([report]), exact=False).status == "differs"
+
+
 def test_a_case_that_raises_is_an_error_entry_and_the_next_case_still_runs(monkeypatch):
     second, real, calls = cases.Case(mode="bk"), cases.make_model, []
 

@@ -52,6 +52,7 @@ import torch.nn as nn
 from opacus_dp.grad_sample.bookkeeping.passes import (
     LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, resolve_calls)
 from opacus_dp.grad_sample.bookkeeping.chunked_sums import ChunkBuffer
+from opacus_dp.grad_sample.bookkeeping.deferred_checks import check_passes
 from opacus_dp.grad_sample.bookkeeping.grouped_units import grouped_sq_norms, resolve_grouped
 from opacus_dp.grad_sample.broadcast_inputs import BROADCAST_HINT
 from opacus_dp.grad_sample.modification_guard import changed_before_step
@@ -315,6 +316,9 @@ class Bookkeeper:
         """Per-sample squared norms ``(B_1 + ... + B_k,)`` of every param (zeros if unused);
         with ``last_only`` those of the last finished pass (a pass's own tensor: read only)."""
         passes = self._resolved[-1:] if last_only else self._resolved
+        if any(r.unchecked for r in passes):  # recomputed from kept tensors: they must be intact
+            self.check_kept_calls()
+            check_passes(passes)
         if self.units is not None:
             return grouped_sq_norms(passes, params, self.units)
         result = []

@@ -19,6 +19,7 @@ from opacus_dp.grad_sample.bookkeeping.chunked_sums import ChunkBuffer, chunked_
 from opacus_dp.grad_sample.modification_guard import KeptVersions
 from opacus_dp.grad_sample.bookkeeping.norm_rules import norm_rule_of
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import RecomputedInput, recomputed_in
+from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import deferred_checks
 from opacus_dp.grad_sample.registry import PerSampleGrads
 from opacus_dp.module_parameters import holds_canonical, own_tensors, to_canonical, to_live
 from opacus_dp.maths.per_sample import (drops_rows, finite_factors, finite_values, per_sample_norms,
@@ -61,6 +62,7 @@ class Pass:
     grouped_calls: List[Tuple[nn.Module, list, torch.Tensor, float]] = field(default_factory=list)
     grouped_params: Set[torch.Tensor] = field(default_factory=set)  # of grouped_calls (norms at the step)
     gradient_shared: Dict[nn.Module, object] = field(default_factory=dict)  # layer: key of its gradient kept elsewhere
+    unchecked: List[Tuple[tuple, List[torch.Tensor]]] = field(default_factory=list)  # (ghost_calls entry, suspect masks)
 
     def changed_kept_call(self) -> Optional[str]:
         """Name of a layer whose kept tensors were written in place since they were kept."""
@@ -100,7 +102,9 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
     activations, backprops, scale = merged
     if keep_ghost_calls and len(calls) > 1:
         _drop_merged_records(calls)
-    for p, result in ghost_norms(layer, activations, backprops).items():
+    with deferred_checks(keep_ghost_calls and factor_function is None) as suspect_masks:
+        norms = ghost_norms(layer, activations, backprops)
+    for p, result in norms.items():
         if isinstance(result, PerSampleGrads):
             _check_new(current, p)
             _add_grads(current, p, result.grads, scale)
@@ -117,6 +121,8 @@ def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sam
             activations = calls[0].call.kept_activations(layer, activations)
             current.unsettled.extend(recomputed_in(activations))
         current.ghost_calls.append((layer, activations, backprops, scale))
+        if suspect_masks:  # norms checked at the step (deferred_checks)
+            current.unchecked.append((current.ghost_calls[-1], suspect_masks))
         current.kept_versions.append((calls[0].name, KeptVersions([*activations, backprops])))
         return
     wanted = {p: f * scale for p, f in factors.items() if p not in current.grads}

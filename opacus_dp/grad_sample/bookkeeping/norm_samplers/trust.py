@@ -24,10 +24,18 @@ therefore clipped a little more than exactly (by ``√T u N / n`` relative; 3e-5
 positions at ``T = 512``), never less. ``u`` is the inputs' unit roundoff: the callers run these
 products in IEEE float32 (or float64) whatever reduced precision (TF32, bfloat16) the user allowed
 for float32 products (:mod:`opacus_dp.maths.float32_products`).
+
+Reading whether a sample is suspect is a host read: on a GPU it waits for the queued work. Where
+the layer's inputs are kept until the step anyway (``bk`` with flat clipping), the check is
+deferred (:func:`deferred_checks`): the norms are returned unchecked with the mask of their
+suspect samples, and all masks of a step are read at once before any norm is used
+(:mod:`~opacus_dp.grad_sample.bookkeeping.deferred_checks`).
 """
 
 import math
-from typing import Callable, Tuple
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -54,6 +62,28 @@ def _trusted(sq_norms: torch.Tensor, bounds_sq: torch.Tensor) -> torch.Tensor:
     return roundoff * bounds_sq <= TRUSTED_ERROR * sq_norms
 
 
+_DEFERRED = threading.local()  # .masks: the list the running resolution collects, or None
+
+
+@contextmanager
+def deferred_checks(defer: bool) -> Iterator[Optional[List[torch.Tensor]]]:
+    """Within, with ``defer``, :func:`trusted_sq_norms` returns the Gram norms *unchecked* and
+    appends the mask of their suspect samples to the yielded list; the caller must read the
+    masks before the norms are used and recompute, checked, the norms of any call with a
+    suspect sample. Without ``defer`` (yields None) the checks run at once."""
+    previous = getattr(_DEFERRED, "masks", None)
+    _DEFERRED.masks = [] if defer else None
+    try:
+        yield _DEFERRED.masks
+    finally:
+        _DEFERRED.masks = previous
+
+
+def any_suspect(suspect: torch.Tensor) -> bool:
+    """Whether a sample is suspect: the one host read of an immediate check."""
+    return bool(suspect.any())
+
+
 def trusted_sq_norms(sq_norms: torch.Tensor, bounds_sq: torch.Tensor, materialise: Materialise,
                      positions: int) -> torch.Tensor:
     """``sq_norms`` where the Gram form can be trusted, else materialised norms with a margin
@@ -62,10 +92,14 @@ def trusted_sq_norms(sq_norms: torch.Tensor, bounds_sq: torch.Tensor, materialis
     ``sq_norms``, ``bounds_sq``: ``(B,)`` computed ``n̂²`` and ``N²``; ``materialise(index)``
     returns, for the samples ``index``, the squared norms (float64) of their materialised
     per-sample gradients and their ``N²``; ``positions``: ``T``, the number of terms each sample
-    adds to an entry of its gradient.
+    adds to an entry of its gradient. Under :func:`deferred_checks`: ``sq_norms`` unchecked.
     """
     suspect = ~_trusted(sq_norms, bounds_sq)
-    if not bool(suspect.any()):
+    deferred = getattr(_DEFERRED, "masks", None)
+    if deferred is not None:
+        deferred.append(suspect)
+        return sq_norms
+    if not any_suspect(suspect):
         return sq_norms
     index = suspect.nonzero().squeeze(1)
     exact_sq, exact_bound = materialise(index)
