@@ -117,7 +117,7 @@ def test_deferred_checks_give_the_immediate_checks_bits(monkeypatch, spread, pas
     assert counts["deferred"] == 1 and counts["recomputed"] >= 1 and counts["immediate"] >= 1
     _without_deferral(monkeypatch)
     immediate = _clipped_sums(x, y, passes_per_step=passes_per_step, reduction=reduction)
-    for got, expected in zip([*deferred[0], *deferred[1]], [*immediate[0], *immediate[1]]):
+    for got, expected in zip([*deferred[0], *deferred[1]], [*immediate[0], *immediate[1]], strict=True):
         assert torch.equal(got, expected)
 
 
