@@ -316,9 +316,7 @@ class Bookkeeper:
         """Per-sample squared norms ``(B_1 + ... + B_k,)`` of every param (zeros if unused);
         with ``last_only`` those of the last finished pass (a pass's own tensor: read only)."""
         passes = self._resolved[-1:] if last_only else self._resolved
-        if any(r.unchecked for r in passes):  # recomputed from kept tensors: they must be intact
-            self.check_kept_calls()
-            check_passes(passes)
+        check_passes(passes)
         if self.units is not None:
             return grouped_sq_norms(passes, params, self.units)
         result = []

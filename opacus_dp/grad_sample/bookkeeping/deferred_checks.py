@@ -17,20 +17,26 @@ from typing import Dict, List
 import torch
 
 from opacus_dp.grad_sample.bookkeeping.passes import Pass, ghost_norms
+from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import materialise
 from opacus_dp.grad_sample.registry import PerSampleGrads
 
 
 def check_passes(passes: List[Pass]) -> None:
     """Resolve the deferred checks of ``passes``: recompute, checked, the norms of every kept call
-    with a suspect sample; afterwards no norm of theirs is unchecked."""
+    with a suspect sample (refused, as at the step, if a tensor kept in such a pass was written in
+    place since); afterwards no norm of theirs is unchecked."""
     pending = [(resolved, kept, masks) for resolved in passes for kept, masks in resolved.unchecked]
     if not pending:
         return
-    flagged = _read_flags([torch.stack([m.any() for m in masks]).any() for _, _, masks in pending])
-    for (resolved, kept, _), suspect in zip(pending, flagged):
-        if suspect:
-            _recompute_checked(resolved, kept)
+    flags = _read_flags([torch.stack([m.any() for m in masks]).any() for _, _, masks in pending])
+    flagged = [(resolved, kept) for (resolved, kept, _), suspect in zip(pending, flags) if suspect]
+    for resolved in {id(r): r for r, _ in flagged}.values():  # recomputed from kept tensors: intact?
+        name = resolved.changed_kept_call()
+        if name is not None:
+            raise changed_before_step(name)
+    for resolved, kept in flagged:
+        _recompute_checked(resolved, kept)
     for resolved in passes:
         resolved.unchecked = []
 
