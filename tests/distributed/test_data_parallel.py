@@ -154,6 +154,35 @@ def test_functorch_mode_is_refused_inside_replicas():
         gsm.close()
 
 
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_norms_only_modes_refuse_data_parallel(mode, order):
+    """Their book-keeping keys a pass's calls by layer: two replicas' calls on different samples
+    would be merged as one sample's (clipped together, a sensitivity of 2C). Refused before any
+    backward pass, around the private model as inside it; the parameters stay as they were."""
+    model, (x, y) = make_model(), batch(8)
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.7)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
+    refusal = r"norms-only modes \('ghost', 'bk'\) do not support nn.DataParallel; use grad_sample_mode='hooks'"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if order == "before":
+            with pytest.raises(ValueError, match=refusal):
+                PrivacyEngine().make_private(module=CPUDataParallel(model, 2), optimizer=optimizer,
+                                             data_loader=loader, noise_multiplier=0.0, max_grad_norm=0.5,
+                                             poisson_sampling=False, grad_sample_mode=mode)
+            return
+        net, optimizer, _ = PrivacyEngine().make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=0.0, max_grad_norm=0.5,
+            poisson_sampling=False, grad_sample_mode=mode)[:3]
+    with pytest.raises(ValueError, match="called through a copy of the layer.*" + refusal):
+        CPUDataParallel(net, 2)(x)
+    optimizer.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), start))
+    net(x)  # the private model itself still runs
+
+
 def test_replicas_made_elsewhere_are_refused():
     model = nn.Linear(4, 3).double()
     gsm = GradSampleModule(model)

@@ -114,7 +114,17 @@ class BookkeepingGradSampleModule(GradSampleModule):
 
     def _capture(self, path, master, layer, args, kwargs, output, traced: bool = False):
         """The forward hook of GradSampleModule, plus: count the call as awaiting its backward
-        (counted whenever it may have been hooked; an excess count only delays resolution)."""
+        (counted whenever it may have been hooked; an excess count only delays resolution).
+        A call through a copy of the layer (an ``nn.DataParallel`` replica of the wrapper) is
+        refused: the book-keeping keys calls by layer, so two replicas' calls on different
+        samples would be merged as one sample's calls (clipped together)."""
+        if layer is not master and self.hooks_enabled and torch.is_grad_enabled() \
+                and has_trainable_parameters(master):
+            raise ValueError(
+                f"{describe(path, master)} was called through a copy of the layer (an "
+                "nn.DataParallel replica of the private model?): the norms-only modes ('ghost', "
+                "'bk') do not support nn.DataParallel; use grad_sample_mode='hooks', or "
+                "DistributedDataParallel")
         replaced = super()._capture(path, master, layer, args, kwargs, output, traced)
         if self._recording() and torch.is_grad_enabled() and has_trainable_parameters(master):
             self._bookkeeper.expect_call(master, args)
