@@ -212,4 +212,3 @@ def test_a_kept_tensor_written_before_the_step_is_refused_before_its_norms_are_r
     backprops.mul_(2.0)  # a kept output gradient written in place
     with pytest.raises(RuntimeError, match="in place"):
         model.per_sample_norms(optimizer.params)
-
