@@ -118,7 +118,7 @@ class BookkeepingGradSampleModule(GradSampleModule):
         A call through a copy of the layer (an ``nn.DataParallel`` replica of the wrapper) is
         refused: the book-keeping keys calls by layer, so two replicas' calls on different
         samples would be merged as one sample's calls (clipped together)."""
-        if layer is not master and self.hooks_enabled and torch.is_grad_enabled() \
+        if layer is not master and self._recording() and torch.is_grad_enabled() \
                 and has_trainable_parameters(master):
             raise ValueError(
                 f"{describe(path, master)} was called through a copy of the layer (an "
