@@ -50,12 +50,11 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping.passes import (
-    LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, resolve_calls)
+    LAYER_RULES, Call, Pass, add_to, ghost_weighted_grad, refuse_changed_kept_calls, resolve_calls)
 from opacus_dp.grad_sample.bookkeeping.chunked_sums import ChunkBuffer
 from opacus_dp.grad_sample.bookkeeping.deferred_checks import check_passes
 from opacus_dp.grad_sample.bookkeeping.grouped_units import grouped_sq_norms, resolve_grouped
 from opacus_dp.grad_sample.broadcast_inputs import BROADCAST_HINT
-from opacus_dp.grad_sample.modification_guard import changed_before_step
 from opacus_dp.grad_sample.per_sample_store import second_batch_error
 from opacus_dp.grad_sample.bookkeeping.norm_rules import norm_rule_of
 from opacus_dp.grad_sample.bookkeeping.pass_sums import owned_factors, passes_clipped_sums
@@ -331,10 +330,7 @@ class Bookkeeper:
     def check_kept_calls(self) -> None:
         """Raise (consuming nothing) if a tensor kept for a clipped sum was written in place
         since its backward pass (see :mod:`~opacus_dp.grad_sample.modification_guard`)."""
-        for resolved in self._resolved:
-            name = resolved.changed_kept_call()
-            if name is not None:
-                raise changed_before_step(name)
+        refuse_changed_kept_calls(self._resolved)
 
     def clipped_sums(self, params: Sequence[torch.Tensor],
                      factors: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:

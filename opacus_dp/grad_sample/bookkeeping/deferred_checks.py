@@ -2,8 +2,8 @@
 
 A Gram-form norm is kept only where its rounding error is provably small, else recomputed from
 the materialised per-sample gradient (:mod:`~opacus_dp.grad_sample.bookkeeping.norm_samplers.trust`).
-Reading the check is a host read: on a GPU, one per layer stalls the backward pass 3–6 times a
-step on ordinary models. A ``bk`` pass with flat clipping keeps every ghost call's inputs and
+Reading the check is a host read: on a GPU, one per layer stalls the backward pass 3–16 times a
+step on the benchmark models. A ``bk`` pass with flat clipping keeps every ghost call's inputs and
 output gradients until the step anyway, so its calls' checks are deferred
 (:func:`~opacus_dp.grad_sample.bookkeeping.norm_samplers.trust.deferred_checks`): each kept call
 carries the masks of its suspect samples, :func:`check_passes` reads all of them in one transfer
@@ -16,8 +16,7 @@ from typing import Dict, List
 
 import torch
 
-from opacus_dp.grad_sample.bookkeeping.passes import Pass, ghost_norms
-from opacus_dp.grad_sample.modification_guard import changed_before_step
+from opacus_dp.grad_sample.bookkeeping.passes import Pass, ghost_norms, refuse_changed_kept_calls
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import materialise
 from opacus_dp.grad_sample.registry import PerSampleGrads
 
@@ -31,10 +30,7 @@ def check_passes(passes: List[Pass]) -> None:
         return
     flags = _read_flags([torch.stack([m.any() for m in masks]).any() for _, _, masks in pending])
     flagged = [(resolved, kept) for (resolved, kept, _), suspect in zip(pending, flags) if suspect]
-    for resolved in {id(r): r for r, _ in flagged}.values():  # recomputed from kept tensors: intact?
-        name = resolved.changed_kept_call()
-        if name is not None:
-            raise changed_before_step(name)
+    refuse_changed_kept_calls(list({id(r): r for r, _ in flagged}.values()))  # recomputed from them
     for resolved, kept in flagged:
         _recompute_checked(resolved, kept)
     for resolved in passes:

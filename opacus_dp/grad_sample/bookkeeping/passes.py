@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from opacus_dp.grad_sample.bookkeeping.chunked_sums import ChunkBuffer, chunked_clipped_sums
-from opacus_dp.grad_sample.modification_guard import KeptVersions
+from opacus_dp.grad_sample.modification_guard import KeptVersions, changed_before_step
 from opacus_dp.grad_sample.bookkeeping.norm_rules import norm_rule_of
 from opacus_dp.grad_sample.bookkeeping.recomputed_inputs import RecomputedInput, recomputed_in
 from opacus_dp.grad_sample.bookkeeping.norm_samplers.trust import deferred_checks
@@ -67,6 +67,15 @@ class Pass:
     def changed_kept_call(self) -> Optional[str]:
         """Name of a layer whose kept tensors were written in place since they were kept."""
         return next((name for name, versions in self.kept_versions if versions.changed()), None)
+
+
+def refuse_changed_kept_calls(passes: List[Pass]) -> None:
+    """Raise (consuming nothing) if a tensor kept in ``passes`` for a clipped sum was written in
+    place since its backward pass (see :mod:`~opacus_dp.grad_sample.modification_guard`)."""
+    for resolved in passes:
+        name = resolved.changed_kept_call()
+        if name is not None:
+            raise changed_before_step(name)
 
 
 def resolve_calls(current: Pass, layer: nn.Module, calls: List[Call], *, per_sample_grads: Callable,
