@@ -33,10 +33,12 @@ import threading
 import weakref
 from typing import Callable, Optional
 
+import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DataParallel
 
+from opacus_dp.grad_sample.compiled_modules import refuse_fullgraph_around_wrapper
 from opacus_dp.module_parameters import has_trainable_parameters
 
 _CHUNK_OF: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
@@ -66,6 +68,8 @@ def _on_module_call(module: nn.Module, args) -> None:
         with _LOCK:
             if module not in _TAKEN_OVER:
                 _take_over_replicate(module)
+    elif not torch.compiler.is_compiling():
+        refuse_fullgraph_around_wrapper(module, _OWNERS.__contains__)
 
 
 def acquire(owner: object) -> None:

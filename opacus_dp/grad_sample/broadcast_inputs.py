@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from opacus_dp.grad_sample.compiled_modules import EagerAroundCompiledCall
 from opacus_dp.grad_sample.layer_call import FEATURE_LAST_LAYERS, layer_batch_dim
 from opacus_dp.module_parameters import has_trainable_parameters
 from opacus_dp.torch_internals import current_graph_task_id
@@ -112,7 +113,7 @@ def expanded(args, kwargs, batch_dim: int, size: int):
     return tuple(tree_map(grow, list(args))), dict(tree_map(grow, dict(kwargs)))
 
 
-class BroadcastInputs:
+class BroadcastInputs(EagerAroundCompiledCall):
     """The hooks of one wrapper that expand broadcast calls (see the module doc)."""
 
     def __init__(self, batch_first: bool, recording: Callable[[], bool]):
@@ -122,11 +123,25 @@ class BroadcastInputs:
         self._recording = recording  # held weakly by the caller: no reference to the wrapper
         self._state = _State()
 
-    def attach_to_model(self, model: nn.Module) -> list:
-        """Hooks on the wrapped model (their handles): its inputs may give ``B``."""
+    def attach_to_model(self, model: nn.Module, traced: dict) -> list:
+        """Hooks on the wrapped model (their handles; ``traced[handle.id]``: what dynamo traces of
+        each): its inputs may give ``B``."""
         self._trust_inputs = not any(hasattr(type(m), "_dp_batch_dim") for m in model.modules())
-        return [model.register_forward_pre_hook(self._model_starts, with_kwargs=True, prepend=True),
-                model.register_forward_hook(self._model_left, with_kwargs=True, always_call=True)]
+        handles = [model.register_forward_pre_hook(self.unless_around(self._model_starts), with_kwargs=True,
+                                                   prepend=True),
+                   model.register_forward_hook(self.unless_around(self._model_left), with_kwargs=True, always_call=True)]
+        traced.update({handle.id: self.traced for handle in handles})
+        return handles
+
+    def around(self, model: nn.Module, call: Callable, args, kwargs):
+        """``call(*args, **kwargs)``, the wrapped ``model``'s compiled call, with the model's hooks
+        run eagerly before and after it."""
+        self._model_starts(model, args, kwargs)
+        try:
+            with self.compiled_call():
+                return call(*args, **kwargs)
+        finally:
+            self._model_left(model, args, kwargs, None)
 
     def attach_to_layer(self, master: nn.Module):
         """The forward pre-hook (its handle) of hooked layer ``master`` (also a replica's)."""

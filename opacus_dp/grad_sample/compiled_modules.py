@@ -17,17 +17,21 @@ Three measures make that hold, taken when a wrapper is built:
   hooks still run, the layers' parameters get ordinary gradients and no per-sample state, and the
   DP optimizer refuses the step: never a silent non-private one.
 * :func:`take_compiled` / :func:`compile_like`: a model passed compiled (an ``OptimizedModule``)
-  is wrapped uncompiled and the wrapper compiled in place with the same backend and options (what
-  ``wrapper.compile(...)`` does), so names, state-dict keys and checkpoints are the uncompiled ones.
+  is wrapped uncompiled and the wrapper compiled with the same backend and options (what
+  ``wrapper.compile(...)`` does: the wrapped model's call compiled, the wrapper eager around it,
+  :class:`EagerAroundCompiledCall`), so names, state-dict keys and checkpoints are the uncompiled
+  ones. :func:`refuse_fullgraph_around_wrapper`: ``torch.compile(wrapper, fullgraph=True)``, which
+  dynamo cannot trace as one graph, is refused naming ``wrapper.compile(fullgraph=True)``.
 
 The first wrapper of a process loads ``torch._dynamo`` (about a second, once). Private attributes
 used here: ``torch._dynamo.config.skip_nnmodule_hook_guards``, ``torch._dynamo.eval_frame.skip_code``,
-``OptimizedModule._orig_mod`` and ``.dynamo_ctx``, ``nn.Module._compiled_call_impl`` (tested in
-``tests/compile``).
+``OptimizedModule._orig_mod`` and ``.dynamo_ctx`` (its ``fullgraph``), ``nn.Module._call_impl``
+(tested in ``tests/compile``).
 """
 
 import sys
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -107,8 +111,51 @@ def take_compiled(module: nn.Module) -> Tuple[nn.Module, Optional[nn.Module]]:
     return module, None
 
 
+def refuse_fullgraph_around_wrapper(module: nn.Module, is_wrapper: Callable[[nn.Module], bool]) -> None:
+    """Refuse a call of ``torch.compile(wrapper, fullgraph=True)`` (``is_wrapper``: whether a module
+    is a private wrapper): dynamo cannot trace the wrapper's bookkeeping into one graph, while
+    ``wrapper.compile(fullgraph=True)`` compiles the model's own code as one graph."""
+    if not is_compiled_module(module) or not getattr(module.dynamo_ctx, "fullgraph", False) \
+            or not is_wrapper(module._orig_mod):
+        return
+    raise ValueError(
+        "torch.compile(private_model, fullgraph=True) cannot compile the private model as one graph: its "
+        "per-sample bookkeeping runs outside the graph. Call private_model.compile(fullgraph=True) instead (in "
+        "place: the model's own code is compiled as one graph, the bookkeeping runs eagerly around it), or "
+        "pass the compiled model to make_private (module=torch.compile(model, fullgraph=True)); see docs/compile.md")
+
+
 def compile_like(wrapper: nn.Module, compiled: nn.Module) -> nn.Module:
-    """Compile ``wrapper`` in place with ``compiled``'s backend and options (``nn.Module.compile``:
-    its ``__call__`` then runs the compiled ``_call_impl``); returns ``wrapper``."""
-    wrapper._compiled_call_impl = compiled.dynamo_ctx(wrapper._call_impl)
+    """Compile ``wrapper`` with ``compiled``'s backend and options, as ``wrapper.compile(...)``
+    does (the wrapped model's call compiled, the wrapper eager around it); returns ``wrapper``."""
+    wrapper._compiled_model_call = compiled.dynamo_ctx(wrapper._module._call_impl)
+    wrapper._compiled_fullgraph = bool(getattr(compiled.dynamo_ctx, "fullgraph", False))
     return wrapper
+
+
+class EagerAroundCompiledCall:
+    """Mixin of a wrapper's hooks on the wrapped model itself (model-level checks, broadcast
+    inputs): where the wrapper runs eagerly around the model's compiled call (``wrapper.compile()``),
+    it does their work before and after the call (``around``), and within the call
+    (:meth:`compiled_call`) the hooks do nothing, traced into its graph or run eagerly by it."""
+
+    _around_compiled_call = False
+
+    def unless_around(self, hook: Callable) -> Callable:
+        """``hook`` as registered: nothing within :meth:`compiled_call`."""
+        def registered(*hook_args):
+            return None if self._around_compiled_call else hook(*hook_args)
+        return registered
+
+    def traced(self, eager: Callable) -> Callable:
+        """What dynamo traces of the hook ``eager`` (run outside the graph): nothing within
+        :meth:`compiled_call`, else ``eager``."""
+        return self.unless_around(eager)
+
+    @contextmanager
+    def compiled_call(self) -> Iterator[None]:
+        self._around_compiled_call = True
+        try:
+            yield
+        finally:
+            self._around_compiled_call = False

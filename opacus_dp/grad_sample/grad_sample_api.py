@@ -22,6 +22,8 @@ class GradSampleModuleAPI:
     """Mixin of :class:`~opacus_dp.grad_sample.grad_sample_module.GradSampleModule` (module doc)."""
 
     unit_channel = None  # privacy units of the rows (configure_units); None: every row is one
+    _compiled_model_call = None  # the wrapped model's call compiled by compile() (docs/compile.md)
+    _compiled_fullgraph = False  # ... with fullgraph=True
 
     @staticmethod
     def _check_arguments(module, batch_first, loss_reduction) -> None:
@@ -145,6 +147,12 @@ class GradSampleModuleAPI:
         if state_dict and not any(key.startswith("_module.") for key in state_dict):
             return unwrap_model(self._module).load_state_dict(state_dict, strict=strict, assign=assign)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def compile(self, *args, **kwargs) -> None:
+        """``torch.compile`` the wrapped model's call with these arguments (``fullgraph=True``
+        included); the wrapper's own bookkeeping runs eagerly around it (``docs/compile.md``)."""
+        self._compiled_model_call = torch.compile(self._module._call_impl, *args, **kwargs)
+        self._compiled_fullgraph = bool(kwargs.get("fullgraph", False))
 
     def to_standard_module(self) -> nn.Module:
         """Remove all hooks and return the wrapped module."""

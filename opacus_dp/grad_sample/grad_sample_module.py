@@ -217,7 +217,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
             self._handles.extend([broadcast, capture])
             _HOOKED_BY[sub] = self._attached.token
         if self._handles:  # the model's forward: where broadcast calls learn the batch size
-            self._handles.extend(self._broadcast.attach_to_model(self._module))
+            self._handles.extend(self._broadcast.attach_to_model(self._module, self._traced))
 
     def _make_forward_hook(self, path: str, master: nn.Module):
         wrapper = self._attached.token  # the model must not keep its wrapper alive
@@ -360,7 +360,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
     # ------------------------------------------------------------- public API
     def forward(self, *args, **kwargs):
         self._restore_switches()
-        if torch.compiler.is_compiling() and self._taps.enabled:
+        if self._compiled_model_call is not None or torch.compiler.is_compiling() and self._taps.enabled:
             return tapped_forward(self, args, kwargs)
         self._taps.compiled_forward = False
         return self._module(*args, **kwargs)

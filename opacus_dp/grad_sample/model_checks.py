@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from opacus_dp.distributed.dpddp import DifferentiallyPrivateDistributedDataParallel
 from opacus_dp.grad_sample.batch_independence_check import batch_size_of, check_samples_alone
 from opacus_dp.grad_sample.buffer_writes import buffer_error, check_public_buffers, versions, written_buffers
-from opacus_dp.grad_sample.compiled_modules import run_hooks_eagerly
+from opacus_dp.grad_sample.compiled_modules import EagerAroundCompiledCall, run_hooks_eagerly
 from opacus_dp.module_parameters import is_sharded_model
 
 
@@ -30,7 +30,7 @@ def _inner(model: nn.Module) -> nn.Module:
     return model
 
 
-class ModelChecks:
+class ModelChecks(EagerAroundCompiledCall):
     """Hooks on the wrapped model running the checks of the module doc on recorded forwards.
 
     Args:
@@ -57,8 +57,18 @@ class ModelChecks:
         self._sharded = is_sharded_model(model)
         if not self.enabled:
             return []
-        return [inner.register_forward_pre_hook(self._starts, with_kwargs=True, prepend=True),
-                inner.register_forward_hook(self._ends)]
+        return [inner.register_forward_pre_hook(self.unless_around(self._starts), with_kwargs=True, prepend=True),
+                inner.register_forward_hook(self.unless_around(self._ends))]
+
+    def around(self, model: nn.Module, call: Callable, args, kwargs):
+        """``call(*args, **kwargs)``, the wrapped ``model``'s compiled call, with the checks run
+        eagerly before and after it."""
+        inner = _inner(model)
+        self._starts(inner, args, kwargs)
+        with self.compiled_call():
+            output = call(*args, **kwargs)
+        self._ends(inner, args, output)
+        return output
 
     def _active(self) -> bool:
         return self.enabled and not self._running and torch.is_grad_enabled() and self._recording()
@@ -91,7 +101,7 @@ def replace_model_checks(old: Optional[ModelChecks], model: nn.Module, handles: 
     changed in place) loses the old hooks and gains the new ones (run eagerly under ``torch.compile``)."""
     checks = ModelChecks(batch_first, recording, enabled, public_buffers)
     checks.handles = checks.attach(model)
-    run_hooks_eagerly(model, checks.handles)
+    run_hooks_eagerly(model, checks.handles, {handle.id: checks.traced for handle in checks.handles})
     for handle in getattr(old, "handles", []):
         handle.remove()
         if handle in handles:

@@ -1,4 +1,6 @@
-"""A per-sample-gradient wrapper's forward as dynamo traces it (``docs/compile.md``).
+"""A per-sample-gradient wrapper's forward where the model's code is compiled (``docs/compile.md``):
+as dynamo traces it (``torch.compile(wrapper)``), or eager around the compiled model call
+(``wrapper.compile(...)``, ``make_private(module=torch.compile(model))``).
 
 Inside a compiled forward the hooked calls are tapped (:mod:`~opacus_dp.grad_sample.traced_taps`):
 before the model runs, the wrapper's taps are made (or a forward learns their layout eagerly);
@@ -9,24 +11,45 @@ call (:mod:`~opacus_dp.grad_sample.joined_step_calls`) are recorded as such.
 
 import torch
 
-from opacus_dp.grad_sample.traced_taps import IDLE, LEARN, TAPPED
+from opacus_dp.grad_sample.traced_taps import IDLE, LEARN, TAPPED, UNTAPPED
 from opacus_dp.module_parameters import own_parameters
 
 
 def tapped_forward(wrapper, args, kwargs):
-    """``wrapper``'s forward as dynamo traces it: the hooked calls tapped where their layout is
+    """``wrapper``'s forward as dynamo traces it (``torch.compile(wrapper)``), or run eagerly around
+    its compiled model call (``wrapper.compile()``): the hooked calls tapped where their layout is
     known."""
-    plan = wrapper._taps.prepare(args, kwargs, wrapper._recording)
+    taps, call = wrapper._taps, wrapper._compiled_model_call
+    plan = taps.prepare(args, kwargs, wrapper._recording)
+    fullgraph = wrapper._compiled_fullgraph and not torch.compiler.is_compiling()
     if plan == LEARN:
-        return wrapper._taps.learn(wrapper._module, args, kwargs)
+        output = taps.learn(wrapper._module, args, kwargs)
+        if fullgraph and not taps.tappable(args, kwargs):
+            raise _untapped_fullgraph_error()
+        return output
+    if plan == UNTAPPED and fullgraph:
+        taps.end()
+        raise _untapped_fullgraph_error()
     if plan == IDLE and wrapper.skips_weight_grads and torch.is_grad_enabled():
         _excuse_weight_grads(wrapper)  # hooks disabled: ordinary gradients, as eagerly
-    output = wrapper._module(*args, **kwargs)
+    if call is None or torch.compiler.is_compiling():
+        output = wrapper._module(*args, **kwargs)
+    else:  # the wrapped model's call compiled (wrapper.compile()), the model-level checks eager
+        model, broadcast = wrapper._module, wrapper._broadcast
+        output = wrapper._model_checks.around(model, lambda *a, **k: broadcast.around(model, call, a, k), args, kwargs)
     if plan == TAPPED:
         _record_traced_calls(wrapper, wrapper._taps.finish())
     else:
         wrapper._taps.end()
     return output
+
+
+def _untapped_fullgraph_error() -> ValueError:
+    return ValueError(
+        "compiled with fullgraph=True, but this forward's hooked calls cannot be traced into the graph (a layer "
+        "called on one sample broadcast over the batch, a call with several outputs, nn.DataParallel or FSDP2 "
+        "inside the model, more than 8 input signatures: see docs/compile.md); compile without fullgraph=True "
+        "(private_model.compile(...)): the hooks then run outside the graph")
 
 
 @torch.compiler.disable

@@ -162,6 +162,10 @@ class TracedTaps:
         self.on_tapped()
         return TAPPED
 
+    def tappable(self, args, kwargs) -> bool:
+        """Whether forwards of these arguments' signature are tapped (their layout is learned)."""
+        return self.layouts.get(input_signature(args, kwargs, self.batch_dim)[0]) is not None
+
     @property
     def learning(self) -> bool:
         """Whether an eager forward is learning a layout now (:meth:`learn`)."""

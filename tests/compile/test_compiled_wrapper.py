@@ -53,10 +53,19 @@ def test_what_dynamo_compiles_around_hooked_layers(mode):
     assert any("relu" in code and code.count("linear(") >= 2 for code in graphs["mlp"])
 
 
-def test_hooks_break_the_graph_so_fullgraph_is_refused():
-    private, _, _ = make_private(build("mlp"), "hooks", "mlp")
-    with pytest.raises(Exception, match="disable"):
-        torch.compile(private, backend="eager", fullgraph=True)(batch("mlp", 4)[0])
+def test_fullgraph_around_the_wrapper_is_refused_naming_the_way_out():
+    """Dynamo cannot trace the wrapper's bookkeeping into one graph: torch.compile(private,
+    fullgraph=True) is refused at its first call, before the model runs, naming
+    private.compile(fullgraph=True) (tests/compile/test_fullgraph.py)."""
+    model = build("mlp")
+    private, _, _ = make_private(model, "hooks", "mlp")
+    before = [p.detach().clone() for p in model.parameters()]
+    compiled = torch.compile(private, backend="eager", fullgraph=True)
+    with pytest.raises(ValueError, match=r"private_model\.compile\(fullgraph=True\)"):
+        compiled(batch("mlp", 4)[0])
+    assert all(p.grad_sample is None for p in model.parameters())  # the model did not run
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    torch.compile(private, backend="eager")(batch("mlp", 4)[0])  # without fullgraph: accepted
 
 
 def test_opacus_api_per_sample_gradients_under_compile():
@@ -74,14 +83,18 @@ def test_opacus_api_per_sample_gradients_under_compile():
 
 
 def test_private_torch_attributes_relied_on():
-    """``OptimizedModule._orig_mod`` / ``.dynamo_ctx``, ``nn.Module._compiled_call_impl`` (what
-    ``nn.Module.compile`` sets) and the dynamo setting ``skip_nnmodule_hook_guards``."""
+    """``OptimizedModule._orig_mod`` / ``.dynamo_ctx`` (with ``.fullgraph``), ``nn.Module._call_impl``
+    (what ``nn.Module.compile`` compiles: the forward with the module's hooks) and the dynamo
+    setting ``skip_nnmodule_hook_guards``."""
     assert isinstance(torch._dynamo.config.skip_nnmodule_hook_guards, bool)
     model, recorder = nn.Linear(3, 2), Recorder()
-    original, compiled = take_compiled(torch.compile(model, backend=recorder))
+    original, compiled = take_compiled(torch.compile(model, backend=recorder, fullgraph=True))
     assert original is model and take_compiled(model) == (model, None)
-    other = nn.Linear(3, 2)
+    assert compiled.dynamo_ctx.fullgraph is True
+    assert torch.compile(model, backend="eager").dynamo_ctx.fullgraph is False
+    other = GradSampleModule(nn.Linear(3, 2))
     assert compile_like(other, compiled) is other
     x = torch.randn(4, 3)
-    torch.testing.assert_close(other(x), nn.functional.linear(x, other.weight, other.bias))
+    for _ in range(2):  # the first forward learns the call (traced_taps), the second is compiled
+        torch.testing.assert_close(other(x), nn.functional.linear(x, other._module.weight, other._module.bias))
     assert len(recorder.graphs) == 1
