@@ -5,6 +5,7 @@ name in ``tests/architecture/test_torch_internals.py``, not deep inside a hook. 
 names the private API it wraps and what the package relies on.
 """
 
+import sys
 from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
@@ -71,3 +72,18 @@ def global_module_hook_ids() -> set:
     tables = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
               "_global_backward_hooks")
     return {key for name in tables for key in getattr(module, name)}
+
+
+def is_compiled_module(module: object) -> bool:
+    """Whether ``module`` is what ``torch.compile(model)`` returns (an ``OptimizedModule``)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # none compiled if not loaded
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return optimized is not None and isinstance(module, optimized)
+
+
+def fullgraph_original(module: object) -> Optional[torch.nn.Module]:
+    """The model ``module = torch.compile(model, fullgraph=True)`` compiles (``_orig_mod``); None for
+    any other module (torch versions whose ``dynamo_ctx`` has no ``fullgraph``: None)."""
+    if not is_compiled_module(module) or not getattr(module.dynamo_ctx, "fullgraph", False):
+        return None
+    return module._orig_mod

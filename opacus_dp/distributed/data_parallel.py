@@ -27,6 +27,10 @@ or around it is closed).
 Refused, with a clear error: a replica that was not made by a taken-over ``replicate``
 (another replication scheme), and layers using the generic ``torch.func`` fallback
 (it reads ``layer.parameters()``, which replicas do not have).
+
+The same call hook refuses, at its first call, ``torch.compile(private_model, fullgraph=True)``
+(dynamo cannot trace the wrapper's bookkeeping into one graph; ``private_model.compile(fullgraph=True)``
+compiles the model's own code as one graph: ``docs/compile.md``).
 """
 
 import threading
@@ -38,8 +42,8 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DataParallel
 
-from opacus_dp.grad_sample.compiled_modules import refuse_fullgraph_around_wrapper
 from opacus_dp.module_parameters import has_trainable_parameters
+from opacus_dp.torch_internals import fullgraph_original
 
 _CHUNK_OF: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 _TAKEN_OVER: "weakref.WeakSet[DataParallel]" = weakref.WeakSet()
@@ -68,8 +72,13 @@ def _on_module_call(module: nn.Module, args) -> None:
         with _LOCK:
             if module not in _TAKEN_OVER:
                 _take_over_replicate(module)
-    elif not torch.compiler.is_compiling():
-        refuse_fullgraph_around_wrapper(module, _OWNERS.__contains__)
+    elif not torch.compiler.is_compiling() and fullgraph_original(module) in _OWNERS:
+        raise ValueError(
+            "torch.compile(private_model, fullgraph=True) cannot compile the private model as one graph: its "
+            "per-sample bookkeeping runs outside the graph. Call private_model.compile(fullgraph=True) instead "
+            "(in place: the model's own code is compiled as one graph, the bookkeeping runs eagerly around it), or "
+            "pass the compiled model to make_private (module=torch.compile(model, fullgraph=True)); see "
+            "docs/compile.md")
 
 
 def acquire(owner: object) -> None:

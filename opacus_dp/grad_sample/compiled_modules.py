@@ -20,8 +20,9 @@ Three measures make that hold, taken when a wrapper is built:
   is wrapped uncompiled and the wrapper compiled with the same backend and options (what
   ``wrapper.compile(...)`` does: the wrapped model's call compiled, the wrapper eager around it,
   :class:`EagerAroundCompiledCall`), so names, state-dict keys and checkpoints are the uncompiled
-  ones. :func:`refuse_fullgraph_around_wrapper`: ``torch.compile(wrapper, fullgraph=True)``, which
-  dynamo cannot trace as one graph, is refused naming ``wrapper.compile(fullgraph=True)``.
+  ones. (``torch.compile(wrapper, fullgraph=True)``, which dynamo cannot trace as one graph, is
+  refused at its first call naming ``wrapper.compile(fullgraph=True)``:
+  :mod:`~opacus_dp.distributed.data_parallel`'s call hook.)
 
 The first wrapper of a process loads ``torch._dynamo`` (about a second, once). Private attributes
 used here: ``torch._dynamo.config.skip_nnmodule_hook_guards``, ``torch._dynamo.eval_frame.skip_code``,
@@ -29,13 +30,14 @@ used here: ``torch._dynamo.config.skip_nnmodule_hook_guards``, ``torch._dynamo.e
 (tested in ``tests/compile``).
 """
 
-import sys
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
+
+from opacus_dp.torch_internals import is_compiled_module
 
 
 def run_hooks_eagerly(model: nn.Module, handles: Iterable[object],
@@ -96,33 +98,12 @@ def prepare_for_compile(model: nn.Module, handles: Iterable[object],
     guard_module_hooks()
 
 
-def is_compiled_module(module: object) -> bool:
-    """Whether ``module`` is what ``torch.compile(model)`` returns (an ``OptimizedModule``)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # none compiled if not loaded
-    optimized = getattr(eval_frame, "OptimizedModule", None)
-    return optimized is not None and isinstance(module, optimized)
-
-
 def take_compiled(module: nn.Module) -> Tuple[nn.Module, Optional[nn.Module]]:
     """``(model, compiled)``: for ``compiled = torch.compile(model)`` the original model and the
     compiled one (see :func:`compile_like`); for any other module ``(module, None)``."""
     if is_compiled_module(module):
         return module._orig_mod, module
     return module, None
-
-
-def refuse_fullgraph_around_wrapper(module: nn.Module, is_wrapper: Callable[[nn.Module], bool]) -> None:
-    """Refuse a call of ``torch.compile(wrapper, fullgraph=True)`` (``is_wrapper``: whether a module
-    is a private wrapper): dynamo cannot trace the wrapper's bookkeeping into one graph, while
-    ``wrapper.compile(fullgraph=True)`` compiles the model's own code as one graph."""
-    if not is_compiled_module(module) or not getattr(module.dynamo_ctx, "fullgraph", False) \
-            or not is_wrapper(module._orig_mod):
-        return
-    raise ValueError(
-        "torch.compile(private_model, fullgraph=True) cannot compile the private model as one graph: its "
-        "per-sample bookkeeping runs outside the graph. Call private_model.compile(fullgraph=True) instead (in "
-        "place: the model's own code is compiled as one graph, the bookkeeping runs eagerly around it), or "
-        "pass the compiled model to make_private (module=torch.compile(model, fullgraph=True)); see docs/compile.md")
 
 
 def compile_like(wrapper: nn.Module, compiled: nn.Module) -> nn.Module:

@@ -96,3 +96,11 @@ def test_global_module_hook_ids_name_every_global_hook():
         for handle in handles:
             handle.remove()
     assert internals.global_module_hook_ids() == before
+
+
+def test_optimized_module_tells_its_model_and_fullgraph():
+    model = nn.Linear(2, 2)
+    assert not internals.is_compiled_module(model) and internals.fullgraph_original(model) is None
+    assert internals.fullgraph_original(torch.compile(model, backend="eager", fullgraph=True)) is model
+    plain = torch.compile(model, backend="eager")
+    assert internals.is_compiled_module(plain) and internals.fullgraph_original(plain) is None
