@@ -130,7 +130,7 @@ class BroadcastInputs(EagerAroundCompiledCall):
         handles = [model.register_forward_pre_hook(self.unless_around(self._model_starts), with_kwargs=True,
                                                    prepend=True),
                    model.register_forward_hook(self.unless_around(self._model_left), with_kwargs=True, always_call=True)]
-        traced.update({handle.id: self.traced for handle in handles})
+        traced.update({handle.id: self.unless_around for handle in handles})
         return handles
 
     def around(self, model: nn.Module, call: Callable, args, kwargs):

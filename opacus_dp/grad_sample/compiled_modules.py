@@ -123,15 +123,11 @@ class EagerAroundCompiledCall:
     _around_compiled_call = False
 
     def unless_around(self, hook: Callable) -> Callable:
-        """``hook`` as registered: nothing within :meth:`compiled_call`."""
+        """``hook`` doing nothing within :meth:`compiled_call`: the form registered on the model, and
+        the form dynamo traces (of the eager hook, run outside the graph)."""
         def registered(*hook_args):
             return None if self._around_compiled_call else hook(*hook_args)
         return registered
-
-    def traced(self, eager: Callable) -> Callable:
-        """What dynamo traces of the hook ``eager`` (run outside the graph): nothing within
-        :meth:`compiled_call`, else ``eager``."""
-        return self.unless_around(eager)
 
     @contextmanager
     def compiled_call(self) -> Iterator[None]:

@@ -101,7 +101,7 @@ def replace_model_checks(old: Optional[ModelChecks], model: nn.Module, handles: 
     changed in place) loses the old hooks and gains the new ones (run eagerly under ``torch.compile``)."""
     checks = ModelChecks(batch_first, recording, enabled, public_buffers)
     checks.handles = checks.attach(model)
-    run_hooks_eagerly(model, checks.handles, {handle.id: checks.traced for handle in checks.handles})
+    run_hooks_eagerly(model, checks.handles, {handle.id: checks.unless_around for handle in checks.handles})
     for handle in getattr(old, "handles", []):
         handle.remove()
         if handle in handles:
