@@ -87,3 +87,13 @@ def fullgraph_original(module: object) -> Optional[torch.nn.Module]:
     if not is_compiled_module(module) or not getattr(module.dynamo_ctx, "fullgraph", False):
         return None
     return module._orig_mod
+
+
+def compiled_fullgraph(compiled: Callable) -> bool:
+    """Whether the function ``compiled = torch.compile(fn, fullgraph=True)`` was compiled with
+    ``fullgraph=True`` (read from the dynamo context its wrapper closes over, ``self``); False where
+    that is not found (other torch versions: dynamo then raises its own error on a graph break)."""
+    code = getattr(compiled, "__code__", None)
+    cells = dict(zip(code.co_freevars, compiled.__closure__ or ())) if code is not None else {}
+    context = cells["self"].cell_contents if "self" in cells else None
+    return bool(getattr(context, "fullgraph", False))

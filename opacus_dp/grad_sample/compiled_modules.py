@@ -22,11 +22,13 @@ Three measures make that hold, taken when a wrapper is built:
   :class:`EagerAroundCompiledCall`), so names, state-dict keys and checkpoints are the uncompiled
   ones. (``torch.compile(wrapper, fullgraph=True)``, which dynamo cannot trace as one graph, is
   refused at its first call naming ``wrapper.compile(fullgraph=True)``:
-  :mod:`~opacus_dp.distributed.data_parallel`'s call hook.)
+  :mod:`~opacus_dp.distributed.data_parallel`'s call hook.) A model compiled in place
+  (``model.compile(...)``) before it was wrapped is adopted likewise: :func:`adopt_compiled_call`.
 
 The first wrapper of a process loads ``torch._dynamo`` (about a second, once). Private attributes
 used here: ``torch._dynamo.config.skip_nnmodule_hook_guards``, ``torch._dynamo.eval_frame.skip_code``,
-``OptimizedModule._orig_mod`` and ``.dynamo_ctx`` (its ``fullgraph``), ``nn.Module._call_impl``
+``OptimizedModule._orig_mod`` and ``.dynamo_ctx`` (its ``fullgraph``), ``nn.Module._call_impl`` and
+``._compiled_call_impl``
 (tested in ``tests/compile``).
 """
 
@@ -37,7 +39,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from opacus_dp.torch_internals import is_compiled_module
+from opacus_dp.torch_internals import compiled_fullgraph, is_compiled_module
 
 
 def run_hooks_eagerly(model: nn.Module, handles: Iterable[object],
@@ -90,12 +92,34 @@ def guard_module_hooks() -> None:
         torch.compiler.reset()
 
 
-def prepare_for_compile(model: nn.Module, handles: Iterable[object],
-                        traced: Optional[Dict[int, Callable[[Callable], Callable]]] = None) -> None:
-    """Both measures for a wrapper whose hooks on ``model`` are ``handles`` (``traced``: see
-    :func:`run_hooks_eagerly`)."""
-    run_hooks_eagerly(model, handles, traced)
+def prepare_for_compile(wrapper: nn.Module) -> None:
+    """The measures of the module doc for a new ``wrapper`` (its model ``_module``, its hooks'
+    ``_handles``, the traced forms ``_traced``: see :func:`run_hooks_eagerly`)."""
+    run_hooks_eagerly(wrapper._module, wrapper._handles, wrapper._traced)
     guard_module_hooks()
+    adopt_compiled_call(wrapper)
+
+
+def adopt_compiled_call(wrapper: nn.Module) -> None:
+    """A model compiled in place before it was wrapped (``model.compile(...)``): its compiled call
+    (``torch.compile(model._call_impl, ...)``, what ``wrapper.compile(...)`` makes) becomes the
+    wrapper's, with its ``fullgraph``, and leaves the model while the wrapper holds it
+    (:func:`give_back_compiled_call`): the wrapper runs eagerly around it, the hooked calls tapped
+    in its graph, and the model's own calls (learning the taps) run eagerly."""
+    call = getattr(wrapper._module, "_compiled_call_impl", None)
+    if call is None:
+        return
+    wrapper._module._compiled_call_impl = None
+    wrapper._adopted_compiled_call = wrapper._compiled_model_call = call
+    wrapper._compiled_fullgraph = compiled_fullgraph(call)
+
+
+def give_back_compiled_call(wrapper: nn.Module) -> None:
+    """The model's in-place compiled call taken by :func:`adopt_compiled_call` back on the model
+    (unless it was compiled again meanwhile)."""
+    call = wrapper.__dict__.pop("_adopted_compiled_call", None)
+    if call is not None and getattr(wrapper._module, "_compiled_call_impl", None) is None:
+        wrapper._module._compiled_call_impl = call
 
 
 def take_compiled(module: nn.Module) -> Tuple[nn.Module, Optional[nn.Module]]:

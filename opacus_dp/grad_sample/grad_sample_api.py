@@ -11,6 +11,7 @@ import torch.nn as nn
 from opacus_dp.distributed import data_parallel
 from opacus_dp.errors import UnsupportedModuleError
 from opacus_dp.grad_sample.attachments import _owner, weakly
+from opacus_dp.grad_sample.compiled_modules import give_back_compiled_call
 from opacus_dp.grad_sample.model_checks import replace_model_checks
 from opacus_dp.grad_sample.support import describe, unsupported_modules
 from opacus_dp.model_wrappers import unwrap_model
@@ -134,6 +135,7 @@ class GradSampleModuleAPI:
         self.hooks_enabled = False
         self._finalizer()  # detaches once; a later collection of the wrapper changes nothing
         self._store.remove_views()  # views published since a first close()
+        give_back_compiled_call(self)  # a model compiled in place before it was wrapped
 
     def close(self) -> None:
         self.remove_hooks()

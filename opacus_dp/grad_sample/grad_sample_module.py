@@ -136,7 +136,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
             self._skip_weight_grads()
         elif not has_replicas(module) and not sharded:  # FSDP2 reduces p.grad across ranks
             self._compare_pass_totals()
-        prepare_for_compile(module, self._handles, self._traced)  # torch.compile: see compiled_modules
+        prepare_for_compile(self)  # torch.compile: see compiled_modules
         self._join_step_calls()
 
     def _skip_weight_grads(self) -> None:

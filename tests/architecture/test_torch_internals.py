@@ -104,3 +104,13 @@ def test_optimized_module_tells_its_model_and_fullgraph():
     assert internals.fullgraph_original(torch.compile(model, backend="eager", fullgraph=True)) is model
     plain = torch.compile(model, backend="eager")
     assert internals.is_compiled_module(plain) and internals.fullgraph_original(plain) is None
+
+
+def test_a_compiled_function_tells_its_fullgraph():
+    model = nn.Linear(2, 2)
+    model.compile(backend="eager", fullgraph=True)
+    assert internals.compiled_fullgraph(model._compiled_call_impl) is True
+    model.compile(backend="eager")
+    assert internals.compiled_fullgraph(model._compiled_call_impl) is False
+    assert internals.compiled_fullgraph(torch.compile(lambda x: x + 1, backend="eager", fullgraph=True)) is True
+    assert internals.compiled_fullgraph(model.forward) is False and internals.compiled_fullgraph(len) is False

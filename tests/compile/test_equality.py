@@ -7,9 +7,10 @@ adds AOT autograd's compiled backward; one "inductor" run (slow: a C++ build) ch
 
 import pytest
 import torch
+import torch.nn as nn
 
 from tests.compile.helpers import (MODES, assert_same_training, batch, build, compile_after, compile_in_place,
-                                   eager_training, initial, make_private, train)
+                                   eager_training, initial, make_private, steps, train)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
 
@@ -70,21 +71,26 @@ def test_ghost_runs_one_book_keeping_pass_after_a_compiled_forward():
         optimizer.zero_grad()
 
 
-def test_ghost_names_the_way_out_where_a_model_compiled_before_make_private_donates_buffers():
-    """A model compiled in place before ``make_private``: the private wrapper runs eagerly around
-    it, the ghost loss runs two passes, and the second is refused loudly; equal with
+def test_ghost_names_the_way_out_where_a_submodule_compiled_before_make_private_donates_buffers():
+    """A submodule compiled in place before ``make_private`` (the model itself would be adopted:
+    ``test_compiled_before_wrapping.py``): the private wrapper runs eagerly around its compiled
+    call, the ghost loss runs two passes, and the second is refused loudly; equal with
     ``donated_buffer=False``."""
     expected = eager_training("block", "ghost")
 
-    def compiled_in_place(model):
-        model.compile(backend="aot_eager")
-        return model
+    def trained_with_compiled_block():
+        block = build("block")
+        block.compile(backend="aot_eager")
+        model = nn.Sequential(block)  # no parameters of its own: the Block's, in the same order
+        private, optimizer, criterion = make_private(model, "ghost", "block")
+        steps(private, optimizer, criterion, "block")
+        return [p.detach().clone() for p in model.parameters()]
 
     with pytest.raises(RuntimeError, match="private_model.compile"):
-        train("block", "ghost", before=compiled_in_place)
+        trained_with_compiled_block()
     torch.compiler.reset()
     with torch._functorch.config.patch(donated_buffer=False):
-        got = train("block", "ghost", before=compiled_in_place)
+        got = trained_with_compiled_block()
     assert_same_training(got, expected, initial("block"))
 
 

@@ -1,0 +1,100 @@
+"""A model compiled in place before it is made private (``model.compile(...)``, then ``make_private``).
+
+The wrapper adopts the model's compiled call, as if ``private.compile(...)`` had been called with
+the same arguments: training equals eager training, the model's forward with its hooked layers is
+one graph without breaks, ``fullgraph=True`` keeps its meaning (untappable calls refused with the
+way out), and closing the wrapper gives the compiled call back to the model.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from opacus_dp import GradSampleModule
+from tests.compile.helpers import (assert_same_training, batch, build, eager_training, initial, make_private,
+                                   steps, train)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+
+
+def compiled_in_place(**options):
+    def compile_model(model):
+        model.compile(**options)
+        return model
+    return compile_model
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bk"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "block"])
+def test_a_model_compiled_in_place_trains_as_eager(name, mode):
+    """``aot_eager`` donates buffers of the Block's graph: ``ghost`` runs one book-keeping pass, as
+    for a compiled private model (the eager ghost loss's second pass would be refused)."""
+    got = train(name, mode, before=compiled_in_place(backend="aot_eager"))
+    assert_same_training(got, eager_training(name, mode), initial(name))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_its_forward_is_one_graph_with_the_hooked_layers_and_no_break(mode):
+    """Without adoption each hooked layer of the eagerly run wrapper would be a graph break."""
+    from torch._dynamo.utils import counters
+
+    graphs = []
+
+    def recorder(graph_module, example_inputs):
+        graphs.append(graph_module.code)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build("mlp")
+    model.compile(backend=recorder, fullgraph=True)
+    private, optimizer, criterion = make_private(model, mode, "mlp")
+    assert model._compiled_call_impl is None  # the wrapper holds it
+    steps(private, optimizer, criterion, "mlp", sizes=(8, 8))  # the first forward learns the calls
+    assert sum(counters["graph_break"].values()) == 0
+    assert len(graphs) == 1 and graphs[0].count("linear(") >= 2 and "relu" in graphs[0]
+
+
+def test_fullgraph_refuses_untappable_calls_before_the_step():
+    model = build("block")
+    model.compile(backend="eager", fullgraph=True)
+    private, optimizer, criterion = make_private(model, "bk", "block")
+    start = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="fullgraph=True.*cannot be traced into the graph.*without fullgraph"):
+        private(batch("block", 8)[0])
+    assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
+    private.compile(backend="eager")  # the way out
+    steps(private, optimizer, criterion, "block", sizes=(8,))
+    assert any(not torch.equal(a, b) for a, b in zip(start, model.parameters()))
+
+
+def test_closing_the_wrapper_gives_the_compiled_call_back():
+    model = build("mlp")
+    model.compile(backend="eager")
+    compiled_call = model._compiled_call_impl
+    wrapper = GradSampleModule(model)
+    assert model._compiled_call_impl is None and wrapper._compiled_model_call is compiled_call
+    assert wrapper.to_standard_module() is model
+    assert model._compiled_call_impl is compiled_call
+
+
+def test_a_model_compiled_again_while_wrapped_keeps_its_new_call():
+    model = build("mlp")
+    model.compile(backend="eager")
+    wrapper = GradSampleModule(model)
+    model.compile(backend="aot_eager")
+    newer = model._compiled_call_impl
+    wrapper.close()
+    assert model._compiled_call_impl is newer
+
+
+def test_a_submodule_compiled_in_place_is_left_compiled():
+    """Only the wrapped model's own call is adopted; a compiled submodule runs compiled inside the
+    eager wrapper (its hooks outside its graph), and trains as eager."""
+    model = nn.Sequential(build("cnn"))
+    model[0].compile(backend="eager")
+    private, optimizer, criterion = make_private(model, "bk", "cnn")
+    assert model[0]._compiled_call_impl is not None and private._compiled_model_call is None
+    steps(private, optimizer, criterion, "cnn")
+    assert_same_training([p.detach().clone() for p in model.parameters()], eager_training("cnn", "bk"),
+                         initial("cnn"))
