@@ -116,9 +116,14 @@ def adopt_compiled_call(wrapper: nn.Module) -> None:
 
 def give_back_compiled_call(wrapper: nn.Module) -> None:
     """The model's in-place compiled call taken by :func:`adopt_compiled_call` back on the model
-    (unless it was compiled again meanwhile)."""
+    (unless it was compiled again meanwhile), and off the wrapper (unless ``wrapper.compile()``
+    replaced it)."""
     call = wrapper.__dict__.pop("_adopted_compiled_call", None)
-    if call is not None and getattr(wrapper._module, "_compiled_call_impl", None) is None:
+    if call is None:
+        return
+    if wrapper._compiled_model_call is call:
+        wrapper._compiled_model_call, wrapper._compiled_fullgraph = None, False
+    if getattr(wrapper._module, "_compiled_call_impl", None) is None:
         wrapper._module._compiled_call_impl = call
 
 

@@ -6,6 +6,8 @@ one graph without breaks, ``fullgraph=True`` keeps its meaning (untappable calls
 way out), and closing the wrapper gives the compiled call back to the model.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -75,7 +77,7 @@ def test_closing_the_wrapper_gives_the_compiled_call_back():
     wrapper = GradSampleModule(model)
     assert model._compiled_call_impl is None and wrapper._compiled_model_call is compiled_call
     assert wrapper.to_standard_module() is model
-    assert model._compiled_call_impl is compiled_call
+    assert model._compiled_call_impl is compiled_call and wrapper._compiled_model_call is None
 
 
 def test_a_model_compiled_again_while_wrapped_keeps_its_new_call():
@@ -98,3 +100,32 @@ def test_a_submodule_compiled_in_place_is_left_compiled():
     steps(private, optimizer, criterion, "cnn")
     assert_same_training([p.detach().clone() for p in model.parameters()], eager_training("cnn", "bk"),
                          initial("cnn"))
+
+
+def test_the_0x_api_leaves_the_compiled_call_on_the_model_it_trains_through():
+    """``PrivacyEngine(model, ...).attach(optimizer)`` trains by calling the model itself: its
+    compiled call stays there (hooked layers outside its graph), and training equals eager training."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opacus_dp import PrivacyEngine
+    from tests.compile.helpers import CLIP, SIZES
+
+    def trained(compile_first: bool):
+        model = build("mlp")
+        if compile_first:
+            model.compile(backend="eager")
+        compiled_call = model._compiled_call_impl
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the secure-RNG note
+            PrivacyEngine(model, batch_size=8, sample_size=64, noise_multiplier=0.0,
+                          max_grad_norm=CLIP).attach(optimizer)
+        assert model._compiled_call_impl is compiled_call
+        for n in SIZES:
+            x, y = batch("mlp", n)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert_same_training(trained(True), trained(False), initial("mlp"))
