@@ -1,15 +1,19 @@
-"""The user's model inside its wrappers, and the names of its parameters. A leaf module.
+"""The user's model inside its wrappers, and the names of its parameters.
 
 Wrappers: the per-sample gradient wrappers (``GradSampleModule`` and its subclasses keep the
 model as the sub-module ``_module``, as Opacus does), ``nn.DataParallel``,
 ``DistributedDataParallel``, and the types registered with :func:`register_wrapper_type`
-(``DPDDP``), which keep it as ``module``.
+(``DPDDP``), which keep it as ``module``; and what ``torch.compile(model)`` returns (an
+``OptimizedModule``, which keeps it as ``_orig_mod``: a model compiled by other software, such as
+the ``Trainer``'s ``torch_compile=True``).
 """
 
 from typing import Dict, List, Type
 
 import torch
 import torch.nn as nn
+
+from opacus_dp.torch_internals import is_compiled_module
 
 _WRAPPER_TYPES: List[Type[nn.Module]] = [nn.DataParallel, nn.parallel.DistributedDataParallel]
 
@@ -22,9 +26,12 @@ def register_wrapper_type(cls: Type[nn.Module]) -> Type[nn.Module]:
 
 
 def _inner(module: nn.Module):
-    inner = module.__dict__.get("_modules", {}).get("_module")
+    modules = module.__dict__.get("_modules", {})
+    inner = modules.get("_module")
     if inner is None and isinstance(module, tuple(_WRAPPER_TYPES)):
         inner = module.module
+    if inner is None and is_compiled_module(module):
+        inner = modules.get("_orig_mod")
     return inner
 
 

@@ -53,7 +53,8 @@ class LightningModelChecks:
         entries = entry_modules(pl_module) if enabled else []
         self.unchecked = {name for name, _ in entries}  # entry modules whose samples were not compared yet
         self._before: Optional[Dict[str, tuple]] = None
-        self._handles = [module.register_forward_pre_hook(self._sample_check(name), with_kwargs=True, prepend=True)
+        self._handles = [module.register_forward_pre_hook(torch.compiler.disable(self._sample_check(name)),
+                                                          with_kwargs=True, prepend=True)  # eager if compiled
                          for name, module in entries]
 
     def _sample_check(self, name: str):

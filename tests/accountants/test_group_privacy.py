@@ -242,11 +242,16 @@ def test_prv_user_level_epsilon_of_a_run():
     assert delta_example * factor_by_sum(epsilon_user / 2, 2) <= 1e-5
 
 
+ROUNDING_SLACK = 1e-5  # relative: PRV's ε differs between machines in its 6th digit
+
+
 def test_the_documented_table_is_what_the_code_computes():
     """docs/user_level.md: the digits run (60 steps at q = 1/3, σ for ε = 3 at δ = 1e-5, PRV), at
     that σ rounded to 3.78 as the snippet does: the calibration may end anywhere in its window
     (2.995 < ε ≤ 3), a point that moves with ε's last bits between machines (σ 1e-4 apart moved
-    ε_user at k = 8 by 0.02)."""
+    ε_user at k = 8 by 0.02). Each printed ε is the computed one to its last digit, give or take
+    ``ROUNDING_SLACK`` of it: at σ = 3.78 PRV's ε for k = 4 is 20.71502 on one machine and just
+    below 20.715 on another (floating-point sums in another order), printed 20.72 or 20.71."""
     text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "user_level.md").read_text()
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| \(([\d.]+), ([\d.e+-]+)\) \| ([\d.]+) \|$", text, re.MULTILINE)
     assert [int(row[0]) for row in rows] == [1, 2, 4, 8]
@@ -256,7 +261,8 @@ def test_the_documented_table_is_what_the_code_computes():
     for k, epsilon_user, epsilon_example, delta_example, sigma_for_three in rows:
         run = dict(sample_rate=1 / 3, steps=60, delta=1e-5, max_examples_per_user=int(k), accountant="prv")
         computed, computed_delta = user_level_epsilon_of_run(noise_multiplier=sigma, **run)
-        assert f"{computed:.2f}" == epsilon_user and f"{computed / int(k):.2f}" == epsilon_example
+        for value, printed in ((computed, epsilon_user), (computed / int(k), epsilon_example)):
+            assert abs(value - float(printed)) <= 0.005 + ROUNDING_SLACK * value, (k, value, printed)
         assert f"{computed_delta:.1e}" == delta_example
         at_documented_sigma, _ = user_level_epsilon_of_run(noise_multiplier=float(sigma_for_three), **run)
         assert 2.98 <= at_documented_sigma <= 3.0

@@ -98,3 +98,29 @@ def test_private_torch_attributes_relied_on():
     for _ in range(2):  # the first forward learns the call (traced_taps), the second is compiled
         torch.testing.assert_close(other(x), nn.functional.linear(x, other._module.weight, other._module.bias))
     assert len(recorder.graphs) == 1
+
+
+@pytest.mark.filterwarnings("ignore:secure_mode is off")
+def test_the_model_inside_a_compiled_wrapper_is_found_and_checkpointed_with_its_own_keys(tmp_path):
+    """A private model compiled by other software (``torch.compile(private)``, as the HF
+    ``Trainer``'s ``torch_compile=True`` does): :func:`unwrap_model` finds the user's model inside
+    (``_orig_mod``), so a checkpoint saved through it has the model's keys and loads into an
+    uncompiled private model, and back into a compiled one."""
+    from opacus_dp import PrivacyEngine
+
+    model = build("mlp")
+    private, optimizer, criterion = make_private(model, "bk", "mlp")
+    compiled = torch.compile(private, backend="eager")
+    assert unwrap_model(compiled) is model and unwrap_model(torch.compile(model, backend="eager")) is model
+    steps(compiled, optimizer, criterion, "mlp", sizes=(8,))
+    PrivacyEngine(accountant="rdp").save_checkpoint(path=tmp_path / "ckpt.pt", module=compiled)
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)["module_state_dict"]
+    assert list(saved) == list(build("mlp").state_dict())  # no "_orig_mod." nor "_module."
+    fresh = build("mlp")
+    fresh_private, _, _ = make_private(fresh, "bk", "mlp")
+    for target in (fresh_private, torch.compile(fresh_private, backend="eager")):
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.zero_()
+        PrivacyEngine(accountant="rdp").load_checkpoint(path=tmp_path / "ckpt.pt", module=target)
+        assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))

@@ -81,14 +81,32 @@ def test_no_noise_no_clipping_equals_plain_trainer(tmp_path):
 def test_no_noise_with_clipping_equals_per_sample_oracle(tmp_path, mode, physical, accumulation, steps):
     """With one expected example per step some Poisson batches are empty: their steps add no
     gradient but are taken and accounted."""
-    clip, logical = 0.05, physical * accumulation
+    clip = 0.05
     trainer, batches = private_run(tmp_path, PrivacyArguments(
         target_delta=1e-5, noise_multiplier=0.0, max_grad_norm=clip, grad_sample_mode=mode),
         per_device_train_batch_size=physical, gradient_accumulation_steps=accumulation, max_steps=steps)
     assert trainer.state.global_step == steps
     assert sum(n for _, _, n in trainer.privacy_engine.accountant.history) == steps
-    if logical == 1:
+    if physical * accumulation == 1:
         assert len(batches) < steps, "no empty batch was drawn (the collator sees only non-empty ones)"
+    assert_per_sample_oracle(trainer.model, batches, clip, physical * accumulation)
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+def test_torch_compile_equals_per_sample_oracle(tmp_path):
+    """``torch_compile=True``: the Trainer trains the model compiled (``torch.compile(model)``);
+    the private step and the causal-LM loss (labels shifted) are those of eager training."""
+    clip = 0.05
+    trainer, batches = private_run(tmp_path, PrivacyArguments(
+        target_delta=1e-5, noise_multiplier=0.0, max_grad_norm=clip), torch_compile=True,
+        torch_compile_backend="eager")
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"  # the Trainer did compile it
+    assert_per_sample_oracle(trainer.model, batches, clip, L)
+
+
+def assert_per_sample_oracle(trained, batches, clip: float, logical: int) -> None:
+    """``trained``'s parameters are those of SGD over ``batches`` with each example's gradient
+    (its own loss, autograd) clipped to ``clip`` by hand, the sum divided by ``logical``."""
     model, data = tiny_model(), TokenBlocks()
     params = [p for p in model.parameters() if p.requires_grad]
     clipped_any = False
@@ -104,7 +122,7 @@ def test_no_noise_with_clipping_equals_per_sample_oracle(tmp_path, mode, physica
             for p, t in zip(params, total):
                 p -= LR * t / logical
     assert clipped_any
-    for got, want in zip(params_of(trainer.model), params_of(model)):
+    for got, want in zip(params_of(trained), params_of(model)):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
 
 

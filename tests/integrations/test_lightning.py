@@ -62,6 +62,38 @@ def test_clipped_steps_match_per_example_oracle():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
+class CallsItsForward(Recorder):
+    """Its ``training_step`` calls its ``forward``, the code ``torch.compile(module)`` compiles."""
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.records.append(([p.detach().clone() for p in self.net.parameters()], x.clone(), y.clone()))
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+def test_a_compiled_module_matches_the_oracle_and_the_checks_stay_out_of_its_graphs():
+    """``trainer.fit(torch.compile(module))``: the clipped steps are the oracle's, and the only graph
+    breaks are the eager hooks (the sample-independence check, which runs the module on single
+    samples, is never traced)."""
+    from torch._dynamo.utils import counters
+
+    pl.seed_everything(0)
+    module = CallsItsForward(*data())
+    torch._dynamo.reset()
+    counters.clear()
+    fit(torch.compile(module, backend="eager"), [callback()])
+    assert counters["stats"]["unique_graphs"] >= 1 and counters["graph_break"]
+    assert all(reason.startswith("Skip calling `torch.compiler.disable()`d function")
+               for reason in counters["graph_break"]), list(counters["graph_break"])
+    steps = [(params, [(x, y)]) for params, x, y in module.records]
+    assert len(steps) == 2 * round(1 / Q)
+    assert_updates_match_oracle(steps, [p.detach() for p in module.net.parameters()], Q * N)
+
+
 def test_logged_epsilon_equals_accountant_replay():
     seen = []
 
