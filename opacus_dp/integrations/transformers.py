@@ -69,7 +69,9 @@ class PrivacyArguments:
         target_epsilon: ε the planned steps may spend (σ is calibrated for them).
         max_grad_norm: C, the bound of each example's gradient norm (``inf`` only with σ = 0).
         max_epsilon: stop before ε would exceed it (default ``target_epsilon``; None: no stop).
-        grad_sample_mode: "bk" (default), "ghost", "hooks", "functorch" or "auto".
+        grad_sample_mode: "bk" (default), "ghost", "hooks", "functorch" or "auto"; "ghost" runs one
+            book-keeping pass per piece (the loss is the trainer's own, not a ghost criterion's):
+            the update of Opacus's two-pass ghost clipping, with its memory, in one backward pass.
         noise_mechanism: "independent" (DP-SGD), "banded", "blt" or "tree" (``docs/mechanisms.md``).
         bands: number of bands of the "banded" mechanism.
         accountant: "prv" (default), "rdp" or "gdp".
@@ -197,10 +199,10 @@ class DPTrainer(Trainer):
                       noise_generator=self._noise_generator())
         if p.target_epsilon is None:
             planned = None if p.noise_mechanism == "independent" else self._planned_steps(len(loader)) / len(loader)
-            _, dp_optimizer, dp_loader = self.privacy_engine.make_private(
+            _, dp_optimizer, *_, dp_loader = self.privacy_engine.make_private(  # "ghost": its criterion too
                 noise_multiplier=p.noise_multiplier, epochs=planned, **common)
         else:
-            _, dp_optimizer, dp_loader = self.privacy_engine.make_private_with_epsilon(
+            _, dp_optimizer, *_, dp_loader = self.privacy_engine.make_private_with_epsilon(
                 target_epsilon=p.target_epsilon, target_delta=p.target_delta,
                 epochs=self._planned_steps(len(loader)) / len(loader), **common)
         self.optimizer, self._dp_optimizer, self._dp_loader = dp_optimizer, dp_optimizer, dp_loader

@@ -76,7 +76,7 @@ def test_no_noise_no_clipping_equals_plain_trainer(tmp_path):
     assert not torch.equal(params_of(trainer.model)[0], params_of(tiny_model())[0])
 
 
-@pytest.mark.parametrize("mode", ["bk", "hooks"])
+@pytest.mark.parametrize("mode", ["bk", "hooks", "ghost"])
 @pytest.mark.parametrize("physical, accumulation, steps", [(PHYSICAL, ACCUMULATION, 4), (1, 1, 12)])
 def test_no_noise_with_clipping_equals_per_sample_oracle(tmp_path, mode, physical, accumulation, steps):
     """With one expected example per step some Poisson batches are empty: their steps add no
