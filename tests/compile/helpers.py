@@ -172,3 +172,27 @@ def count_tapped_calls(monkeypatch) -> List[int]:
     counts: List[int] = []
     watch_tapped_calls(monkeypatch.setattr, lambda records: counts.append(len(records)))
     return counts
+
+
+def recording_backend() -> Tuple[List[str], Callable]:
+    """``(graphs, backend)``: a dynamo backend that runs each captured graph as it is and appends
+    its code to ``graphs``; dynamo's caches and counters are cleared first."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs: List[str] = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module.code)
+        return graph_module.forward
+
+    return graphs, backend
+
+
+def assert_one_mlp_graph_without_breaks(graphs: List[str]) -> None:
+    """The MLP's forward was one graph, with both ``Linear``s and the ReLU, and dynamo broke none."""
+    from torch._dynamo.utils import counters
+
+    assert sum(counters["graph_break"].values()) == 0
+    assert len(graphs) == 1 and graphs[0].count("linear(") >= 2 and "relu" in graphs[0]

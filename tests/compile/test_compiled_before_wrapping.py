@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from opacus_dp import GradSampleModule
-from tests.compile.helpers import (assert_same_training, batch, build, eager_training, initial, make_private,
-                                   steps, train)
+from tests.compile.helpers import (assert_one_mlp_graph_without_breaks, assert_same_training, batch, build,
+                                   eager_training, initial, make_private, recording_backend, steps, train)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
 
@@ -38,23 +38,13 @@ def test_a_model_compiled_in_place_trains_as_eager(name, mode):
 @pytest.mark.parametrize("mode", ["hooks", "bk"])
 def test_its_forward_is_one_graph_with_the_hooked_layers_and_no_break(mode):
     """Without adoption each hooked layer of the eagerly run wrapper would be a graph break."""
-    from torch._dynamo.utils import counters
-
-    graphs = []
-
-    def recorder(graph_module, example_inputs):
-        graphs.append(graph_module.code)
-        return graph_module.forward
-
-    torch._dynamo.reset()
-    counters.clear()
+    graphs, backend = recording_backend()
     model = build("mlp")
-    model.compile(backend=recorder, fullgraph=True)
+    model.compile(backend=backend, fullgraph=True)
     private, optimizer, criterion = make_private(model, mode, "mlp")
     assert model._compiled_call_impl is None  # the wrapper holds it
     steps(private, optimizer, criterion, "mlp", sizes=(8, 8))  # the first forward learns the calls
-    assert sum(counters["graph_break"].values()) == 0
-    assert len(graphs) == 1 and graphs[0].count("linear(") >= 2 and "relu" in graphs[0]
+    assert_one_mlp_graph_without_breaks(graphs)
 
 
 def test_fullgraph_refuses_untappable_calls_before_the_step():
@@ -105,8 +95,6 @@ def test_a_submodule_compiled_in_place_is_left_compiled():
 def test_the_0x_api_leaves_the_compiled_call_on_the_model_it_trains_through():
     """``PrivacyEngine(model, ...).attach(optimizer)`` trains by calling the model itself: its
     compiled call stays there (hooked layers outside its graph), and training equals eager training."""
-    from torch.utils.data import DataLoader, TensorDataset
-
     from opacus_dp import PrivacyEngine
     from tests.compile.helpers import CLIP, SIZES
 

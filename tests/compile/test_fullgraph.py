@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.compile.helpers import (assert_same_training, batch, build, eager_training, initial, make_private,
-                                   steps, train)
+from tests.compile.helpers import (assert_one_mlp_graph_without_breaks, assert_same_training, batch, build,
+                                   eager_training, initial, make_private, recording_backend, steps, train)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
 
@@ -41,21 +41,11 @@ def test_a_model_compiled_with_fullgraph_trains_as_eager(mode):
 
 @pytest.mark.parametrize("mode", ["hooks", "bk"])
 def test_the_compiled_forward_is_one_graph_with_its_hooked_layers_and_no_break(mode):
-    from torch._dynamo.utils import counters
-
-    graphs = []
-
-    def recorder(graph_module, example_inputs):
-        graphs.append(graph_module.code)
-        return graph_module.forward
-
-    torch._dynamo.reset()
-    counters.clear()
+    graphs, backend = recording_backend()
     private, optimizer, criterion = make_private(build("mlp"), mode, "mlp")
-    private.compile(backend=recorder, fullgraph=True)
+    private.compile(backend=backend, fullgraph=True)
     steps(private, optimizer, criterion, "mlp", sizes=(8, 8))  # the first forward learns the calls
-    assert sum(counters["graph_break"].values()) == 0
-    assert len(graphs) == 1 and graphs[0].count("linear(") >= 2 and "relu" in graphs[0]
+    assert_one_mlp_graph_without_breaks(graphs)
 
 
 def test_the_compiled_call_without_fullgraph_keeps_broadcast_calls_outside_and_trains_as_eager():
