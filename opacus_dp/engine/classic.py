@@ -36,7 +36,6 @@ from opacus_dp.engine.optimizer import make_dp_optimizer
 from opacus_dp.engine.plan import PrivatePlan
 from opacus_dp.engine.private_step import (check_distributed, connect_private_step, rebind_if_sharded, shard_if_asked,
                                            warn_if_not_secure)
-from opacus_dp.grad_sample.compiled_modules import give_back_compiled_call
 from opacus_dp.optim.clipper_registry import make_clipper
 from opacus_dp.optim.logical_batches import BatchingPolicy
 from opacus_dp.state_views import OPACUS_0X
@@ -159,7 +158,6 @@ class ClassicPrivacyEngine:
         plan = self.plan()
         gsm = wrap_module(self.module, grad_sample_mode=plan.grad_sample_mode, batch_first=plan.batch_first,
                           loss_reduction=plan.loss_reduction, skip_weight_grads=plan.skip_weight_grads)
-        give_back_compiled_call(gsm)  # the 0.x API calls the model itself: its model.compile() stays
         try:
             gsm.configure_model_checks(plan.check_sample_independence, plan.public_buffers)
             dp_optimizer = make_dp_optimizer(

@@ -23,7 +23,7 @@ Three measures make that hold, taken when a wrapper is built:
   ones. (``torch.compile(wrapper, fullgraph=True)``, which dynamo cannot trace as one graph, is
   refused at its first call naming ``wrapper.compile(fullgraph=True)``:
   :mod:`~opacus_dp.distributed.data_parallel`'s call hook.) A model compiled in place
-  (``model.compile(...)``) before it was wrapped is adopted likewise: :func:`adopt_compiled_call`.
+  (``model.compile(...)``) is adopted likewise at the wrapper's forward: :func:`adopt_compiled_call`.
 
 The first wrapper of a process loads ``torch._dynamo`` (about a second, once). Private attributes
 used here: ``torch._dynamo.config.skip_nnmodule_hook_guards``, ``torch._dynamo.eval_frame.skip_code``,
@@ -97,21 +97,22 @@ def prepare_for_compile(wrapper: nn.Module) -> None:
     ``_handles``, the traced forms ``_traced``: see :func:`run_hooks_eagerly`)."""
     run_hooks_eagerly(wrapper._module, wrapper._handles, wrapper._traced)
     guard_module_hooks()
-    adopt_compiled_call(wrapper)
 
 
-def adopt_compiled_call(wrapper: nn.Module) -> None:
-    """A model compiled in place before it was wrapped (``model.compile(...)``): its compiled call
-    (``torch.compile(model._call_impl, ...)``, what ``wrapper.compile(...)`` makes) becomes the
-    wrapper's, with its ``fullgraph``, and leaves the model while the wrapper holds it
-    (:func:`give_back_compiled_call`): the wrapper runs eagerly around it, the hooked calls tapped
-    in its graph, and the model's own calls (learning the taps) run eagerly."""
+def adopt_compiled_call(wrapper: nn.Module) -> bool:
+    """Whether ``wrapper``'s forward runs a compiled model call (``wrapper.compile(...)``), after
+    adopting the model's own: a model compiled in place (``model.compile(...)``, before or after it
+    was wrapped) has its compiled call (``torch.compile(model._call_impl, ...)``, what
+    ``wrapper.compile(...)`` makes) moved to the wrapper, with its ``fullgraph``, at the wrapper's
+    next forward, until :func:`give_back_compiled_call`: the wrapper runs eagerly around it, the
+    hooked calls tapped in its graph, and the model's own calls (learning the taps) run eagerly.
+    A model trained by calling it, not the wrapper (the 0.x API), keeps its compiled call."""
     call = getattr(wrapper._module, "_compiled_call_impl", None)
-    if call is None:
-        return
-    wrapper._module._compiled_call_impl = None
-    wrapper._adopted_compiled_call = wrapper._compiled_model_call = call
-    wrapper._compiled_fullgraph = compiled_fullgraph(call)
+    if call is not None and not torch.compiler.is_compiling() and wrapper._finalizer.alive:  # not closed
+        wrapper._module._compiled_call_impl = None
+        wrapper._adopted_compiled_call = wrapper._compiled_model_call = call
+        wrapper._compiled_fullgraph = compiled_fullgraph(call)
+    return wrapper._compiled_model_call is not None
 
 
 def give_back_compiled_call(wrapper: nn.Module) -> None:

@@ -36,7 +36,7 @@ from opacus_dp.grad_sample.running_statistics import guard_running_statistics
 from opacus_dp.grad_sample.functorch_fallback import check_fallback_inputs, explained_fallback_error, functorch_grad_sample
 from opacus_dp.grad_sample.attachments import _HOOKED_BY, _Attachments, _owner, weakly
 from opacus_dp.grad_sample.broadcast_inputs import BroadcastInputs
-from opacus_dp.grad_sample.compiled_modules import prepare_for_compile
+from opacus_dp.grad_sample.compiled_modules import adopt_compiled_call, prepare_for_compile
 from opacus_dp.grad_sample.grad_sample_api import GradSampleModuleAPI
 from opacus_dp.grad_sample.outside_use_totals import OutsideUseTotals
 from opacus_dp.grad_sample.layer_call import (LayerCall, batch_first_backprops, call_batch_dim, hook_output_grad,
@@ -360,7 +360,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
     # ------------------------------------------------------------- public API
     def forward(self, *args, **kwargs):
         self._restore_switches()
-        if self._compiled_model_call is not None or torch.compiler.is_compiling() and self._taps.enabled:
+        if adopt_compiled_call(self) or torch.compiler.is_compiling() and self._taps.enabled:
             return tapped_forward(self, args, kwargs)
         self._taps.compiled_forward = False
         return self._module(*args, **kwargs)

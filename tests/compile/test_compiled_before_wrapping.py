@@ -1,9 +1,9 @@
-"""A model compiled in place before it is made private (``model.compile(...)``, then ``make_private``).
+"""A model compiled in place (``model.compile(...)``) before or after it is made private.
 
-The wrapper adopts the model's compiled call, as if ``private.compile(...)`` had been called with
-the same arguments: training equals eager training, the model's forward with its hooked layers is
-one graph without breaks, ``fullgraph=True`` keeps its meaning (untappable calls refused with the
-way out), and closing the wrapper gives the compiled call back to the model.
+At its forward the wrapper adopts the model's compiled call, as if ``private.compile(...)`` had
+been called with the same arguments: training equals eager training, the model's forward with its
+hooked layers is one graph without breaks, ``fullgraph=True`` keeps its meaning (untappable calls
+refused with the way out), and closing the wrapper gives the compiled call back to the model.
 """
 
 import warnings
@@ -35,16 +35,30 @@ def test_a_model_compiled_in_place_trains_as_eager(name, mode):
     assert_same_training(got, eager_training(name, mode), initial(name))
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("mode", ["hooks", "bk"])
-def test_its_forward_is_one_graph_with_the_hooked_layers_and_no_break(mode):
-    """Without adoption each hooked layer of the eagerly run wrapper would be a graph break."""
+def test_its_forward_is_one_graph_with_the_hooked_layers_and_no_break(mode, when):
+    """Compiled in place before or after ``make_private``. Without adoption each hooked layer of
+    the eagerly run wrapper would be a graph break."""
     graphs, backend = recording_backend()
     model = build("mlp")
-    model.compile(backend=backend, fullgraph=True)
+    if when == "before":
+        model.compile(backend=backend, fullgraph=True)
     private, optimizer, criterion = make_private(model, mode, "mlp")
-    assert model._compiled_call_impl is None  # the wrapper holds it
+    if when == "after":
+        model.compile(backend=backend, fullgraph=True)
     steps(private, optimizer, criterion, "mlp", sizes=(8, 8))  # the first forward learns the calls
+    assert model._compiled_call_impl is None  # the wrapper holds it
     assert_one_mlp_graph_without_breaks(graphs)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bk"])
+def test_a_model_compiled_in_place_after_make_private_trains_as_eager(mode):
+    def compiled_after(private):
+        private._module.compile(backend="aot_eager")
+        return private
+
+    assert_same_training(train("cnn", mode, after=compiled_after), eager_training("cnn", mode), initial("cnn"))
 
 
 def test_fullgraph_refuses_untappable_calls_before_the_step():
@@ -65,19 +79,27 @@ def test_closing_the_wrapper_gives_the_compiled_call_back():
     model.compile(backend="eager")
     compiled_call = model._compiled_call_impl
     wrapper = GradSampleModule(model)
+    wrapper(batch("mlp", 4)[0])
     assert model._compiled_call_impl is None and wrapper._compiled_model_call is compiled_call
     assert wrapper.to_standard_module() is model
     assert model._compiled_call_impl is compiled_call and wrapper._compiled_model_call is None
+    wrapper(batch("mlp", 4)[0])  # a closed wrapper adopts nothing
+    assert model._compiled_call_impl is compiled_call
 
 
-def test_a_model_compiled_again_while_wrapped_keeps_its_new_call():
+def test_a_model_compiled_again_while_wrapped_is_adopted_again_and_keeps_its_last_call():
     model = build("mlp")
     model.compile(backend="eager")
     wrapper = GradSampleModule(model)
+    wrapper(batch("mlp", 4)[0])
     model.compile(backend="aot_eager")
     newer = model._compiled_call_impl
-    wrapper.close()
-    assert model._compiled_call_impl is newer
+    wrapper(batch("mlp", 4)[0])
+    assert wrapper._compiled_model_call is newer and model._compiled_call_impl is None
+    model.compile(backend="eager")
+    newest = model._compiled_call_impl
+    wrapper.close()  # the model's newest call stays; the adopted one is dropped
+    assert model._compiled_call_impl is newest and wrapper._compiled_model_call is None
 
 
 def test_a_submodule_compiled_in_place_is_left_compiled():
