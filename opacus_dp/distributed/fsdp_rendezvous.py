@@ -64,12 +64,14 @@ class FsdpRendezvous:
     def install(self, root: nn.Module) -> None:
         """Hook ``root`` (the outermost ``fully_shard`` module): meet before its forward pass
         (ahead of FSDP2's own pre-forward hook) and when the backward pass reaches its outputs.
-        The hooks hold this object weakly: once the optimizer (and its reducer) is gone they
+        They run eagerly where the root's call is compiled (dynamo would trace the weak reference
+        into the backward hook as the object itself). The hooks hold this object weakly: once the optimizer (and its reducer) is gone they
         do nothing."""
         self.remove()
         this = weakref.ref(self)
-        self._handles = [root.register_forward_pre_hook(partial(_before_forward, this), prepend=True),
-                         root.register_forward_hook(partial(_after_forward, this), prepend=True)]
+        eager = torch.compiler.disable  # a compiled root's call runs them outside its graph
+        self._handles = [root.register_forward_pre_hook(eager(partial(_before_forward, this)), prepend=True),
+                         root.register_forward_hook(eager(partial(_after_forward, this)), prepend=True)]
 
     def remove(self) -> None:
         """Remove the hooks :meth:`install` added."""
