@@ -65,8 +65,8 @@ class FsdpRendezvous:
         """Hook ``root`` (the outermost ``fully_shard`` module): meet before its forward pass
         (ahead of FSDP2's own pre-forward hook) and when the backward pass reaches its outputs.
         They run eagerly where the root's call is compiled (dynamo would trace the weak reference
-        into the backward hook as the object itself). The hooks hold this object weakly: once the optimizer (and its reducer) is gone they
-        do nothing."""
+        into the backward hook as the object itself). The hooks hold this object weakly: once the
+        optimizer (and its reducer) is gone they do nothing."""
         self.remove()
         this = weakref.ref(self)
         eager = torch.compiler.disable  # a compiled root's call runs them outside its graph

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from opacus_dp.torch_internals import compiled_fullgraph, is_compiled_module
+from opacus_dp.torch_internals import compiled_fullgraph, fullgraph_original, is_compiled_module
 
 
 def run_hooks_eagerly(model: nn.Module, handles: Iterable[object],
@@ -140,7 +140,7 @@ def compile_like(wrapper: nn.Module, compiled: nn.Module) -> nn.Module:
     """Compile ``wrapper`` with ``compiled``'s backend and options, as ``wrapper.compile(...)``
     does (the wrapped model's call compiled, the wrapper eager around it); returns ``wrapper``."""
     wrapper._compiled_model_call = compiled.dynamo_ctx(wrapper._module._call_impl)
-    wrapper._compiled_fullgraph = bool(getattr(compiled.dynamo_ctx, "fullgraph", False))
+    wrapper._compiled_fullgraph = fullgraph_original(compiled) is not None
     return wrapper
 
 
