@@ -29,6 +29,8 @@ the signatures past :data:`MAX_SIGNATURES`. A traced call that does not match it
 output shape that depends on more than the batch size) falls back to the eager hook.
 """
 
+import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -43,6 +45,13 @@ from opacus_dp.torch_internals import current_graph_task_id
 LEARN, TAPPED, UNTAPPED, IDLE = "learn", "tapped", "untapped", "idle"
 MAX_SIGNATURES = 8
 _SCALARS = (bool, int, float, str, type(None))
+
+_RUNNING: Dict[int, Dict[str, List[torch.Tensor]]] = {}
+"""The taps of each wrapper's running forward, by :class:`TracedTaps` key. Read by the traced
+hooks from this global, not from the hooks' own state: dynamo takes a tensor reached through a
+module's hooks for a module property, of static shape, and would compile the model again for
+each batch size; a tensor read from a global gets a dynamic batch dimension when the inputs' does."""
+_KEYS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -127,7 +136,8 @@ class TracedTaps:
         self.layouts: Dict[tuple, Optional[Tuple[CallLayout, ...]]] = {}
         self.forwards: Dict[str, Callable] = {}  # detached forwards, by layer path
         self.layers: Dict[str, nn.Module] = {}  # the hooked layers, by path (traced_hook)
-        self.current: Optional[Dict[str, List[torch.Tensor]]] = None  # the running forward's taps, by path
+        self._key = next(_KEYS)
+        weakref.finalize(self, _RUNNING.pop, self._key, None)
         self.used: Dict[str, int] = {}  # how many of them its calls took
         self.idle = False  # the running forward records nothing (hooks disabled, no grad)
         self.records: List[tuple] = []
@@ -137,6 +147,18 @@ class TracedTaps:
         self.compiled_forward = False  # whether the wrapper's last forward ran compiled
         self.on_tapped: Callable[[], None] = lambda: None  # before each tapped forward (joined_step_calls)
         self.on_finished: Callable[[], None] = lambda: None  # after each traced forward
+
+    @property
+    def current(self) -> Optional[Dict[str, List[torch.Tensor]]]:
+        """The running forward's taps, by layer path (None when no forward is tapped)."""
+        return _RUNNING.get(self._key)
+
+    @current.setter
+    def current(self, taps: Optional[Dict[str, List[torch.Tensor]]]) -> None:
+        if taps is None:
+            _RUNNING.pop(self._key, None)
+        else:
+            _RUNNING[self._key] = taps
 
     @torch.compiler.disable
     def prepare(self, args, kwargs, recording: Callable[[], bool]) -> str:
@@ -156,9 +178,10 @@ class TracedTaps:
         layouts = self.layouts[signature]
         if layouts is None:
             return UNTAPPED
-        self.current = {}
+        current: Dict[str, List[torch.Tensor]] = {}
         for layout in layouts:
-            self.current.setdefault(layout.path, []).append(layout.tap(batch, self._zeros))
+            current.setdefault(layout.path, []).append(layout.tap(batch, self._zeros))
+        self.current = current
         self.on_tapped()
         return TAPPED
 
