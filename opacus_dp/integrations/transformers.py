@@ -28,6 +28,9 @@ callbacks, logging, checkpoints) with these changes:
 * **Checkpoints.** The accountant, noise and sampler states are saved in each ``checkpoint-N/``
   (:mod:`~opacus_dp.integrations.transformers_state`) and restored by
   ``train(resume_from_checkpoint=...)``: a resumed seeded run is identical to an uninterrupted one.
+* **Forward.** The training forwards are the private model's, compiled (``torch_compile``) and
+  autocast (``bf16``/``fp16``) as Accelerate prepares a ``Trainer``'s model, also on several
+  processes (:mod:`~opacus_dp.integrations.transformers_forward`).
 * The ``Trainer``'s own gradient clipping (``TrainingArguments.max_grad_norm``) is switched off,
   and the gradient norm is not logged (it would be computed from non-private gradients). The
   logged training loss is, as in any training loop, a statistic of the private batches.
@@ -53,6 +56,7 @@ from opacus_dp.errors import PrivacyBudgetExceededError
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.integrations.transformers_batches import PerExampleLoss, batch_size_of, piece_losses, pieces
 from opacus_dp.integrations.transformers_checks import check_optimizer, refuse_unsupported
+from opacus_dp.integrations.transformers_forward import compile_as_accelerate_would, mixed_precision_forward
 from opacus_dp.integrations.transformers_state import load_private_state, save_private_state
 from opacus_dp.engine.modern import PrivacyEngine
 
@@ -153,6 +157,7 @@ class DPTrainer(Trainer):
         self.privacy_engine: Optional[PrivacyEngine] = None
         self._dp_optimizer = None
         self._dp_loader = None
+        self._forward = None
         self._budget = None
         self._placeholder = None
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
@@ -199,12 +204,14 @@ class DPTrainer(Trainer):
                       noise_generator=self._noise_generator())
         if p.target_epsilon is None:
             planned = None if p.noise_mechanism == "independent" else self._planned_steps(len(loader)) / len(loader)
-            _, dp_optimizer, *_, dp_loader = self.privacy_engine.make_private(  # "ghost": its criterion too
+            private, dp_optimizer, *_, dp_loader = self.privacy_engine.make_private(  # "ghost": its criterion too
                 noise_multiplier=p.noise_multiplier, epochs=planned, **common)
         else:
-            _, dp_optimizer, *_, dp_loader = self.privacy_engine.make_private_with_epsilon(
+            private, dp_optimizer, *_, dp_loader = self.privacy_engine.make_private_with_epsilon(
                 target_epsilon=p.target_epsilon, target_delta=p.target_delta,
                 epochs=self._planned_steps(len(loader)) / len(loader), **common)
+        compile_as_accelerate_would(private, self.accelerator)  # torch_compile=True (transformers_forward)
+        self._forward = mixed_precision_forward(private, self.accelerator)
         self.optimizer, self._dp_optimizer, self._dp_loader = dp_optimizer, dp_optimizer, dp_loader
         self._placeholder = loader.collate_fn([loader.dataset[0]])  # for empty batches (training_step)
         if p.max_epsilon is not None:
@@ -259,6 +266,8 @@ class DPTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Forward and backward passes over the pieces of one logical batch; returns the mean
         per-example loss (detached). The Trainer's ``optimizer.step()`` then takes the private step.
+        The forward passes are the private model's, compiled and autocast as Accelerate would
+        prepare ``model`` (:mod:`~opacus_dp.integrations.transformers_forward`).
 
         An empty Poisson batch still takes its step (noise only, accounted). Models cannot run on
         zero rows, so the layers see one placeholder example (the train set's first) whose loss is
@@ -272,7 +281,7 @@ class DPTrainer(Trainer):
         total = torch.zeros((), device=self.args.device)
         for index, piece in enumerate(parts):
             with self.compute_loss_context_manager():
-                losses = piece_losses(model, piece, shift=shift, loss_fn=self.per_example_loss)
+                losses = piece_losses(self._forward, piece, shift=shift, loss_fn=self.per_example_loss)
             # the mean over the piece, as the engine's loss_reduction="mean" expects
             self.accelerator.backward(weight * losses.sum() / len(losses))
             total = total + weight * losses.detach().sum()

@@ -50,6 +50,23 @@ def tiny_model(seed: int = 0):
     return transformers.GPT2LMHeadModel(config)
 
 
+def tiny_llama(seed: int = 0):
+    """A Llama: rotary positions, no position embedding, so every hooked call is traced into the
+    compiled graphs (GPT-2's position embedding is called on one row broadcast over the batch)."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                      use_cache=False, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def record_output_dtypes(model) -> list:
+    """The dtypes of ``model.lm_head``'s outputs in the forwards with grad (training), as they run."""
+    dtypes = []
+    model.lm_head.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype) if torch.is_grad_enabled() else None)
+    return dtypes
+
+
 def training_args(out, **overrides):
     settings = dict(output_dir=str(out), per_device_train_batch_size=PHYSICAL,
                     gradient_accumulation_steps=ACCUMULATION, max_steps=4, logging_steps=1, report_to=[],
@@ -60,12 +77,19 @@ def training_args(out, **overrides):
 
 
 
-def train_on_rank(rank: int, world_size: int, out_dir: str, steps: int, clip: float):
+def train_on_rank(rank: int, world_size: int, out_dir: str, steps: int, clip: float, overrides=None):
     """One process of a torchrun-style run (the process group exists already): σ = 0, clipping
-    active; returns the batches this rank drew, its final parameters and the accountant's history."""
+    active; returns the batches this rank drew, its final parameters, the accountant's history,
+    the dtypes of the training forwards' logits and the number of graphs dynamo compiled.
+    ``overrides``: more ``TrainingArguments``."""
+    from torch._dynamo.utils import counters
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     recorder = Recorder()
-    trainer = DPTrainer(model=tiny_model(), args=training_args(out_dir, max_steps=steps), train_dataset=TokenBlocks(),
+    model = tiny_model()
+    dtypes = record_output_dtypes(model)
+    args = training_args(out_dir, max_steps=steps, **(overrides or {}))
+    trainer = DPTrainer(model=model, args=args, train_dataset=TokenBlocks(),
                         data_collator=recorder, callbacks=[recorder],
                         privacy_args=PrivacyArguments(target_delta=1e-5, noise_multiplier=0.0, max_grad_norm=clip))
     with warnings.catch_warnings():
@@ -73,4 +97,5 @@ def train_on_rank(rank: int, world_size: int, out_dir: str, steps: int, clip: fl
         trainer.train()
     params = [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
     return {"batches": recorder.batches, "params": params, "steps": trainer.state.global_step,
-            "history": list(trainer.privacy_engine.accountant.history), "world": trainer.args.world_size}
+            "history": list(trainer.privacy_engine.accountant.history), "world": trainer.args.world_size,
+            "dtypes": sorted(set(str(d) for d in dtypes)), "graphs": counters["stats"]["unique_graphs"]}

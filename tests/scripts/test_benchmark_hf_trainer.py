@@ -1,0 +1,33 @@
+"""scripts/benchmark_hf_trainer.py: the Trainer and the DPTrainer, eager and compiled, side by side."""
+
+import pytest
+
+from tests.script_loading import load_script
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+
+
+def test_ratios_are_medians_of_each_rounds_ratio():
+    module = load_script("benchmark_hf_trainer.py", "benchmark_hf_trainer")
+
+    def round_of(ms):
+        return {v: {"ms": t, "graphs": 0, "breaks": 0} for v, t in zip(module.VARIANTS, ms)}
+
+    rounds = [round_of([10, 8, 20, 12]), round_of([10, 12, 30, 6]), round_of([20, 10, 20, 20])]
+    rows = {line[:22].strip(): line[22:].split() for line in module.report(rounds).splitlines()[1:]}
+    assert rows["non-private compiled"][:2] == ["10.0", "0.80"]  # median of 0.8, 1.2, 0.5
+    assert rows["private"][:2] == ["20.0", "2.00"]  # median of 2, 3, 1
+    assert rows["private compiled"][:3] == ["12.0", "0.60", "1.50"]  # medians of (0.6, 0.2, 1) and (1.5, 0.5, 2)
+
+
+@pytest.mark.slow
+def test_the_compiled_private_run_is_traced_without_breaks(capsys):
+    module = load_script("benchmark_hf_trainer.py", "benchmark_hf_trainer")
+    (run,) = module.main(["--layers", "1", "--hidden", "32", "--length", "16", "--vocab", "50", "--batch-size", "4",
+                          "--examples", "64", "--steps", "4", "--warmup", "2", "--rounds", "1", "--backend", "eager",
+                          "--threads", "1"])
+    assert set(run) == set(module.VARIANTS) and all(r["ms"] > 0 for r in run.values())
+    assert run["private"]["graphs"] == run["non-private"]["graphs"] == 0
+    assert run["private compiled"]["graphs"] > 0 and run["private compiled"]["breaks"] == 0
+    assert "x non-private" in capsys.readouterr().out
