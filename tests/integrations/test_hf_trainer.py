@@ -106,11 +106,13 @@ def test_torch_compile_equals_per_sample_oracle(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
-def test_torch_compile_traces_the_hooked_layers_into_the_model_graphs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode, backend", [("bk", "eager"), ("ghost", "aot_eager")])
+def test_torch_compile_traces_the_hooked_layers_into_the_model_graphs(tmp_path, monkeypatch, mode, backend):
     """The training forwards are the private model's, compiled (``private.compile()`` with the
     Trainer's settings): every hooked call is tapped into the model's graphs, dynamo builds as
     many graphs over the pieces of changing sizes as for the model without privacy, without a
-    graph break, and the step is the per-example oracle's."""
+    graph break, and the step is the per-example oracle's (``ghost`` under AOT autograd: one
+    book-keeping pass)."""
     from torch._dynamo.utils import counters
 
     from tests.compile.helpers import count_tapped_calls, recording_backend
@@ -119,8 +121,8 @@ def test_torch_compile_traces_the_hooked_layers_into_the_model_graphs(tmp_path, 
     tapped = count_tapped_calls(monkeypatch)
     clip = 0.05
     trainer, batches = private_run(tmp_path, PrivacyArguments(
-        target_delta=1e-5, noise_multiplier=0.0, max_grad_norm=clip), model=tiny_llama(), torch_compile=True,
-        torch_compile_backend="eager")
+        target_delta=1e-5, noise_multiplier=0.0, max_grad_norm=clip, grad_sample_mode=mode), model=tiny_llama(),
+        torch_compile=True, torch_compile_backend=backend)
     private_graphs = counters["stats"]["unique_graphs"]
     assert sum(counters["graph_break"].values()) == 0
     empty = trainer.state.global_step - len(batches)  # each: one placeholder row
