@@ -161,8 +161,16 @@ class EagerAroundCompiledCall:
 
     @contextmanager
     def compiled_call(self) -> Iterator[None]:
-        self._around_compiled_call = True
+        self.begin_compiled_call()
         try:
             yield
         finally:
-            self._around_compiled_call = False
+            self.end_compiled_call()
+
+    def begin_compiled_call(self) -> None:
+        """From now until :meth:`end_compiled_call`, as within :meth:`compiled_call` (for a compiled
+        call that other code makes: :func:`~opacus_dp.grad_sample.traced_forward.begin_outside_forward`)."""
+        self._around_compiled_call = True
+
+    def end_compiled_call(self) -> None:
+        self._around_compiled_call = False

@@ -44,6 +44,39 @@ def tapped_forward(wrapper, args, kwargs):
     return output
 
 
+@torch.compiler.disable
+def begin_outside_forward(wrapper, args, kwargs) -> str:
+    """Before a forward of ``wrapper``'s model that other code runs, compiled (Lightning's compiled
+    ``training_step`` calling the model's layers), ``args``/``kwargs`` standing for its inputs:
+    what :func:`tapped_forward` does before the model's call. Returns the plan: ``TAPPED`` (the
+    taps are made), ``LEARN`` (the caller must run that forward eagerly; its hooked calls are
+    noted), ``UNTAPPED`` or ``IDLE``. Then :func:`end_outside_forward`."""
+    wrapper._restore_switches()
+    plan = wrapper._taps.prepare(args, kwargs, wrapper._recording)
+    if plan == LEARN:
+        wrapper._taps.begin_learning()
+    if plan == TAPPED:  # no broadcast call to size: the model's broadcast hooks do nothing (traced away)
+        wrapper._broadcast.begin_compiled_call()
+    if plan == IDLE and wrapper.skips_weight_grads and torch.is_grad_enabled():
+        _excuse_weight_grads(wrapper)
+    return plan
+
+
+@torch.compiler.disable
+def end_outside_forward(wrapper, plan: str, args, kwargs, completed: bool) -> None:
+    """After the forward of :func:`begin_outside_forward`, before its backward pass: the layout
+    learned (``LEARN``) or the tapped calls recorded (``TAPPED``), as after the wrapper's own
+    forward. ``completed=False`` (the forward failed or gave no loss) keeps neither."""
+    taps = wrapper._taps
+    wrapper._broadcast.end_compiled_call()
+    if plan == LEARN:
+        taps.end_learning(args, kwargs, completed)
+    elif plan == TAPPED and completed:
+        _record_traced_calls(wrapper, taps.finish())
+    else:
+        taps.end()
+
+
 def _untapped_fullgraph_error() -> ValueError:
     return ValueError(
         "compiled with fullgraph=True, but this forward's hooked calls cannot be traced into the graph (a layer "

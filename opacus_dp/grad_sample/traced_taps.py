@@ -197,16 +197,28 @@ class TracedTaps:
     @torch.compiler.disable
     def learn(self, module: nn.Module, args, kwargs):
         """Run ``module`` eagerly (its hooks note each call: :meth:`note`) and keep the layout."""
-        signature, batch = input_signature(args, kwargs, self.batch_dim)
-        self._learned = []
+        self.begin_learning()
+        completed = False
         try:
             output = module(*args, **kwargs)
-            learned = self._learned
+            completed = True
         finally:
-            self._learned = None
+            self.end_learning(args, kwargs, completed)
+        return output
+
+    def begin_learning(self) -> None:
+        """Note the eager hooked calls from now on (:meth:`note`), until :meth:`end_learning`."""
+        self._learned = []
+
+    def end_learning(self, args, kwargs, completed: bool = True) -> None:
+        """Keep the calls noted since :meth:`begin_learning` as the layout of the forwards of
+        ``args``/``kwargs``'s signature (nothing if that forward did not complete)."""
+        learned, self._learned = self._learned, None
+        if not completed or learned is None:
+            return
+        signature, batch = input_signature(args, kwargs, self.batch_dim)
         fits = learned and all(c is not None and c.shape[c.batch_dim] == batch for c in learned)
         self.layouts[signature] = tuple(learned) if fits else None
-        return output
 
     def note(self, path: str, master: nn.Module, layer: nn.Module, args, kwargs, outputs: list,
              hooked: list, batch_dim: int) -> None:

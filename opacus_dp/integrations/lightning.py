@@ -28,6 +28,9 @@ generators travel in Lightning checkpoints (:mod:`~opacus_dp.integrations.lightn
 loader's place in its epoch too: ``trainer.fit(..., ckpt_path=...)`` from a checkpoint written at
 the end of an epoch or of a training batch continues a seeded run exactly as if it had not stopped.
 
+A module Lightning compiles (``trainer.fit(torch.compile(module))``) has its hooked layers traced
+into the compiled ``training_step`` (:mod:`~opacus_dp.integrations.lightning_compile`).
+
 Refused up front (:class:`UnsupportedLightningSetupError`): several optimizers, manual optimization,
 ``training_step(dataloader_iter)``, ``accumulate_grad_batches > 1``, ``gradient_clip_val``
 (clipping is per example here), ``min_epochs``/``min_steps`` with a budget (they override the
@@ -45,6 +48,7 @@ from opacus_dp.engine.budget_guard import BudgetGuard
 from opacus_dp.engine.modern import PrivacyEngine
 from opacus_dp.errors import PrivacyBudgetExceededError, UnsupportedError
 from opacus_dp.integrations.lightning_checks import LightningModelChecks
+from opacus_dp.integrations.lightning_compile import CompiledStepTaps
 from opacus_dp.integrations.lightning_loader import PrivateDataLoader
 from opacus_dp.integrations.lightning_state import (STATE_KEY, check_private_state, private_state,
                                                     restore_private_state)
@@ -105,6 +109,7 @@ class DPCallback(pl.Callback):
         self.loader: Optional[PrivateDataLoader] = None
         self._module = None  # the per-sample wrapper, closed at teardown
         self._checks: Optional[LightningModelChecks] = None
+        self._taps: Optional[CompiledStepTaps] = None
         self._budget: Optional[BudgetGuard] = None
         self._resumed_state: Optional[dict] = None
 
@@ -119,6 +124,7 @@ class DPCallback(pl.Callback):
         self._checks = LightningModelChecks(pl_module, enabled=self.check_sample_independence,
                                             public_buffers=self.public_buffers)
         self._make_private(trainer)
+        self._taps = CompiledStepTaps(self._module, pl_module)
         if self._resumed_state is not None:
             restore_private_state(self._resumed_state, optimizer=self.optimizer,
                                   accountant=self.privacy_engine.accountant,
@@ -157,11 +163,14 @@ class DPCallback(pl.Callback):
                 "continue the saved run's. Resume from a checkpoint written at the end of a training batch or "
                 "of an epoch (ModelCheckpoint(every_n_train_steps=...) or its default)")
         self._checks.batch_starts()
+        self._taps.before_step(batch)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._taps.after_step()
         self._checks.before_backward()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._taps.after_step(completed=False)  # no backward pass followed the step (no loss)
         pl_module.log("epsilon", self.get_epsilon(), on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
         self._stop_if_budget_spent(trainer)
 
@@ -173,6 +182,10 @@ class DPCallback(pl.Callback):
             self._budget.check(float(self.optimizer.noise_multiplier), self._budget.sample_rate())
         except PrivacyBudgetExceededError:
             trainer.should_stop = True
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self._taps is not None:
+            self._taps.after_step(completed=False)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         """Remove the per-sample and check hooks once fitting ends (the model then runs as a plain module)."""

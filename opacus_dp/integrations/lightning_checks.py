@@ -9,8 +9,8 @@ enters modules:
   submodule with trainable parameters, samples ``0`` and ``B - 1`` run alone must give their rows
   of the batched outputs (:func:`~opacus_dp.grad_sample.batch_independence_check.check_samples_alone`,
   batch on dimension 0 unless the module's ``batch_first`` says otherwise; buffers are restored).
-  Parameter-free submodules (losses, metrics whose ``forward`` updates their state) are not run
-  again. Code of ``training_step`` itself, between modules, is not seen, as code outside
+  A checked module's hook is removed (no hook left to break a compiled graph). Parameter-free
+  submodules (losses, metrics whose ``forward`` updates their state) are not run again. Code of ``training_step`` itself, between modules, is not seen, as code outside
   ``forward`` is not under ``make_private``.
 * **buffers (every step).** No buffer of the LightningModule may be written between the start of a
   training batch and its backward pass (in ``training_step``, ``forward`` or a submodule), unless
@@ -53,9 +53,9 @@ class LightningModelChecks:
         entries = entry_modules(pl_module) if enabled else []
         self.unchecked = {name for name, _ in entries}  # entry modules whose samples were not compared yet
         self._before: Optional[Dict[str, tuple]] = None
-        self._handles = [module.register_forward_pre_hook(torch.compiler.disable(self._sample_check(name)),
-                                                          with_kwargs=True, prepend=True)  # eager if compiled
-                         for name, module in entries]
+        self._handles = {name: module.register_forward_pre_hook(torch.compiler.disable(self._sample_check(name)),
+                                                                with_kwargs=True, prepend=True)  # eager if compiled
+                         for name, module in entries}
 
     def _sample_check(self, name: str):
         def hook(module: nn.Module, args, kwargs) -> None:
@@ -69,6 +69,7 @@ class LightningModelChecks:
                 raise ModelMixesSamplesError(f"The LightningModule's {where}: {error}. {LIGHTNING_FIX}") from None
             if (batch_size_of(args, kwargs, 0) or 0) >= 2:
                 self.unchecked.discard(name)
+                self._handles.pop(name).remove()  # checked: no hook left (none to break a compiled graph)
 
         return hook
 
@@ -87,6 +88,6 @@ class LightningModelChecks:
             raise type(error)(f"{error}. {LIGHTNING_FIX}")
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in self._handles.values():
             handle.remove()
-        self._handles = []
+        self._handles = {}

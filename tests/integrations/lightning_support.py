@@ -77,12 +77,22 @@ def clipped_sum(params, x, y, bound: float):
 
 
 # ---------------------------------------------------------------------------- 2 processes
-def ddp_worker(rank: int, world_size: int, bound: float, sigma: float):
+def ddp_worker(rank: int, world_size: int, bound: float, sigma: float, compiled: bool = False):
     """One rank of a Lightning DDP run (the gloo process group exists already): two fits, σ = 0 and
-    σ = ``sigma``; returns each rank's records, final parameters and ε."""
+    σ = ``sigma``; returns each rank's records, final parameters and ε. ``compiled``: one fit, σ = 0,
+    of the module compiled (``torch.compile(module, backend="eager")``); also returns the tapped
+    calls of each step and dynamo's graph breaks."""
+    from torch._dynamo.utils import counters
+
+    from tests.compile.helpers import watch_tapped_calls
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0")
+    tapped = []
+    if compiled:
+        watch_tapped_calls(setattr, lambda records: tapped.append(len(records)))
+        counters.clear()
     results = {}
-    for name, noise in (("clipped", 0.0), ("noised", sigma)):
+    for name, noise in (("clipped", 0.0), ("noised", sigma))[:1 if compiled else 2]:
         pl.seed_everything(0)
         x, y = data()
         module = Recorder(x, y)
@@ -90,11 +100,12 @@ def ddp_worker(rank: int, world_size: int, bound: float, sigma: float):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             run = trainer([callback], epochs=1, strategy="ddp", devices=world_size)
-            run.fit(module)
+            run.fit(torch.compile(module, backend="eager") if compiled else module)
         results[name] = {
             "records": module.records,
             "final": [p.detach().clone() for p in module.net.parameters()],
             "epsilon": float(run.callback_metrics["epsilon"]) if noise > 0 else None,
             "history": list(callback.privacy_engine.accountant.history),
         }
+    results.update(tapped=tapped, breaks=sum(counters["graph_break"].values()))
     return results

@@ -75,23 +75,59 @@ class CallsItsForward(Recorder):
 
 
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
-def test_a_compiled_module_matches_the_oracle_and_the_checks_stay_out_of_its_graphs():
-    """``trainer.fit(torch.compile(module))``: the clipped steps are the oracle's, and the only graph
-    breaks are the eager hooks (the sample-independence check, which runs the module on single
-    samples, is never traced)."""
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+@pytest.mark.parametrize("module_class", [CallsItsForward, Recorder])
+def test_a_compiled_module_traces_its_layers_and_matches_the_oracle(monkeypatch, module_class, mode):
+    """``trainer.fit(torch.compile(module))``: Lightning compiles ``training_step``. The first step
+    runs eagerly and learns the hooked calls (and checks the samples, whose hooks then leave the
+    modules); every later step has both ``Linear`` calls tapped into the graphs, dynamo breaks none,
+    and the clipped steps are the oracle's. (The module's own record list, longer at each step,
+    makes dynamo compile ``training_step`` once per step here.)"""
     from torch._dynamo.utils import counters
 
+    from tests.compile.helpers import count_tapped_calls
+
+    tapped = count_tapped_calls(monkeypatch)
     pl.seed_everything(0)
-    module = CallsItsForward(*data())
+    module = module_class(*data())
     torch._dynamo.reset()
     counters.clear()
-    fit(torch.compile(module, backend="eager"), [callback()])
-    assert counters["stats"]["unique_graphs"] >= 1 and counters["graph_break"]
-    assert all(reason.startswith("Skip calling `torch.compiler.disable()`d function")
-               for reason in counters["graph_break"]), list(counters["graph_break"])
+    fit(torch.compile(module, backend="eager"), [callback(grad_sample_mode=mode)])
     steps = [(params, [(x, y)]) for params, x, y in module.records]
     assert len(steps) == 2 * round(1 / Q)
+    assert tapped == [2] * (len(steps) - 1)
+    assert sum(counters["graph_break"].values()) == 0, list(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 1
     assert_updates_match_oracle(steps, [p.detach() for p in module.net.parameters()], Q * N)
+
+
+class FailsAtStep(CallsItsForward):
+    def __init__(self, *args, fail_at: int):
+        super().__init__(*args)
+        self.fail_at = fail_at
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.fail_at:
+            raise RuntimeError("training_step failed")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_failing_compiled_step_gives_the_compiler_its_stance_back(fail_at):
+    """The first step runs eagerly (``force_eager``) to learn the hooked calls; a step failing then,
+    or later, leaves the compiler as it was: a function compiled afterwards is compiled."""
+    from tests.compile.helpers import recording_backend
+
+    pl.seed_everything(0)
+    with pytest.raises(RuntimeError, match="training_step failed"):
+        fit(torch.compile(FailsAtStep(*data(), fail_at=fail_at), backend="eager"), [callback()])
+    graphs, backend = recording_backend()
+    try:
+        assert torch.compile(lambda t: t * 2 + 1, backend=backend)(torch.ones(3)).sum() == 9
+        assert len(graphs) == 1
+    finally:
+        torch.compiler.set_stance("default")  # for the tests after a failure here
 
 
 def test_logged_epsilon_equals_accountant_replay():
@@ -219,6 +255,19 @@ def test_ddp_two_processes_match_oracle_and_agree_on_epsilon():
         replay.step(noise_multiplier=1.1, sample_rate=Q)
     assert noised[0]["epsilon"] == pytest.approx(replay.get_epsilon(1e-5), rel=1e-6)
     assert os.environ.get("RANK") is None  # the workers' settings stayed in their processes
+
+
+@pytest.mark.distributed
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+def test_ddp_two_processes_compiled_trace_the_layers_and_match_the_oracle():
+    ranks = run_on_ranks(ddp_worker, 2, BOUND, 0.0, True, timeout=60.0)
+    clipped = [r["clipped"] for r in ranks]
+    batches = [[(x, y) for _, x, y in r["records"]] for r in clipped]
+    steps = [(clipped[0]["records"][k][0], [batches[0][k], batches[1][k]]) for k in range(len(batches[0]))]
+    assert len(steps) == round(1 / Q)
+    assert_updates_match_oracle(steps, clipped[0]["final"], Q * N)
+    for rank in ranks:
+        assert rank["tapped"] == [2] * (len(steps) - 1) and rank["breaks"] == 0
 
 
 # ---------------------------------------------------------------------------- the example

@@ -1,4 +1,5 @@
-"""scripts/benchmark_hf_trainer.py: the Trainer and the DPTrainer, eager and compiled, side by side."""
+"""scripts/benchmark_trainers.py: private and non-private training through the Hugging Face Trainer and
+Lightning, eager and compiled, side by side."""
 
 import pytest
 
@@ -9,7 +10,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)
 
 
 def test_ratios_are_medians_of_each_rounds_ratio():
-    module = load_script("benchmark_hf_trainer.py", "benchmark_hf_trainer")
+    module = load_script("benchmark_trainers.py", "benchmark_trainers")
 
     def round_of(ms):
         return {v: {"ms": t, "graphs": 0, "breaks": 0} for v, t in zip(module.VARIANTS, ms)}
@@ -22,9 +23,12 @@ def test_ratios_are_medians_of_each_rounds_ratio():
 
 
 @pytest.mark.slow
-def test_the_compiled_private_run_is_traced_without_breaks(capsys):
-    module = load_script("benchmark_hf_trainer.py", "benchmark_hf_trainer")
-    (run,) = module.main(["--layers", "1", "--hidden", "32", "--length", "16", "--vocab", "50", "--batch-size", "4",
+@pytest.mark.parametrize("framework", ["hf", "lightning"])
+def test_the_compiled_private_run_is_traced_without_breaks(capsys, framework):
+    if framework == "lightning":
+        pytest.importorskip("lightning")
+    module = load_script("benchmark_trainers.py", "benchmark_trainers")
+    (run,) = module.main(["--framework", framework, "--layers", "1", "--hidden", "32", "--length", "16", "--vocab", "50", "--batch-size", "4",
                           "--examples", "64", "--steps", "4", "--warmup", "2", "--rounds", "1", "--backend", "eager",
                           "--threads", "1"])
     assert set(run) == set(module.VARIANTS) and all(r["ms"] > 0 for r in run.values())

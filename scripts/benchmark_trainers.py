@@ -1,9 +1,15 @@
-"""Step time of the Hugging Face ``Trainer`` and of ``DPTrainer``, eager and with ``torch_compile=True``.
+"""Step time of private and non-private training through other software, eager and compiled.
 
-One Llama built from its config (no download) trains on random token blocks, four ways, in one
-process: the ``Trainer`` and the ``DPTrainer`` (σ = 1, C = 1, Poisson batches of expected size
-``--batch-size``), each eager and compiled (``--backend``). Each run takes ``--steps`` steps; its
-step time is the median wall time of the steps after ``--warmup`` (compiling happens there).
+One Llama built from its config (no download) trains on random token blocks (next-token loss),
+four ways, in one process, with the framework of ``--framework``:
+
+* ``hf``: the Hugging Face ``Trainer`` and the ``DPTrainer``, compiled with ``torch_compile=True``;
+* ``lightning``: a ``LightningModule`` fitted by a Lightning ``Trainer``, without and with
+  ``DPCallback``, compiled as ``trainer.fit(torch.compile(module))``;
+
+private runs with σ = 1, C = 1 and Poisson batches of expected size ``--batch-size``, compiled
+runs with ``--backend``. Each run takes ``--steps`` steps; its step time is the median wall time
+of the steps after ``--warmup`` (compiling happens there).
 ``--rounds`` repeats the four runs; the ratios are medians over rounds of each round's ratio:
 
 * ``x eager``: the compiled run's step over the same trainer's eager step;
@@ -11,7 +17,8 @@ step time is the median wall time of the steps after ``--warmup`` (compiling hap
 
 ``graphs`` and ``breaks``: what dynamo built for the run (:mod:`scripts.compile_stats`).
 
-    python scripts/benchmark_hf_trainer.py --threads 1
+    python scripts/benchmark_trainers.py --framework hf --threads 1
+    python scripts/benchmark_trainers.py --framework lightning --threads 1
 """
 
 import argparse
@@ -54,11 +61,21 @@ class Blocks(torch.utils.data.Dataset):
 
 def run(variant: str, args, out_dir: str) -> dict:
     """One training run; ``{"ms": median step ms, "graphs": ..., "breaks": ...}``."""
+    times = []
+    compiled, private = variant.endswith("compiled"), variant.startswith("private")
+    torch._dynamo.reset()
+    with counting() as stats, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train = _hf_run if args.framework == "hf" else _lightning_run
+        train(args, out_dir, private, compiled, times)
+    return {"ms": 1000 * statistics.median(times[args.warmup:]), "graphs": stats["graphs"],
+            "breaks": stats["graph_breaks"]}
+
+
+def _hf_run(args, out_dir: str, private: bool, compiled: bool, times: list) -> None:
     import transformers
 
     from opacus_dp.integrations.transformers import DPTrainer, PrivacyArguments
-
-    times = []
 
     class Clock(transformers.TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -67,23 +84,60 @@ def run(variant: str, args, out_dir: str) -> dict:
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.start)
 
-    compiled = variant.endswith("compiled")
     training = transformers.TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=args.batch_size, max_steps=args.steps, report_to=[],
         use_cpu=args.device == "cpu", save_strategy="no", disable_tqdm=True, logging_steps=10 ** 6, seed=0,
         torch_compile=compiled, torch_compile_backend=args.backend if compiled else None)
     common = dict(model=llama(args), args=training, train_dataset=Blocks(args.examples, args.length, args.vocab),
                   callbacks=[Clock()])
-    torch._dynamo.reset()
-    with counting() as stats, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if variant.startswith("private"):
-            privacy = PrivacyArguments(target_delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0)
-            DPTrainer(privacy_args=privacy, **common).train()
-        else:
-            transformers.Trainer(**common).train()
-    return {"ms": 1000 * statistics.median(times[args.warmup:]), "graphs": stats["graphs"],
-            "breaks": stats["graph_breaks"]}
+    if private:
+        privacy = PrivacyArguments(target_delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0)
+        DPTrainer(privacy_args=privacy, **common).train()
+    else:
+        transformers.Trainer(**common).train()
+
+
+def _lightning_run(args, out_dir: str, private: bool, compiled: bool, times: list) -> None:
+    import lightning.pytorch as pl
+
+    from opacus_dp.integrations.lightning import DPCallback, PrivateDataLoader
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, *a):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *a):
+            times.append(time.perf_counter() - self.start)
+
+    class CausalLM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = llama(args)
+
+        def forward(self, ids):
+            return self.net(input_ids=ids).logits
+
+        def training_step(self, batch, batch_idx):
+            ids = batch["input_ids"]
+            logits = self(ids)[:, :-1].float()
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=5e-5)
+
+        def train_dataloader(self):
+            loader = torch.utils.data.DataLoader(Blocks(args.examples, args.length, args.vocab),
+                                                 batch_size=args.batch_size)
+            return PrivateDataLoader(loader) if private else loader
+
+    callbacks = [Clock()]
+    if private:
+        callbacks.append(DPCallback(target_delta=1e-5, max_grad_norm=1.0, noise_multiplier=1.0))
+    module = CausalLM()
+    trainer = pl.Trainer(max_steps=args.steps, accelerator=args.device, devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=callbacks, default_root_dir=out_dir)
+    trainer.fit(torch.compile(module, backend=args.backend) if compiled else module)
 
 
 def report(rounds) -> str:
@@ -107,6 +161,7 @@ def report(rounds) -> str:
 def main(argv=None) -> list:
     """Run the benchmark (module doc), print the table and return the rounds (:func:`report`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--framework", choices=("hf", "lightning"), default="hf")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--length", type=int, default=64)
@@ -126,7 +181,7 @@ def main(argv=None) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         rounds = [{variant: run(variant, args, out_dir) for variant in VARIANTS} for _ in range(args.rounds)]
     table = report(rounds)
-    print(f"Llama {args.layers} layers, hidden {args.hidden}, T = {args.length}, B = {args.batch_size}, "
+    print(f"{args.framework}: Llama {args.layers} layers, hidden {args.hidden}, T = {args.length}, B = {args.batch_size}, "
           f"{args.threads} thread(s), backend {args.backend}, {args.device}")
     print(table)
     return rounds
