@@ -189,6 +189,8 @@ class DPCallback(pl.Callback):
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         """Remove the per-sample and check hooks once fitting ends (the model then runs as a plain module)."""
+        if self._taps is not None:
+            self._taps.after_step(completed=False)
         if self._checks is not None:
             self._checks.remove()
         if self._module is not None and hasattr(self._module, "close") and self._module is not trainer.model:

@@ -9,11 +9,11 @@ model's compiled call (:func:`~opacus_dp.grad_sample.traced_forward.begin_outsid
 batch standing for the inputs:
 
 * before ``training_step`` (``on_train_batch_start``): the taps of the batch's signature (its
-  tensors' shapes but the batch size, dtypes, devices); for a signature not learned yet, the
-  step runs eagerly (``torch.compiler.set_stance("force_eager")``) and its hooked calls are
+  tensors' shapes but the batch size, dtypes, devices; not its other values, such as strings);
+  for a signature not learned yet, the step runs eagerly (``torch.compiler.set_stance("force_eager")``) and its hooked calls are
   learned;
-* after it (``on_before_backward``; ``on_train_batch_end`` or ``on_exception`` when no backward
-  pass follows): the tapped calls are recorded as the hooks record them eagerly, and the
+* after it (``on_before_backward``; ``on_train_batch_end``, ``on_exception`` or ``teardown``
+  when no backward pass follows): the tapped calls are recorded as the hooks record them eagerly, and the
   compiler's stance is given back.
 
 A signature whose calls cannot be tapped keeps the hooks outside the graphs, as does a torch
@@ -23,6 +23,7 @@ without ``torch.compiler.set_stance`` (before 2.6).
 from typing import Optional
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from opacus_dp.grad_sample.traced_forward import begin_outside_forward, end_outside_forward
 from opacus_dp.grad_sample.traced_taps import LEARN
@@ -42,7 +43,7 @@ class CompiledStepTaps:
         if self._wrapper is None:
             return
         self.after_step(completed=False)  # a step left open (no backward pass followed)
-        args = (batch,)
+        args = tuple(leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor))
         plan = begin_outside_forward(self._wrapper, args, {})
         stance = torch.compiler.set_stance("force_eager") if plan == LEARN else None
         self._open = (plan, args, stance)

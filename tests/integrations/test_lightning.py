@@ -101,6 +101,33 @@ def test_a_compiled_module_traces_its_layers_and_matches_the_oracle(monkeypatch,
     assert_updates_match_oracle(steps, [p.detach() for p in module.net.parameters()], Q * N)
 
 
+class NamedExamples(CallsItsForward):
+    """Batches of dictionaries with each example's name (a list of strings) beside its tensors."""
+
+    def training_step(self, batch, batch_idx):
+        assert len(batch["name"]) == len(batch["y"])
+        return super().training_step((batch["x"], batch["y"]), batch_idx)
+
+    def train_dataloader(self):
+        examples = [{"x": self.x[i], "y": self.y[i], "name": f"example {i}"} for i in range(len(self.x))]
+        return PrivateDataLoader(torch.utils.data.DataLoader(examples, batch_size=self.batch_size))
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+def test_a_compiled_step_on_batches_with_strings_learns_once(monkeypatch):
+    """The batch's signature is that of its tensors: the examples' names, other in every batch, do
+    not make each step learn its calls again."""
+    from tests.compile.helpers import count_tapped_calls
+
+    tapped = count_tapped_calls(monkeypatch)
+    pl.seed_everything(0)
+    module = NamedExamples(*data())
+    fit(torch.compile(module, backend="eager"), [callback()])
+    steps = [(params, [(x, y)]) for params, x, y in module.records]
+    assert tapped == [2] * (len(steps) - 1)
+    assert_updates_match_oracle(steps, [p.detach() for p in module.net.parameters()], Q * N)
+
+
 class FailsAtStep(CallsItsForward):
     def __init__(self, *args, fail_at: int):
         super().__init__(*args)
