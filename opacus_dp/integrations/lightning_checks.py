@@ -10,8 +10,9 @@ enters modules:
   of the batched outputs (:func:`~opacus_dp.grad_sample.batch_independence_check.check_samples_alone`,
   batch on dimension 0 unless the module's ``batch_first`` says otherwise; buffers are restored).
   A checked module's hook is removed (no hook left to break a compiled graph). Parameter-free
-  submodules (losses, metrics whose ``forward`` updates their state) are not run again. Code of ``training_step`` itself, between modules, is not seen, as code outside
-  ``forward`` is not under ``make_private``.
+  submodules (losses, metrics whose ``forward`` updates their state) are not run again. Code of
+  ``training_step`` itself, between modules, is not seen, as code outside ``forward`` is not
+  under ``make_private``.
 * **buffers (every step).** No buffer of the LightningModule may be written between the start of a
   training batch and its backward pass (in ``training_step``, ``forward`` or a submodule), unless
   named in ``public_buffers`` (names of ``pl_module.named_buffers()``): its value would be

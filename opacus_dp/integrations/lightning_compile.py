@@ -10,11 +10,11 @@ batch standing for the inputs:
 
 * before ``training_step`` (``on_train_batch_start``): the taps of the batch's signature (its
   tensors' shapes but the batch size, dtypes, devices; not its other values, such as strings);
-  for a signature not learned yet, the step runs eagerly (``torch.compiler.set_stance("force_eager")``) and its hooked calls are
-  learned;
+  for a signature not learned yet, the step runs eagerly
+  (``torch.compiler.set_stance("force_eager")``) and its hooked calls are learned;
 * after it (``on_before_backward``; ``on_train_batch_end``, ``on_exception`` or ``teardown``
-  when no backward pass follows): the tapped calls are recorded as the hooks record them eagerly, and the
-  compiler's stance is given back.
+  when no backward pass follows): the tapped calls are recorded as the hooks record them
+  eagerly, and the compiler's stance is given back.
 
 A signature whose calls cannot be tapped keeps the hooks outside the graphs, as does a torch
 without ``torch.compiler.set_stance`` (before 2.6).
