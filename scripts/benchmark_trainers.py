@@ -1,7 +1,7 @@
 """Step time of private and non-private training through other software, eager and compiled.
 
-One Llama built from its config (no download) trains on random token blocks (next-token loss),
-four ways, in one process, with the framework of ``--framework``:
+One Llama or GPT-2 (``--model``) built from its config (no download) trains on random token
+blocks (next-token loss), four ways, in one process, with the framework of ``--framework``:
 
 * ``hf``: the Hugging Face ``Trainer`` and the ``DPTrainer``, compiled with ``torch_compile=True``;
 * ``lightning``: a ``LightningModule`` fitted by a Lightning ``Trainer``, without and with
@@ -38,10 +38,15 @@ from scripts.compile_stats import counting  # noqa: E402
 VARIANTS = ("non-private", "non-private compiled", "private", "private compiled")
 
 
-def llama(args):
+def causal_lm(args):
+    """The ``--model`` (a Llama or a GPT-2) built from its config, seeded."""
     import transformers
 
     torch.manual_seed(0)
+    if args.model == "gpt2":
+        config = transformers.GPT2Config(vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.layers, n_head=4,
+                                         n_positions=args.length, use_cache=False)
+        return transformers.GPT2LMHeadModel(config)
     config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
                                       num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
                                       max_position_embeddings=args.length, use_cache=False)
@@ -88,7 +93,7 @@ def _hf_run(args, out_dir: str, private: bool, compiled: bool, times: list) -> N
         output_dir=out_dir, per_device_train_batch_size=args.batch_size, max_steps=args.steps, report_to=[],
         use_cpu=args.device == "cpu", save_strategy="no", disable_tqdm=True, logging_steps=10 ** 6, seed=0,
         torch_compile=compiled, torch_compile_backend=args.backend if compiled else None)
-    common = dict(model=llama(args), args=training, train_dataset=Blocks(args.examples, args.length, args.vocab),
+    common = dict(model=causal_lm(args), args=training, train_dataset=Blocks(args.examples, args.length, args.vocab),
                   callbacks=[Clock()])
     if private:
         privacy = PrivacyArguments(target_delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0)
@@ -112,7 +117,7 @@ def _lightning_run(args, out_dir: str, private: bool, compiled: bool, times: lis
     class CausalLM(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = llama(args)
+            self.net = causal_lm(args)
 
         def forward(self, ids):
             return self.net(input_ids=ids).logits
@@ -162,6 +167,7 @@ def main(argv=None) -> list:
     """Run the benchmark (module doc), print the table and return the rounds (:func:`report`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--framework", choices=("hf", "lightning"), default="hf")
+    parser.add_argument("--model", choices=("llama", "gpt2"), default="llama")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--length", type=int, default=64)
@@ -181,7 +187,7 @@ def main(argv=None) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         rounds = [{variant: run(variant, args, out_dir) for variant in VARIANTS} for _ in range(args.rounds)]
     table = report(rounds)
-    print(f"{args.framework}: Llama {args.layers} layers, hidden {args.hidden}, T = {args.length}, B = {args.batch_size}, "
+    print(f"{args.framework}: {args.model} {args.layers} layers, hidden {args.hidden}, T = {args.length}, B = {args.batch_size}, "
           f"{args.threads} thread(s), backend {args.backend}, {args.device}")
     print(table)
     return rounds
