@@ -84,17 +84,22 @@ class DPCallback(pl.Callback):
         check_sample_independence: refuse a model whose samples mix, or that writes a buffer during
             a training step (:mod:`~opacus_dp.integrations.lightning_checks`); True as in ``make_private``.
         public_buffers: names (as in ``pl_module.named_buffers()``) of buffers that may be written.
+        log_epsilon_every_n_steps: log ε after every ``n``-th step (and the last step of each
+            epoch and of the run) instead of after every step: each value is one accountant
+            evaluation (tens of milliseconds with "prv"). Between, the logged value is the last one.
     """
 
     def __init__(self, *, target_delta: float, max_grad_norm: float, noise_multiplier: Optional[float] = None,
                  target_epsilon: Optional[float] = None, epochs: Optional[float] = None,
                  max_epsilon: Optional[float] = None, grad_sample_mode: str = "bk", accountant: str = "prv",
                  secure_mode: bool = False, noise_mechanism: str = "independent",
-                 check_sample_independence: bool = True, public_buffers: Sequence[str] = ()):
+                 check_sample_independence: bool = True, public_buffers: Sequence[str] = (),
+                 log_epsilon_every_n_steps: int = 1):
         _check_arguments(target_delta, noise_multiplier, target_epsilon, epochs, grad_sample_mode, noise_mechanism)
         self.max_epsilon = _checked_budget(target_epsilon if max_epsilon is None else max_epsilon)
         self.check_sample_independence, self.public_buffers = _checked_model_checks(check_sample_independence,
                                                                                     public_buffers)
+        self.log_epsilon_every_n_steps = _checked_log_steps(log_epsilon_every_n_steps)
         self.target_delta = float(target_delta)
         self.max_grad_norm = max_grad_norm
         self.noise_multiplier = noise_multiplier
@@ -171,8 +176,15 @@ class DPCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._taps.after_step(completed=False)  # no backward pass followed the step (no loss)
-        pl_module.log("epsilon", self.get_epsilon(), on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
         self._stop_if_budget_spent(trainer)
+        if self._epsilon_due(trainer):
+            pl_module.log("epsilon", self.get_epsilon(), on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+
+    def _epsilon_due(self, trainer: "pl.Trainer") -> bool:
+        """Whether ε is logged after this step: every ``log_epsilon_every_n_steps``-th step, the last
+        step of an epoch and the last of the run."""
+        last_of_run = trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
+        return trainer.global_step % self.log_epsilon_every_n_steps == 0 or trainer.is_last_batch or last_of_run
 
     def _stop_if_budget_spent(self, trainer: "pl.Trainer") -> None:
         """``trainer.should_stop`` if one more step would take ε above ``max_epsilon``."""
@@ -250,6 +262,12 @@ def _checked_model_checks(check_sample_independence, public_buffers):
         raise TypeError("DPCallback: public_buffers must be a list of buffer names (as in "
                         f"pl_module.named_buffers(), e.g. ['net.stats']), got {public_buffers!r}")
     return check_sample_independence, tuple(public_buffers)
+
+
+def _checked_log_steps(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"DPCallback: log_epsilon_every_n_steps must be an int >= 1, got {n!r}")
+    return n
 
 
 def _real(value) -> bool:

@@ -176,6 +176,35 @@ def test_logged_epsilon_equals_accountant_replay():
     assert dp.get_epsilon() == pytest.approx(expected[-1], rel=1e-12)
 
 
+def test_epsilon_every_n_steps_is_logged_at_those_steps_and_the_last_of_each_epoch():
+    """``log_epsilon_every_n_steps=3`` over 2 epochs of 4 steps: ε is logged after steps 3, 4
+    (an epoch's last), 6 and 8 (the run's last), each time the replayed ε of that step; between,
+    the last logged value stays."""
+    seen = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            value = trainer.callback_metrics.get("epsilon")
+            seen.append(None if value is None else float(value))
+
+    pl.seed_everything(0)
+    fit(Recorder(*data()), [callback(noise_multiplier=1.3, log_epsilon_every_n_steps=3), Watch()])
+    replay, expected, latest = create_accountant("rdp"), [], None
+    for step in range(1, 2 * round(1 / Q) + 1):
+        replay.step(noise_multiplier=1.3, sample_rate=Q)
+        if step in (3, 4, 6, 8):
+            latest = replay.get_epsilon(1e-5)
+        expected.append(latest)
+    assert seen[:2] == [None, None]
+    assert seen[2:] == pytest.approx(expected[2:], rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, None])
+def test_log_epsilon_every_n_steps_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="log_epsilon_every_n_steps"):
+        callback(log_epsilon_every_n_steps=bad)
+
+
 def test_target_epsilon_calibrates_sigma_within_budget():
     pl.seed_everything(0)
     dp = callback(noise_multiplier=None, target_epsilon=3.0, epochs=2)

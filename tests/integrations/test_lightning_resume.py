@@ -140,6 +140,19 @@ def test_training_stops_before_the_step_that_exceeds_max_epsilon(tmp_path):
     assert again.records == [] and again_dp.get_epsilon() == dp.get_epsilon() <= budget
 
 
+def test_the_step_that_stops_at_the_budget_logs_epsilon_whatever_the_logging_interval():
+    epsilons = replayed_epsilons(4)
+    seen = []
+
+    class Latest(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            value = trainer.callback_metrics.get("epsilon")
+            seen.append(None if value is None else float(value))
+
+    module, dp = run([Latest()], epochs=2, max_epsilon=(epsilons[2] + epsilons[3]) / 2, log_epsilon_every_n_steps=100)
+    assert seen[:2] == [None, None] and seen[2] == pytest.approx(epsilons[2], rel=1e-6) and len(seen) == 3
+
+
 def test_a_budget_below_one_step_trains_nothing():
     module, dp = run(epochs=1, max_epsilon=replayed_epsilons(1)[0] * 0.99)
     assert module.records == [] and dp.get_epsilon() == 0.0
