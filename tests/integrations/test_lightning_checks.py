@@ -110,6 +110,40 @@ def test_buffer_writes_are_refused_unless_public():
     assert len(trained(CountsInTrainingStep(), check_sample_independence=False).records) == STEPS
 
 
+class CountsAfterTwoBatches(Recorder):
+    """Writes a buffer from its third batch on: in a compiled run, in a step traced into a graph
+    (the first step runs eagerly, to learn the hooked calls)."""
+
+    def __init__(self):
+        super().__init__(*data())
+        self.register_buffer("batches_seen", torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx >= 2:
+            self.batches_seen += 1
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_checks_hold_for_a_compiled_module(backend, monkeypatch):
+    from tests.compile.helpers import count_tapped_calls
+
+    def compiled_fit(module):
+        pl.seed_everything(0)
+        fit(torch.compile(module, backend=backend), [callback()])
+
+    with pytest.raises(ModelMixesSamplesError, match=r"submodule 'net': 1 \(Centre\)"):
+        compiled_fit(with_layer(Centre()))
+    with pytest.raises(ModelMixesSamplesError, match="LightningModule's forward"):
+        compiled_fit(OwnForward(mix=True))
+    module, tapped = CountsAfterTwoBatches(), count_tapped_calls(monkeypatch)
+    with pytest.raises(BufferWrittenError, match="'batches_seen'"):
+        compiled_fit(module)
+    assert len(module.records) == 3  # refused in the third step, before its backward pass
+    assert tapped == [2, 2]  # the second and third steps ran tapped (compiled)
+
+
 def test_checks_leave_training_unchanged():
     checked, unchecked = trained(OwnForward(mix=False)), trained(OwnForward(mix=False), check_sample_independence=False)
     for a, b in zip(checked.parameters(), unchecked.parameters()):
