@@ -2,6 +2,7 @@
 the per-example clipping oracle, and the 2-process worker (spawned by tests/distributed/spawn.py)."""
 
 import os
+import tempfile
 import warnings
 
 import lightning.pytorch as pl
@@ -47,8 +48,11 @@ class Recorder(pl.LightningModule):
 
 
 def trainer(callbacks, epochs: int = 2, **options) -> pl.Trainer:
+    """A CPU Trainer; its default checkpoints (``enable_checkpointing=True`` without a directory) go
+    to a temporary directory, not the working directory."""
     settings = dict(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                    default_root_dir=tempfile.mkdtemp(prefix="opacus_dp_lightning_"))
     settings.update(options)
     return pl.Trainer(callbacks=callbacks, **settings)
 
