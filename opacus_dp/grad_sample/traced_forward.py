@@ -30,17 +30,13 @@ def tapped_forward(wrapper, args, kwargs):
     if plan == UNTAPPED and fullgraph:
         taps.end()
         raise _untapped_fullgraph_error()
-    if plan == IDLE and wrapper.skips_weight_grads and torch.is_grad_enabled():
-        _excuse_weight_grads(wrapper)  # hooks disabled: ordinary gradients, as eagerly
+    _excuse_if_idle(wrapper, plan)
     if call is None or torch.compiler.is_compiling():
         output = wrapper._module(*args, **kwargs)
     else:  # the wrapped model's call compiled (wrapper.compile()), the model-level checks eager
         model, broadcast = wrapper._module, wrapper._broadcast
         output = wrapper._model_checks.around(model, lambda *a, **k: broadcast.around(model, call, a, k), args, kwargs)
-    if plan == TAPPED:
-        _record_traced_calls(wrapper, wrapper._taps.finish())
-    else:
-        wrapper._taps.end()
+    _close(wrapper, plan, completed=True)
     return output
 
 
@@ -57,8 +53,7 @@ def begin_outside_forward(wrapper, args, kwargs) -> str:
         wrapper._taps.begin_learning()
     if plan == TAPPED:  # no broadcast call to size: the model's broadcast hooks do nothing (traced away)
         wrapper._broadcast.begin_compiled_call()
-    if plan == IDLE and wrapper.skips_weight_grads and torch.is_grad_enabled():
-        _excuse_weight_grads(wrapper)
+    _excuse_if_idle(wrapper, plan)
     return plan
 
 
@@ -67,14 +62,26 @@ def end_outside_forward(wrapper, plan: str, args, kwargs, completed: bool) -> No
     """After the forward of :func:`begin_outside_forward`, before its backward pass: the layout
     learned (``LEARN``) or the tapped calls recorded (``TAPPED``), as after the wrapper's own
     forward. ``completed=False`` (the forward failed or gave no loss) keeps neither."""
-    taps = wrapper._taps
     wrapper._broadcast.end_compiled_call()
     if plan == LEARN:
-        taps.end_learning(args, kwargs, completed)
-    elif plan == TAPPED and completed:
-        _record_traced_calls(wrapper, taps.finish())
+        wrapper._taps.end_learning(args, kwargs, completed)
     else:
-        taps.end()
+        _close(wrapper, plan, completed)
+
+
+def _excuse_if_idle(wrapper, plan: str) -> None:
+    """A forward with the hooks disabled: ordinary weight gradients, as eagerly."""
+    if plan == IDLE and wrapper.skips_weight_grads and torch.is_grad_enabled():
+        _excuse_weight_grads(wrapper)
+
+
+def _close(wrapper, plan: str, completed: bool) -> None:
+    """After a forward that did not learn: its tapped calls recorded (a completed ``TAPPED``
+    forward), else the taps dropped."""
+    if plan == TAPPED and completed:
+        _record_traced_calls(wrapper, wrapper._taps.finish())
+    else:
+        wrapper._taps.end()
 
 
 def _untapped_fullgraph_error() -> ValueError:
