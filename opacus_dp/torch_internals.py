@@ -97,3 +97,15 @@ def compiled_fullgraph(compiled: Callable) -> bool:
     cells = dict(zip(code.co_freevars, compiled.__closure__ or ())) if code is not None else {}
     context = cells["self"].cell_contents if "self" in cells else None
     return bool(getattr(context, "fullgraph", False))
+
+
+def dynamo_compiling() -> bool:
+    """Whether dynamo is compiling in this thread: tracing (``torch.compiler.is_compiling``), or
+    its backend or guard building at work (``torch._guards.CompileContext.try_get()``, set for the
+    whole compilation of a frame). Python code that runs meanwhile (a garbage collector's
+    finalizer) must not change what the guards being built read, such as the global module hooks."""
+    if torch.compiler.is_compiling():
+        return True
+    guards = sys.modules.get("torch._guards")  # nothing compiles before dynamo is loaded
+    context = getattr(guards, "CompileContext", None)
+    return context is not None and context.try_get() is not None

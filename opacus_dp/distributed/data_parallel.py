@@ -22,7 +22,10 @@ pre-hook takes over ``replicate`` on every ``DataParallel`` *instance* that is c
 or after the privacy engine) and records ``replica submodule -> chunk index`` in a weak
 side table. When the last GradSampleModule is closed the hook and every instance
 attribute are removed (an instance is also given back when a GradSampleModule inside
-or around it is closed).
+or around it is closed). A GradSampleModule collected while dynamo compiles other code (the
+garbage collector runs wherever Python allocates) leaves the hook in place until the next module
+call outside the compilation: dynamo builds guards on the global hooks it saw when tracing, and
+fails on one removed meanwhile.
 
 Refused, with a clear error: a replica that was not made by a taken-over ``replicate``
 (another replication scheme), and layers using the generic ``torch.func`` fallback
@@ -43,13 +46,14 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DataParallel
 
 from opacus_dp.module_parameters import has_trainable_parameters
-from opacus_dp.torch_internals import fullgraph_original
+from opacus_dp.torch_internals import dynamo_compiling, fullgraph_original
 
 _CHUNK_OF: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 _TAKEN_OVER: "weakref.WeakSet[DataParallel]" = weakref.WeakSet()
 _OWNERS: "weakref.WeakKeyDictionary[object, weakref.finalize]" = weakref.WeakKeyDictionary()
 _LOCK = threading.RLock()
 _CALL_HOOK = None
+_REMOVAL_PENDING = False  # the last owner went while dynamo compiled (_drop_owner)
 
 
 def _take_over_replicate(data_parallel: DataParallel) -> None:
@@ -68,6 +72,9 @@ def _take_over_replicate(data_parallel: DataParallel) -> None:
 
 
 def _on_module_call(module: nn.Module, args) -> None:
+    if _REMOVAL_PENDING and not dynamo_compiling():
+        _drop_owner()
+        return
     if isinstance(module, DataParallel) and module not in _TAKEN_OVER:
         with _LOCK:
             if module not in _TAKEN_OVER:
@@ -87,8 +94,9 @@ def acquire(owner: object) -> None:
     Undone by :func:`release` or, at the latest, when ``owner`` is garbage collected (only
     weakly referenced here).
     """
-    global _CALL_HOOK
+    global _CALL_HOOK, _REMOVAL_PENDING
     with _LOCK:
+        _REMOVAL_PENDING = False
         if owner in _OWNERS:
             return
         if _CALL_HOOK is None:
@@ -129,9 +137,15 @@ def _give_back(data_parallel: DataParallel) -> None:
 
 
 def _drop_owner() -> None:
-    global _CALL_HOOK
+    """After an owner went: without owners left, remove the call hook and give every instance
+    back, unless dynamo is compiling (then at the next module call outside it: module doc)."""
+    global _CALL_HOOK, _REMOVAL_PENDING
     with _LOCK:
+        _REMOVAL_PENDING = False
         if any(f.alive for f in _OWNERS.values()) or _CALL_HOOK is None:
+            return
+        if dynamo_compiling():
+            _REMOVAL_PENDING = True
             return
         _CALL_HOOK.remove()
         _CALL_HOOK = None

@@ -114,3 +114,16 @@ def test_a_compiled_function_tells_its_fullgraph():
     assert internals.compiled_fullgraph(model._compiled_call_impl) is False
     assert internals.compiled_fullgraph(torch.compile(lambda x: x + 1, backend="eager", fullgraph=True)) is True
     assert internals.compiled_fullgraph(model.forward) is False and internals.compiled_fullgraph(len) is False
+
+
+def test_dynamo_compiling_holds_for_the_whole_compilation_of_a_frame():
+    """True in dynamo's backend (after tracing, before the guards are built), False outside."""
+    seen = []
+
+    def backend(graph_module, example_inputs):
+        seen.append(internals.dynamo_compiling())
+        return graph_module.forward
+
+    assert not internals.dynamo_compiling()
+    torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))
+    assert seen == [True] and not internals.dynamo_compiling()
