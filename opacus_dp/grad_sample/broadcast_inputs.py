@@ -175,6 +175,21 @@ class BroadcastInputs(EagerAroundCompiledCall):
             return state.last_size
         return None
 
+    def expand_for_tap(self, layer: nn.Module, args, kwargs, target):
+        """A call of a tapped (compiled) forward whose tensor arguments all have one row on the
+        batch dimension, expanded to its tap's ``target`` rows (new ``(args, kwargs)``); None for
+        any other call. The eager rule of :meth:`_layer_starts`, the batch size given by the tap."""
+        if isinstance(layer, nn.EmbeddingBag):
+            return None
+        tensors = _tensors(args, kwargs)
+        if not tensors:
+            return None
+        batch_dim = input_batch_dim(layer, self.batch_first, tensors[0])
+        sizes = [t.shape[batch_dim] for t in tensors if t.dim() > batch_dim]
+        if not sizes or any(size != 1 for size in sizes) or target == 1:
+            return None
+        return expanded(args, kwargs, batch_dim, target)
+
     def _layer_starts(self, master, layer, args, kwargs):
         """Expand a broadcast call (returns new ``(args, kwargs)``), note the size of another.
         The common call (a batch) costs the size check only; the recording checks come after."""

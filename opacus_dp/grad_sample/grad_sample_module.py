@@ -212,7 +212,7 @@ class GradSampleModule(GradSampleModuleAPI, nn.Module):
             broadcast = self._broadcast.attach_to_layer(sub)
             first = not (is_fsdp_module(sub) and self._sampler_for(sub) is None)  # see own_forward.py
             capture = sub.register_forward_hook(hook, with_kwargs=True, prepend=first)
-            self._traced[broadcast.id] = self._taps.passive
+            self._traced[broadcast.id] = self._taps.traced_pre_hook(path, self._broadcast.expand_for_tap)
             self._traced[capture.id] = self._taps.traced_hook(path, sub)
             self._handles.extend([broadcast, capture])
             _HOOKED_BY[sub] = self._attached.token

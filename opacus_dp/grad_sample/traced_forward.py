@@ -86,9 +86,9 @@ def _close(wrapper, plan: str, completed: bool) -> None:
 
 def _untapped_fullgraph_error() -> ValueError:
     return ValueError(
-        "compiled with fullgraph=True, but this forward's hooked calls cannot be traced into the graph (a layer "
-        "called on one sample broadcast over the batch, a call with several outputs, nn.DataParallel or FSDP2 "
-        "inside the model, more than 8 input signatures: see docs/compile.md); compile without fullgraph=True "
+        "compiled with fullgraph=True, but this forward's hooked calls cannot be traced into the graph (a call "
+        "with several outputs, in ghost/bk a layer of its own type with buffers, nn.DataParallel or FSDP2 inside "
+        "the model, more than 8 input signatures: see docs/compile.md); compile without fullgraph=True "
         "(private_model.compile(...)): the hooks then run outside the graph")
 
 

@@ -22,9 +22,11 @@ eagerly as a whole. Traced taps keep the hooked calls in the graph:
 The taps need the calls' output shapes before the graph runs. The first forward of each input
 signature (:func:`input_signature`: the inputs' shapes but their batch size, dtypes, devices, the
 other arguments) runs eagerly and learns them (:class:`CallLayout`); later forwards of the
-signature substitute their batch size. A signature with a call that cannot be tapped (a
-``DataParallel`` replica's call, several outputs, a broadcast call, a layer without a detached
-forward where weight gradients are skipped) keeps the hooks outside the graph, as before; so do
+signature substitute their batch size. A layer called on one sample broadcast over the batch
+(:mod:`~opacus_dp.grad_sample.broadcast_inputs`) is expanded to its tap's batch size by its traced
+pre-hook (:meth:`TracedTaps.traced_pre_hook`), as the eager pre-hook expands it. A signature with a
+call that cannot be tapped (a ``DataParallel`` replica's call, several outputs, a layer without a
+detached forward where weight gradients are skipped) keeps the hooks outside the graph, as before; so do
 the signatures past :data:`MAX_SIGNATURES`. A traced call that does not match its layout (an
 output shape that depends on more than the batch size) falls back to the eager hook.
 """
@@ -112,12 +114,6 @@ def input_signature(args, kwargs, batch_dim: int) -> Tuple[tuple, Optional[int]]
     return tuple(parts), batch
 
 
-def _broadcast(args) -> bool:
-    """An argument expanded over the batch (stride 0 on dimension 0 or 1): a broadcast call."""
-    return any(isinstance(a, torch.Tensor) and a.dim() > 1 and 0 in a.stride()[:2] and a.numel() > 1
-               for a in args)
-
-
 def _values(args) -> tuple:
     """``args`` with each tensor cloned: the values the call used, which code after it in the
     graph may change in place (eagerly, the hooks refuse that; here the graph keeps both).
@@ -139,6 +135,7 @@ class TracedTaps:
         self._key = next(_KEYS)
         weakref.finalize(self, _RUNNING.pop, self._key, None)
         self.used: Dict[str, int] = {}  # how many of them its calls took
+        self.batch_dims: Dict[str, List[int]] = {}  # of the running forward's taps, by layer path
         self.idle = False  # the running forward records nothing (hooks disabled, no grad)
         self.records: List[tuple] = []
         self.last_call: Optional[tuple] = None  # (path, tap) of the traced forward's latest tapped call
@@ -179,8 +176,10 @@ class TracedTaps:
         if layouts is None:
             return UNTAPPED
         current: Dict[str, List[torch.Tensor]] = {}
+        self.batch_dims = {}
         for layout in layouts:
             current.setdefault(layout.path, []).append(layout.tap(batch, self._zeros))
+            self.batch_dims.setdefault(layout.path, []).append(layout.batch_dim)
         self.current = current
         self.on_tapped()
         return TAPPED
@@ -227,7 +226,7 @@ class TracedTaps:
         if self._learned is None:
             return
         forward = detached_forward(master)
-        tappable = (layer is master and len(outputs) == 1 and hooked == [0] and not _broadcast(args)
+        tappable = (layer is master and len(outputs) == 1 and hooked == [0]
                     and (not self.skips_weight_grads or (forward is not None and len(args) == 1 and not kwargs)))
         if not tappable:
             self._learned.append(None)
@@ -265,6 +264,24 @@ class TracedTaps:
         def traced(eager):
             def hook(layer, args, kwargs, output):
                 return self.traced_call(path, master, args, kwargs, output, eager, (layer, args, kwargs, output))
+            return hook
+        return traced
+
+    def traced_pre_hook(self, path: str, expand: Callable) -> Callable[[Callable], Callable]:
+        """What dynamo traces of the broadcast pre-hook of the layer at ``path``, given the disabled
+        eager hook: in a tapped forward, a call on one sample expanded to its tap's batch size by
+        ``expand(layer, args, kwargs, size)`` (the eager expansion's rule), so that the call and
+        its tap match; without grad or recording nothing; in a forward not tapped the eager hook."""
+        def traced(eager):
+            def hook(layer, args, kwargs):
+                if self.idle or not torch.is_grad_enabled():
+                    return None
+                if self.current is None:
+                    return eager(layer, args, kwargs)
+                taps, used = self.current.get(path), self.used.get(path, 0)
+                if taps is None or used >= len(taps):
+                    return None
+                return expand(layer, args, kwargs, taps[used].shape[self.batch_dims[path][used]])
             return hook
         return traced
 

@@ -65,7 +65,29 @@ def sequential_cnn() -> nn.Module:
                          nn.ReLU(), nn.Flatten(), nn.Linear(16, 3))
 
 
-MODELS = {"mlp": mlp, "cnn": CNN, "block": Block, "sequential_cnn": sequential_cnn}
+class OffsetScale(nn.Module):
+    """A layer type of its own (per-sample gradients by ``torch.func``) with a buffer."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+        self.register_buffer("offset", torch.full((width,), 0.1))
+
+    def forward(self, x):
+        return self.weight * x + self.offset
+
+
+def block_with_buffer() -> nn.Module:
+    """The Block with its LayerNorm replaced by an :class:`OffsetScale`, which the modes that skip
+    autograd's weight gradients (ghost, bk) cannot tap (no detached forward for a layer of its
+    own type with buffers)."""
+    block = Block()
+    block.norm = OffsetScale(block.norm.normalized_shape[0])
+    return block
+
+
+MODELS = {"mlp": mlp, "cnn": CNN, "block": Block, "block_with_buffer": block_with_buffer,
+          "sequential_cnn": sequential_cnn}
 
 
 def build(name: str) -> nn.Module:

@@ -59,3 +59,20 @@ def test_inductor_with_new_batch_sizes_trains_as_eager(monkeypatch):
     steps(private, optimizer, criterion, "sequential_cnn", sizes=SIZES)
     assert tapped == [SEQUENTIAL_CALLS] * (len(SIZES) - 1)
     assert_same_training([p.detach() for p in model.parameters()], expected, initial("sequential_cnn"))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_call_broadcast_over_the_batch_does_not_compile_the_model_again(monkeypatch, mode):
+    """The Block's position embedding (one row broadcast over the batch) is expanded to its tap's
+    batch size inside the graph: that size is dynamic too."""
+    tapped = count_tapped_calls(monkeypatch)
+    expected_graphs = graphs_without_privacy("block")
+    expected = eager_training("block", mode, sizes=SIZES)
+    graphs, backend = recording_backend()
+    model = build("block")
+    private, optimizer, criterion = make_private(model, mode, "block")
+    private.compile(backend=backend)
+    steps(private, optimizer, criterion, "block", sizes=SIZES)
+    assert len([g for g in graphs if "embedding(" in g]) == expected_graphs == 2
+    assert tapped == [6] * (len(SIZES) - 1)  # two embeddings, LayerNorm and three Linear layers
+    assert_same_training([p.detach() for p in model.parameters()], expected, initial("block"))

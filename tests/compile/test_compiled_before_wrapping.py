@@ -62,15 +62,16 @@ def test_a_model_compiled_in_place_after_make_private_trains_as_eager(mode):
 
 
 def test_fullgraph_refuses_untappable_calls_before_the_step():
-    model = build("block")
+    """In bk a layer of its own type with a buffer cannot be tapped (tests.compile.helpers)."""
+    model = build("block_with_buffer")
     model.compile(backend="eager", fullgraph=True)
-    private, optimizer, criterion = make_private(model, "bk", "block")
+    private, optimizer, criterion = make_private(model, "bk", "block_with_buffer")
     start = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="fullgraph=True.*cannot be traced into the graph.*without fullgraph"):
-        private(batch("block", 8)[0])
+        private(batch("block_with_buffer", 8)[0])
     assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
     private.compile(backend="eager")  # the way out
-    steps(private, optimizer, criterion, "block", sizes=(8,))
+    steps(private, optimizer, criterion, "block_with_buffer", sizes=(8,))
     assert any(not torch.equal(a, b) for a, b in zip(start, model.parameters()))
 
 

@@ -38,19 +38,24 @@ def test_a_compiled_model_is_wrapped_uncompiled_and_the_wrapper_compiled_alike(m
 @pytest.mark.parametrize("mode", ["hooks", "bk"])
 def test_what_dynamo_compiles_around_hooked_layers(mode):
     """docs/compile.md: once the first forward has learned the calls (traced_taps), nn.Sequential's
-    loop is one graph with both hooked Linear layers and the ReLU between them; a forward with a
-    call that cannot be tapped (the Block's position embedding, broadcast over the batch) keeps
+    loop is one graph with both hooked Linear layers and the ReLU between them, and the Block's
+    layers (its position embedding broadcast over the batch too) are in one graph with its softmax;
+    a forward with a call that cannot be tapped (bk: a layer of its own type with a buffer) keeps
     the hooks outside the graph, and the code between hooked calls is compiled (the softmax)."""
     graphs = {}
-    for name in ("block", "mlp"):
+    names = ("block", "mlp") + (("block_with_buffer",) if mode == "bk" else ())
+    for name in names:
         recorder = Recorder()
         private, optimizer, criterion = make_private(build(name), mode, name)
         private.compile(backend=recorder)
         steps(private, optimizer, criterion, name, sizes=(8, 8))
         graphs[name] = recorder.graphs
-    assert any("softmax" in code for code in graphs["block"])
-    assert not any("softmax" in code and "linear(" in code for code in graphs["block"])  # hooks outside
+    assert any("softmax" in code and code.count("linear(") >= 3 and code.count("embedding(") >= 2
+               for code in graphs["block"])
     assert any("relu" in code and code.count("linear(") >= 2 for code in graphs["mlp"])
+    if mode == "bk":
+        assert any("softmax" in code for code in graphs["block_with_buffer"])
+        assert not any("softmax" in code and "linear(" in code for code in graphs["block_with_buffer"])  # hooks outside
 
 
 def test_fullgraph_around_the_wrapper_is_refused_naming_the_way_out():

@@ -48,32 +48,46 @@ def test_the_compiled_forward_is_one_graph_with_its_hooked_layers_and_no_break(m
     assert_one_mlp_graph_without_breaks(graphs)
 
 
-def test_the_compiled_call_without_fullgraph_keeps_broadcast_calls_outside_and_trains_as_eager():
-    """The Block's position embedding (one sample broadcast over the batch) is not tapped: its hooks,
-    and the wrapper's own hooks on the model that size such calls, run outside the graph."""
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_call_broadcast_over_the_batch_compiles_into_one_graph_and_trains_as_eager(mode):
+    """The Block's position embedding (one sample broadcast over the batch) is tapped, expanded to
+    the batch inside the graph: fullgraph=True holds, and training is the eager training."""
+    graphs, backend = recording_backend()
+
+    def in_place(private):
+        private.compile(backend=backend, fullgraph=True)
+        return private
+
+    assert_same_training(train("block", mode, after=in_place), eager_training("block", mode), initial("block"))
+    assert graphs and all("embedding(" in code for code in graphs)
+
+
+def test_the_compiled_call_without_fullgraph_keeps_untappable_calls_outside_and_trains_as_eager():
+    """In bk a layer of its own type with a buffer is not tapped: its hooks, and the wrapper's own
+    hooks on the model, run outside the graph."""
     def in_place(private):
         private.compile(backend="eager")
         return private
 
-    for mode in ("hooks", "bk"):
-        assert_same_training(train("block", mode, after=in_place), eager_training("block", mode), initial("block"))
+    assert_same_training(train("block_with_buffer", "bk", after=in_place), eager_training("block_with_buffer", "bk"),
+                         initial("block_with_buffer"))
 
 
 @pytest.mark.parametrize("way", ["in place", "passed compiled"])
 def test_untappable_calls_under_fullgraph_are_refused_before_the_step(way):
-    model = build("block")
+    model = build("block_with_buffer")
     if way == "in place":
-        private, optimizer, criterion = make_private(model, "bk", "block")
+        private, optimizer, criterion = make_private(model, "bk", "block_with_buffer")
         private.compile(backend="eager", fullgraph=True)
     else:
-        private, optimizer, criterion = make_private(model, "bk", "block", passed_fullgraph(model))
+        private, optimizer, criterion = make_private(model, "bk", "block_with_buffer", passed_fullgraph(model))
     start = [p.detach().clone() for p in model.parameters()]
-    x, y = batch("block", 8)
+    x, y = batch("block_with_buffer", 8)
     with pytest.raises(ValueError, match="fullgraph=True.*cannot be traced into the graph.*without fullgraph"):
         private(x)
     assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
     private.compile(backend="eager")  # the way out: the same model trains
-    steps(private, optimizer, criterion, "block", sizes=(8,))
+    steps(private, optimizer, criterion, "block_with_buffer", sizes=(8,))
     assert any(not torch.equal(a, b) for a, b in zip(start, model.parameters()))
 
 

@@ -66,15 +66,30 @@ def test_the_batch_size_is_not_part_of_what_is_learned():
     assert [layout.path for layout in layouts] == ["0", "3", "6"]
 
 
+BLOCK_CALLS = 6  # the Block's two embeddings, LayerNorm and three Linear layers
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost", "bk"])
+@pytest.mark.parametrize("sizes", [(8, 6, 8, 1), (1, 6, 8)], ids=["learned on a batch", "learned on one sample"])
+def test_a_call_on_one_sample_broadcast_over_the_batch_is_tapped(mode, sizes, tapped):
+    """The Block's position embedding is called on one row, broadcast over the batch: its traced
+    pre-hook expands the call to its tap's batch size, as the eager pre-hook does, also where the
+    forward that learned the calls had one sample (nothing expanded then)."""
+    expected = eager_training("block", mode, sizes=sizes)
+    assert_same_training(train("block", mode, after=compile_after("aot_eager"), sizes=sizes), expected,
+                         initial("block"))
+    assert tapped == [BLOCK_CALLS] * (len(sizes) - 1)
+
+
 def test_a_forward_with_a_call_that_cannot_be_tapped_keeps_its_hooks_outside(tapped):
-    """The Block's position embedding is called on one row, broadcast over the batch."""
-    expected = eager_training("block", "bk")
-    model = build("block")
-    private, optimizer, criterion = make_private(model, "bk", "block")
+    """In bk a layer of its own type with a buffer has no detached forward: the forward is not tapped."""
+    expected = eager_training("block_with_buffer", "bk")
+    model = build("block_with_buffer")
+    private, optimizer, criterion = make_private(model, "bk", "block_with_buffer")
     private.compile(backend="eager")
-    steps(private, optimizer, criterion, "block")
+    steps(private, optimizer, criterion, "block_with_buffer")
     assert list(private._taps.layouts.values()) == [None] and tapped == []
-    assert_same_training([p.detach() for p in model.parameters()], expected, initial("block"))
+    assert_same_training([p.detach() for p in model.parameters()], expected, initial("block_with_buffer"))
 
 
 @pytest.mark.parametrize("mode", ["hooks", "bk"])

@@ -51,8 +51,8 @@ def tiny_model(seed: int = 0):
 
 
 def tiny_llama(seed: int = 0):
-    """A Llama: rotary positions, no position embedding, so every hooked call is traced into the
-    compiled graphs (GPT-2's position embedding is called on one row broadcast over the batch)."""
+    """A Llama: rotary positions, no position embedding (GPT-2, :func:`tiny_model`, embeds
+    positions, called on one row broadcast over the batch)."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,

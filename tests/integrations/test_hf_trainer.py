@@ -96,8 +96,7 @@ def test_no_noise_with_clipping_equals_per_sample_oracle(tmp_path, mode, physica
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
 def test_torch_compile_equals_per_sample_oracle(tmp_path):
     """``torch_compile=True``: the private step and the causal-LM loss (labels shifted) are those
-    of eager training. GPT-2's position embedding is called on one row broadcast over the batch,
-    so its hooks run outside the graphs (``docs/compile.md``)."""
+    of eager training (GPT-2)."""
     clip = 0.05
     trainer, batches = private_run(tmp_path, PrivacyArguments(
         target_delta=1e-5, noise_multiplier=0.0, max_grad_norm=clip), torch_compile=True,
@@ -105,23 +104,31 @@ def test_torch_compile_equals_per_sample_oracle(tmp_path):
     assert_per_sample_oracle(trainer.model, batches, clip, L)
 
 
+# Hooked calls of one forward: Llama's embedding, 4 attention and 3 MLP projections, 3 RMS norms and
+# head; GPT-2's token and position embeddings, 4 projections (Conv1D), 3 LayerNorms and head.
+HOOKED_CALLS = {"llama": (tiny_llama, 12), "gpt2": (tiny_model, 10)}
+
+
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
-@pytest.mark.parametrize("mode, backend", [("bk", "eager"), ("ghost", "aot_eager")])
-def test_torch_compile_traces_the_hooked_layers_into_the_model_graphs(tmp_path, monkeypatch, mode, backend):
+@pytest.mark.parametrize("mode, backend, model_name", [("bk", "eager", "llama"), ("ghost", "aot_eager", "llama"),
+                                                       ("bk", "aot_eager", "gpt2")])
+def test_torch_compile_traces_the_hooked_layers_into_the_model_graphs(tmp_path, monkeypatch, mode, backend,
+                                                                      model_name):
     """The training forwards are the private model's, compiled (``private.compile()`` with the
-    Trainer's settings): every hooked call is tapped into the model's graphs, dynamo builds as
-    many graphs over the pieces of changing sizes as for the model without privacy, without a
-    graph break, and the step is the per-example oracle's (``ghost`` under AOT autograd: one
-    book-keeping pass)."""
+    Trainer's settings): every hooked call is tapped into the model's graphs (GPT-2's position
+    embedding, called on one row broadcast over the batch, too), dynamo builds as many graphs over
+    the pieces of changing sizes as for the model without privacy, without a graph break, and the
+    step is the per-example oracle's (``ghost`` under AOT autograd: one book-keeping pass)."""
     from torch._dynamo.utils import counters
 
     from tests.compile.helpers import count_tapped_calls, recording_backend
 
     recording_backend()  # clears dynamo's caches and counters
     tapped = count_tapped_calls(monkeypatch)
+    build, hooked = HOOKED_CALLS[model_name]
     clip = 0.05
     trainer, batches = private_run(tmp_path, PrivacyArguments(
-        target_delta=1e-5, noise_multiplier=0.0, max_grad_norm=clip, grad_sample_mode=mode), model=tiny_llama(),
+        target_delta=1e-5, noise_multiplier=0.0, max_grad_norm=clip, grad_sample_mode=mode), model=build(),
         torch_compile=True, torch_compile_backend=backend)
     private_graphs = counters["stats"]["unique_graphs"]
     assert sum(counters["graph_break"].values()) == 0
@@ -129,14 +136,13 @@ def test_torch_compile_traces_the_hooked_layers_into_the_model_graphs(tmp_path, 
     pieces_run = [p["input_ids"] for b in batches + [[0]] * empty
                   for p in pieces({"input_ids": TokenBlocks().ids[b]}, PHYSICAL)]
     assert len({len(p) for p in pieces_run}) > 2, "the pieces' sizes did not change"
-    hooked = 12  # the embedding, 4 attention and 3 MLP projections, 3 RMS norms, the head
     assert len(tapped) == len(pieces_run) - 1 and set(tapped) == {hooked}  # the first piece learns the calls
     graphs, backend = recording_backend()
-    plain = torch.compile(tiny_llama(), backend=backend)
+    plain = torch.compile(build(), backend=backend)
     for ids in pieces_run:
         plain(input_ids=ids).logits.sum().backward()
     assert private_graphs == len(graphs)
-    assert_per_sample_oracle(trainer.model, batches, clip, L, build=tiny_llama)
+    assert_per_sample_oracle(trainer.model, batches, clip, L, build=build)
 
 
 def assert_per_sample_oracle(trained, batches, clip: float, logical: int, build=tiny_model) -> None:

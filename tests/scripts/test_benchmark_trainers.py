@@ -23,10 +23,11 @@ def test_ratios_are_medians_of_each_rounds_ratio():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("framework, model", [("hf", "llama"), ("lightning", "llama"), ("hf", "gpt2")])
+@pytest.mark.parametrize("framework, model", [("hf", "llama"), ("lightning", "llama"), ("hf", "gpt2"),
+                                              ("lightning", "gpt2")])
 def test_the_compiled_private_run_is_traced(capsys, framework, model):
-    """A Llama's hooked layers are all traced into the graphs (no break); GPT-2's position
-    embedding is called on one row broadcast over the batch, so its hooks run outside them."""
+    """The hooked layers are all traced into the graphs: privacy adds no graph break, also to
+    GPT-2, whose position embedding is called on one row broadcast over the batch."""
     if framework == "lightning":
         pytest.importorskip("lightning")
     module = load_script("benchmark_trainers.py", "benchmark_trainers")
@@ -36,5 +37,5 @@ def test_the_compiled_private_run_is_traced(capsys, framework, model):
     assert set(run) == set(module.VARIANTS) and all(r["ms"] > 0 for r in run.values())
     assert run["private"]["graphs"] == run["non-private"]["graphs"] == 0
     compiled = run["private compiled"]
-    assert compiled["graphs"] > 0 and (compiled["breaks"] == 0) == (model == "llama")
+    assert compiled["graphs"] > 0 and compiled["breaks"] <= run["non-private compiled"]["breaks"]
     assert f"{framework}: {model} 1 layers" in capsys.readouterr().out
