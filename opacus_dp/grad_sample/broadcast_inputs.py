@@ -175,31 +175,33 @@ class BroadcastInputs(EagerAroundCompiledCall):
             return state.last_size
         return None
 
-    def expand_for_tap(self, layer: nn.Module, args, kwargs, target):
-        """A call of a tapped (compiled) forward whose tensor arguments all have one row on the
-        batch dimension, expanded to its tap's ``target`` rows (new ``(args, kwargs)``); None for
-        any other call. The eager rule of :meth:`_layer_starts`, the batch size given by the tap."""
+    def _sizes(self, layer: nn.Module, args, kwargs) -> Optional[Tuple[List[torch.Tensor], int, List[int]]]:
+        """``(tensor arguments, their batch dimension, their sizes there)`` of a call that may be
+        expanded; None for a call of an ``nn.EmbeddingBag`` or without tensor arguments."""
         if isinstance(layer, nn.EmbeddingBag):
             return None
         tensors = _tensors(args, kwargs)
         if not tensors:
             return None
         batch_dim = input_batch_dim(layer, self.batch_first, tensors[0])
-        sizes = [t.shape[batch_dim] for t in tensors if t.dim() > batch_dim]
-        if not sizes or any(size != 1 for size in sizes) or target == 1:
+        return tensors, batch_dim, [t.shape[batch_dim] for t in tensors if t.dim() > batch_dim]
+
+    def expand_for_tap(self, layer: nn.Module, args, kwargs, target):
+        """A call of a tapped (compiled) forward whose tensor arguments all have one row on the
+        batch dimension, expanded to its tap's ``target`` rows (new ``(args, kwargs)``); None for
+        any other call. The eager rule of :meth:`_layer_starts`, the batch size given by the tap."""
+        found = self._sizes(layer, args, kwargs)
+        if found is None or not found[2] or any(size != 1 for size in found[2]) or target == 1:
             return None
-        return expanded(args, kwargs, batch_dim, target)
+        return expanded(args, kwargs, found[1], target)
 
     def _layer_starts(self, master, layer, args, kwargs):
         """Expand a broadcast call (returns new ``(args, kwargs)``), note the size of another.
         The common call (a batch) costs the size check only; the recording checks come after."""
-        if not torch.is_grad_enabled() or isinstance(layer, nn.EmbeddingBag):
+        found = self._sizes(layer, args, kwargs) if torch.is_grad_enabled() else None
+        if found is None:
             return None
-        tensors = _tensors(args, kwargs)
-        if not tensors:
-            return None
-        batch_dim = input_batch_dim(layer, self.batch_first, tensors[0])
-        sizes = [t.shape[batch_dim] for t in tensors if t.dim() > batch_dim]
+        tensors, batch_dim, sizes = found
         if any(size != 1 for size in sizes):
             self._state.latest = next(size for size in sizes if size != 1)
             return None
