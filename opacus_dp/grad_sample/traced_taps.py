@@ -26,8 +26,8 @@ signature substitute their batch size. A layer called on one sample broadcast ov
 (:mod:`~opacus_dp.grad_sample.broadcast_inputs`) is expanded to its tap's batch size by its traced
 pre-hook (:meth:`TracedTaps.traced_pre_hook`), as the eager pre-hook expands it. A signature with a
 call that cannot be tapped (a ``DataParallel`` replica's call, several outputs, a layer without a
-detached forward where weight gradients are skipped) keeps the hooks outside the graph, as before; so do
-the signatures past :data:`MAX_SIGNATURES`. A traced call that does not match its layout (an
+detached forward where weight gradients are skipped) keeps the hooks outside the graph, as before;
+so do the signatures past :data:`MAX_SIGNATURES`. A traced call that does not match its layout (an
 output shape that depends on more than the batch size) falls back to the eager hook.
 """
 
@@ -286,8 +286,8 @@ class TracedTaps:
         return traced
 
     def passive(self, eager: Callable) -> Callable:
-        """A per-layer hook with nothing to do for a tapped call or without grad (the broadcast
-        expansion, the weight-gradient switch); otherwise the eager hook."""
+        """A per-layer hook with nothing to do for a tapped call or without grad (the weight-gradient
+        switch); otherwise the eager hook."""
         def traced(*hook_args):
             if self.current is not None or self.idle or not torch.is_grad_enabled():
                 return None
