@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy
 import torch
 
+from opacus_dp.maths.cpu_products import _cpu_flags_and_vendor, cpu_products
+
 from tests.pinning.cases import CASES, WORLD_SIZE, run_cases
 
 FORMAT = 1
@@ -29,9 +31,12 @@ RECORD_HINT = "run `.venv/bin/python scripts/pin_behaviour.py record` to write i
 
 
 def fingerprint() -> dict:
-    """What decides whether a rerun can be bitwise equal: torch, its CPU kernels, the machine, numpy."""
+    """What decides whether a rerun can be bitwise equal: torch, its CPU kernels, the machine, numpy,
+    the CPU's vendor (MKL picks its kernels by vendor: AVX2 ones on an AMD CPU with AVX-512) and
+    which library forms the clipped sums' products (:mod:`opacus_dp.maths.cpu_products`)."""
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "machine": platform.machine(), "numpy": numpy.__version__}
+            "machine": platform.machine(), "numpy": numpy.__version__,
+            "cpu_vendor": _cpu_flags_and_vendor()[1], "cpu_products": cpu_products()}
 
 
 # --------------------------------------------------------------------------- running
