@@ -55,6 +55,7 @@ from common.fsdp_llama import (
 )
 from common.loop import set_epoch
 from common.notices import engine_notices, say_error
+from common.privacy import fast_noise_of
 from common.reporting import privacy_line, resume_line, settings_line
 from opacus_dp import PrivacyEngine
 from opacus_dp.data import BatchMemoryManager
@@ -114,6 +115,9 @@ def _add_privacy_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--delta", type=float, default=1e-5, help="δ of the reported (ε, δ)")
     group.add_argument("--max-grad-norm", type=float, default=1.0, help="per-example clipping bound C")
     group.add_argument("--accountant", default="prv", choices=["prv", "rdp", "gdp"], help="privacy accountant")
+    group.add_argument("--fast-noise", default="off", choices=["off", "threads", "philox"],
+                       help="noise generator: off (torch's), threads (parallel threads on CPU), philox "
+                            "(counter-based, drawn and added in one pass; torch's Philox on GPUs)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -187,7 +191,7 @@ def make_private_run(args, ranks, model: nn.Module, train_set) -> Run:
     common = dict(module=model, optimizer=optimizer, data_loader=loader, max_grad_norm=_max_grad_norm(args, model),
                   clipping=args.clipping, grad_sample_mode=args.grad_sample_mode, loss_reduction="mean",
                   noise_generator=torch.Generator(ranks.device).manual_seed(args.seed + 1),
-                  fsdp=fsdp_options(ranks, args.bf16))
+                  fast_noise=fast_noise_of(args), fsdp=fsdp_options(ranks, args.bf16))
     if args.grad_sample_mode == "ghost":
         common["criterion"] = nn.CrossEntropyLoss(reduction="mean")
     if args.epsilon is not None:

@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     privacy.add_argument("--delta", type=float, default=1e-5, help="target delta")
     privacy.add_argument("--max-grad-norm", type=float, default=1.0, help="per-example clipping bound C")
     privacy.add_argument("--max-epsilon", type=float, default=None, help="stop before epsilon exceeds this")
+    privacy.add_argument("--fast-noise", default="off", choices=["off", "threads", "philox"],
+                         help="noise generator (philox: counter-based, drawn and added in one pass)")
     args = parser.parse_args(argv)
     if args.sigma is not None and args.target_epsilon is not None:
         parser.error("--sigma and --target-epsilon exclude each other")
@@ -128,7 +130,7 @@ def main(argv=None) -> dict:
         per_device_eval_batch_size=64, bf16=args.bf16, disable_tqdm=True, use_cpu=not torch.cuda.is_available())
     privacy = PrivacyArguments(noise_multiplier=args.sigma, target_epsilon=args.target_epsilon,
                                target_delta=args.delta, max_grad_norm=args.max_grad_norm,
-                               max_epsilon=args.max_epsilon)
+                               max_epsilon=args.max_epsilon, fast_noise=args.fast_noise)
     trainer = DPTrainer(model=model, args=training, train_dataset=train, eval_dataset=test, privacy_args=privacy)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     metrics = trainer.evaluate()

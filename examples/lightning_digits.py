@@ -39,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--devices", type=int, default=1, help="CPU processes (2 or more: Lightning's DDP)")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation, sampling and noise")
+    parser.add_argument("--fast-noise", default="off", choices=["off", "threads", "philox"],
+                        help="noise generator (philox: counter-based, drawn and added in one pass)")
     parser.add_argument("--json", metavar="PATH", help="write accuracy, ε and σ to this file")
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.devices < 1:
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     train, test = load_data()
     model = DigitClassifier(train, test, args.batch_size, args.lr, args.momentum)
     privacy = DPCallback(target_delta=args.delta, target_epsilon=args.target_epsilon, epochs=args.epochs,
-                         max_grad_norm=args.max_grad_norm)
+                         max_grad_norm=args.max_grad_norm, fast_noise=args.fast_noise)
     trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=args.devices,
                          strategy="ddp" if args.devices > 1 else "auto", callbacks=[privacy], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

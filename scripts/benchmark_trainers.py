@@ -7,9 +7,10 @@ blocks (next-token loss), four ways, in one process, with the framework of ``--f
 * ``lightning``: a ``LightningModule`` fitted by a Lightning ``Trainer``, without and with
   ``DPCallback``, compiled as ``trainer.fit(torch.compile(module))``;
 
-private runs with σ = 1, C = 1 and Poisson batches of expected size ``--batch-size``, compiled
-runs with ``--backend``. Each run takes ``--steps`` steps; its step time is the median wall time
-of the steps after ``--warmup`` (compiling happens there).
+private runs with σ = 1, C = 1, Poisson batches of expected size ``--batch-size`` and the noise
+generator ``--fast-noise`` (off, threads, philox), compiled runs with ``--backend``. Each run
+takes ``--steps`` steps; its step time is the median wall time of the steps after ``--warmup``
+(compiling happens there).
 ``--rounds`` repeats the four runs; the ratios are medians over rounds of each round's ratio:
 
 * ``x eager``: the compiled run's step over the same trainer's eager step;
@@ -18,7 +19,7 @@ of the steps after ``--warmup`` (compiling happens there).
 ``graphs`` and ``breaks``: what dynamo built for the run (:mod:`scripts.compile_stats`).
 
     python scripts/benchmark_trainers.py --framework hf --threads 1
-    python scripts/benchmark_trainers.py --framework lightning --threads 1
+    python scripts/benchmark_trainers.py --framework lightning --threads 1 [--fast-noise philox]
 """
 
 import argparse
@@ -96,7 +97,8 @@ def _hf_run(args, out_dir: str, private: bool, compiled: bool, times: list) -> N
     common = dict(model=causal_lm(args), args=training, train_dataset=Blocks(args.examples, args.length, args.vocab),
                   callbacks=[Clock()])
     if private:
-        privacy = PrivacyArguments(target_delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0)
+        privacy = PrivacyArguments(target_delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0,
+                                   fast_noise=args.fast_noise)
         DPTrainer(privacy_args=privacy, **common).train()
     else:
         transformers.Trainer(**common).train()
@@ -137,7 +139,8 @@ def _lightning_run(args, out_dir: str, private: bool, compiled: bool, times: lis
 
     callbacks = [Clock()]
     if private:
-        callbacks.append(DPCallback(target_delta=1e-5, max_grad_norm=1.0, noise_multiplier=1.0))
+        callbacks.append(DPCallback(target_delta=1e-5, max_grad_norm=1.0, noise_multiplier=1.0,
+                                    fast_noise=args.fast_noise))
     module = CausalLM()
     trainer = pl.Trainer(max_steps=args.steps, accelerator=args.device, devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -180,6 +183,8 @@ def main(argv=None) -> list:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--fast-noise", choices=("off", "threads", "philox"), default="off",
+                        help="the private runs' noise generator")
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be below --steps")
@@ -188,7 +193,7 @@ def main(argv=None) -> list:
         rounds = [{variant: run(variant, args, out_dir) for variant in VARIANTS} for _ in range(args.rounds)]
     table = report(rounds)
     print(f"{args.framework}: {args.model} {args.layers} layers, hidden {args.hidden}, T = {args.length}, B = {args.batch_size}, "
-          f"{args.threads} thread(s), backend {args.backend}, {args.device}")
+          f"{args.threads} thread(s), backend {args.backend}, {args.device}, noise {args.fast_noise}")
     print(table)
     return rounds
 

@@ -73,6 +73,10 @@ def add_privacy_args(parser: argparse.ArgumentParser, *, sigma: float, max_grad_
     group.add_argument("--disable-dp", action="store_true", help="train without privacy (baseline)")
     group.add_argument("--secure-rng", action="store_true",
                        help="OS-seeded noise and sampling (slower; for final models)")
+    group.add_argument("--fast-noise", default="off", choices=["off", "threads", "philox"],
+                       help="noise generator: off (torch's, one thread), threads (parallel threads on CPU), "
+                            "philox (counter-based, drawn and added in one pass: fastest on CPU); "
+                            "a checkpoint resumes with its own")
 
 
 def add_training_args(parser: argparse.ArgumentParser, *, epochs: int, batch_size: int, lr: float,

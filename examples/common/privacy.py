@@ -92,6 +92,13 @@ def _noise_generator(args: argparse.Namespace, device: torch.device) -> Optional
     return None if args.secure_rng else torch.Generator(device=device).manual_seed(args.seed + 1)
 
 
+def fast_noise_of(args: argparse.Namespace):
+    """``make_private``'s ``fast_noise`` for ``--fast-noise`` (off, threads, philox)."""
+    from opacus_dp.engine.fast_noise import fast_noise_setting
+
+    return fast_noise_setting(getattr(args, "fast_noise", "off"), "--fast-noise")
+
+
 def _plain_loader(args, train_set: Dataset, setup: Distributed, collate_fn) -> DataLoader:
     generator = torch.Generator().manual_seed(args.seed)
     sampler = DistributedSampler(train_set, seed=args.seed) if setup.active else None
@@ -124,7 +131,7 @@ def _modern(args, model, optimizer, loader, sigma: Optional[float], budget_delta
     clipping, bound = clipping_bounds(args, model)
     common = dict(module=model, optimizer=optimizer, data_loader=loader, clipping=clipping,
                   max_grad_norm=bound, noise_generator=_noise_generator(args, device),
-                  grad_sample_mode=args.grad_sample_mode, **unit_options(args))
+                  grad_sample_mode=args.grad_sample_mode, fast_noise=fast_noise_of(args), **unit_options(args))
     if sigma is None and args.target_epsilon is not None:
         model, optimizer, loader = engine.make_private_with_epsilon(
             target_epsilon=args.target_epsilon, target_delta=args.delta, epochs=args.epochs, **common)
@@ -145,7 +152,7 @@ def _classic(args, model, optimizer, loader, sigma: Optional[float], device):
         epochs=args.epochs if calibrate else None, max_grad_norm=clipping_bounds(args, model)[1],
         secure_rng=args.secure_rng, target_delta=args.delta, poisson=True,
         max_epsilon=args.max_epsilon, noise_generator=_noise_generator(args, device),
-        grad_sample_mode=args.grad_sample_mode)
+        grad_sample_mode=args.grad_sample_mode, fast_noise=fast_noise_of(args))
     engine.attach(optimizer)
     return model, optimizer, loader, engine
 

@@ -17,6 +17,7 @@ import torch
 
 from opacus_dp.distributed.step_wait import timeout_seconds
 from opacus_dp.engine.arguments import check_choice, check_opacus_flags, check_privacy_arguments
+from opacus_dp.engine.fast_noise import is_fast_noise
 from opacus_dp.engine.privacy_units import check_unit_settings
 from opacus_dp.grad_sample.mode_selection import MODE_NAMES
 from opacus_dp.mechanisms.strategies import KINDS
@@ -87,7 +88,7 @@ class PrivatePlan:
         check_choice(self.grad_sample_mode, MODE_NAMES, "grad_sample_mode")
         if self.noise_generator is not None and self.secure_mode:
             raise ValueError("noise_generator must be None in secure_mode (noise is seeded by the OS)")
-        if not (isinstance(self.fast_noise, bool) or self.fast_noise == "philox"):
+        if not is_fast_noise(self.fast_noise):
             raise ValueError(f"fast_noise must be False (one generator), True (parallel threads) or 'philox' "
                              f"(counter-based, fused with the add), got {self.fast_noise!r}")
         for name in ("poisson_sampling", "batch_first", "check_sample_independence", "secure_mode"):

@@ -45,6 +45,7 @@ from typing import Optional, Sequence
 import torch
 
 from opacus_dp.engine.budget_guard import BudgetGuard
+from opacus_dp.engine.fast_noise import FastNoise, fast_noise_setting
 from opacus_dp.engine.modern import PrivacyEngine
 from opacus_dp.errors import PrivacyBudgetExceededError, UnsupportedError
 from opacus_dp.integrations.lightning_checks import LightningModelChecks
@@ -81,6 +82,9 @@ class DPCallback(pl.Callback):
         accountant: "prv" (default), "rdp" or "gdp".
         secure_mode: sampling and noise seeded by the OS (generator states are then not saved).
         noise_mechanism: only "independent" (DP-SGD) is supported here.
+        fast_noise: the noise generator, as ``make_private``'s (``False``: torch's; ``True``: parallel
+            threads on CPU; ``"philox"``: counter-based, drawn and added in one pass; or the names
+            "off", "threads", "philox"). A checkpoint resumes with its own.
         check_sample_independence: refuse a model whose samples mix, or that writes a buffer during
             a training step (:mod:`~opacus_dp.integrations.lightning_checks`); True as in ``make_private``.
         public_buffers: names (as in ``pl_module.named_buffers()``) of buffers that may be written.
@@ -92,7 +96,7 @@ class DPCallback(pl.Callback):
     def __init__(self, *, target_delta: float, max_grad_norm: float, noise_multiplier: Optional[float] = None,
                  target_epsilon: Optional[float] = None, epochs: Optional[float] = None,
                  max_epsilon: Optional[float] = None, grad_sample_mode: str = "bk", accountant: str = "prv",
-                 secure_mode: bool = False, noise_mechanism: str = "independent",
+                 secure_mode: bool = False, noise_mechanism: str = "independent", fast_noise: FastNoise = False,
                  check_sample_independence: bool = True, public_buffers: Sequence[str] = (),
                  log_epsilon_every_n_steps: int = 1):
         _check_arguments(target_delta, noise_multiplier, target_epsilon, epochs, grad_sample_mode, noise_mechanism)
@@ -107,6 +111,7 @@ class DPCallback(pl.Callback):
         self.epochs = epochs
         self.grad_sample_mode = grad_sample_mode
         self.secure_mode = bool(secure_mode)
+        self.fast_noise = fast_noise_setting(fast_noise, "DPCallback")
         self.privacy_engine = PrivacyEngine(
             accountant=accountant, secure_mode=secure_mode, max_epsilon=self.max_epsilon,
             max_epsilon_delta=None if self.max_epsilon is None else self.target_delta)
@@ -146,7 +151,7 @@ class DPCallback(pl.Callback):
         # LightningModelChecks runs them where the batch enters modules instead.
         common = dict(module=trainer.model, optimizer=trainer.optimizers[0], data_loader=self.loader.data_loader,
                       max_grad_norm=self.max_grad_norm, grad_sample_mode=self.grad_sample_mode,
-                      check_sample_independence=False)
+                      check_sample_independence=False, fast_noise=self.fast_noise)
         if self.target_epsilon is None:
             module, optimizer, loader = self.privacy_engine.make_private(
                 noise_multiplier=self.noise_multiplier, **common)

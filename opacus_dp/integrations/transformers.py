@@ -16,7 +16,8 @@ callbacks, logging, checkpoints) with these changes:
   ``(Σ_i clip_C(∇ℓ_i) + N(0, σ²C²)) / L``.
 * **Privacy.** ``PrivacyArguments``: ``noise_multiplier`` σ, or ``target_epsilon`` (σ calibrated
   so that the planned steps spend at most that ε at ``target_delta``), ``max_grad_norm`` C, the
-  per-sample ``grad_sample_mode`` (default ``"bk"``), the ``noise_mechanism``, the ``accountant``.
+  per-sample ``grad_sample_mode`` (default ``"bk"``), the ``noise_mechanism``, the ``accountant``,
+  the noise generator (``fast_noise="philox"``: counter-based, at about memory speed on CPU).
   ``epsilon`` is added to every log (console, TensorBoard, W&B ...). Training stops before the
   step that would take ε above ``max_epsilon`` (default: ``target_epsilon``); the engine's budget
   guard refuses such a step in any case.
@@ -58,6 +59,7 @@ from opacus_dp.integrations.transformers_batches import PerExampleLoss, batch_si
 from opacus_dp.integrations.transformers_checks import check_optimizer, refuse_unsupported
 from opacus_dp.integrations.transformers_forward import compile_as_accelerate_would, mixed_precision_forward
 from opacus_dp.integrations.transformers_state import load_private_state, save_private_state
+from opacus_dp.engine.fast_noise import fast_noise_setting
 from opacus_dp.engine.modern import PrivacyEngine
 
 __all__ = ["DPTrainer", "PrivacyArguments"]
@@ -81,6 +83,9 @@ class PrivacyArguments:
         accountant: "prv" (default), "rdp" or "gdp".
         secure_mode: sampling and noise seeded by the OS (no generator states in checkpoints).
         seed: seed of the sampling and noise generators (default ``TrainingArguments.seed``).
+        fast_noise: the noise generator (``make_private``'s ``fast_noise``, by name): "off" (default,
+            torch's generator), "threads" (parallel threads on CPU) or "philox" (counter-based,
+            drawn and added in one pass; ``docs/noise.md``). A checkpoint resumes with its own.
     """
 
     target_delta: float
@@ -94,6 +99,7 @@ class PrivacyArguments:
     accountant: str = "prv"
     secure_mode: bool = False
     seed: Optional[int] = None
+    fast_noise: str = "off"
 
     def __post_init__(self):
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
@@ -109,6 +115,7 @@ class PrivacyArguments:
             self.max_epsilon = self.target_epsilon
         if self.secure_mode and self.seed is not None:
             raise ValueError("PrivacyArguments: seed must be None with secure_mode=True (the OS seeds the run)")
+        fast_noise_setting(self.fast_noise, "PrivacyArguments")
 
 
 def _is_number(value) -> bool:
@@ -201,7 +208,8 @@ class DPTrainer(Trainer):
         loader = self._poisson_loader()
         common = dict(module=module, optimizer=optimizer, data_loader=loader, max_grad_norm=p.max_grad_norm,
                       grad_sample_mode=p.grad_sample_mode, noise_mechanism=p.noise_mechanism, bands=p.bands,
-                      noise_generator=self._noise_generator())
+                      noise_generator=self._noise_generator(),
+                      fast_noise=fast_noise_setting(p.fast_noise, "PrivacyArguments"))
         if p.target_epsilon is None:
             planned = None if p.noise_mechanism == "independent" else self._planned_steps(len(loader)) / len(loader)
             private, dp_optimizer, *_, dp_loader = self.privacy_engine.make_private(  # "ghost": its criterion too

@@ -140,3 +140,19 @@ def test_two_processes_under_torchrun(data_root, tmp_path):
     assert math.isfinite(metrics["epochs"][0]["train_loss"])
     model = example_module("cifar10").tanh_convnet(width=4)
     model.load_state_dict(_weights(tmp_path / "run.pt"))
+
+
+def test_fast_noise_philox_resumes_exactly_and_its_checkpoint_refuses_another_generator(data_root, tmp_path,
+                                                                                        capsys):
+    argv = ["--batch-size", 8, "--fast-noise", "philox"]
+    run_example("cifar10", _argv(data_root, tmp_path, *argv, name="part"), capsys)
+    run_example("cifar10", _argv(data_root, tmp_path, *argv, "--resume", tmp_path / "part.pt",
+                                 epochs=2, name="part"), capsys)
+    run_example("cifar10", _argv(data_root, tmp_path, *argv, epochs=2, name="whole"), capsys)
+    _assert_same_weights(_weights(tmp_path / "part.pt"), _weights(tmp_path / "whole.pt"))
+    run_example("cifar10", _argv(data_root, tmp_path, "--batch-size", 8, epochs=2, name="default"), capsys)
+    philox, default = _weights(tmp_path / "whole.pt"), _weights(tmp_path / "default.pt")
+    assert any(not torch.equal(philox[key], default[key]) for key in philox)  # another noise stream
+    with pytest.raises(ValueError, match="saved with fast_noise='philox'"):
+        run_example("cifar10", _argv(data_root, tmp_path, "--batch-size", 8, "--resume", tmp_path / "whole.pt",
+                                     epochs=3, name="other"), capsys)

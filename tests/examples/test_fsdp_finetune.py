@@ -160,3 +160,14 @@ def test_bad_flags_are_refused(flags, message, capsys):
         example_module("fsdp_finetune").parse_args([str(a) for a in flags])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_philox_noise_resumes_bit_exactly_and_is_another_stream(straight, tmp_path):
+    philox = [*SMALL, "--fast-noise", "philox"]
+    whole = run_torchrun("fsdp_finetune", [*philox, "--epochs", 2, "--checkpoint-dir", tmp_path / "whole"])
+    run_torchrun("fsdp_finetune", [*philox, "--epochs", 1, "--checkpoint-dir", tmp_path / "part"])
+    resumed = run_torchrun("fsdp_finetune", [*philox, "--epochs", 2, "--checkpoint-dir", tmp_path / "part",
+                                             "--resume"])
+    assert _final(resumed) == _final(whole)  # ε, perplexity (every digit) and steps
+    assert _final(whole)["epsilon"] == _final(straight[0])["epsilon"]  # the noise changes no accounting
+    assert _final(whole)["perplexity"] != _final(straight[0])["perplexity"]  # but it is another stream

@@ -23,9 +23,9 @@ def test_ratios_are_medians_of_each_rounds_ratio():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("framework, model", [("hf", "llama"), ("lightning", "llama"), ("hf", "gpt2"),
-                                              ("lightning", "gpt2")])
-def test_the_compiled_private_run_is_traced(capsys, framework, model):
+@pytest.mark.parametrize("framework, model, noise", [("hf", "llama", "off"), ("lightning", "llama", "off"),
+                                                     ("hf", "gpt2", "philox"), ("lightning", "gpt2", "philox")])
+def test_the_compiled_private_run_is_traced(capsys, framework, model, noise):
     """The hooked layers are all traced into the graphs: privacy adds no graph break, also to
     GPT-2, whose position embedding is called on one row broadcast over the batch."""
     if framework == "lightning":
@@ -33,9 +33,10 @@ def test_the_compiled_private_run_is_traced(capsys, framework, model):
     module = load_script("benchmark_trainers.py", "benchmark_trainers")
     (run,) = module.main(["--framework", framework, "--model", model, "--layers", "1", "--hidden", "32", "--length",
                           "16", "--vocab", "50", "--batch-size", "4", "--examples", "64", "--steps", "4",
-                          "--warmup", "2", "--rounds", "1", "--backend", "eager", "--threads", "1"])
+                          "--warmup", "2", "--rounds", "1", "--backend", "eager", "--threads", "1", "--fast-noise", noise])
     assert set(run) == set(module.VARIANTS) and all(r["ms"] > 0 for r in run.values())
     assert run["private"]["graphs"] == run["non-private"]["graphs"] == 0
     compiled = run["private compiled"]
     assert compiled["graphs"] > 0 and compiled["breaks"] <= run["non-private compiled"]["breaks"]
-    assert f"{framework}: {model} 1 layers" in capsys.readouterr().out
+    (header,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{framework}: {model} ")]
+    assert header.startswith(f"{framework}: {model} 1 layers") and header.endswith(f"noise {noise}")
