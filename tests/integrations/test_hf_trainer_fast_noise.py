@@ -38,21 +38,28 @@ def params_of(model):
     return [p.detach().clone() for p in model.parameters() if p.requires_grad]
 
 
-def first_step_noise(tmp_path, fast_noise: str) -> torch.Tensor:
+def first_step_noise(out, fast_noise: str, **privacy) -> torch.Tensor:
     """``z`` of one SGD step: ``Δ = −LR·(S + σC·z)/L``, with the clipped sum ``S`` negligible."""
     before = params_of(tiny_model())
-    trainer = private_run(tmp_path / fast_noise, PrivacyArguments(
-        target_delta=1e-5, noise_multiplier=SIGMA, max_grad_norm=BOUND, fast_noise=fast_noise), max_steps=1)
+    trainer = private_run(out, PrivacyArguments(target_delta=1e-5, noise_multiplier=SIGMA, max_grad_norm=BOUND,
+                                                fast_noise=fast_noise, **privacy), max_steps=1)
     assert trainer.state.global_step == 1
     deltas = [(a.double() - b.double()).flatten() for a, b in zip(params_of(trainer.model), before)]
     return torch.cat(deltas) * (-L / (LR * SIGMA * BOUND))
 
 
 def test_philox_noise_of_a_step_is_gaussian_and_not_the_default_stream(tmp_path):
-    philox, default = first_step_noise(tmp_path, "philox"), first_step_noise(tmp_path, "off")
+    philox, default = first_step_noise(tmp_path / "philox", "philox"), first_step_noise(tmp_path / "off", "off")
     assert_standard_normal(philox, "fast_noise='philox'")
     assert_standard_normal(default, "fast_noise='off'")
     assert_uncorrelated(philox, default, "philox against the default generator")
+
+
+def test_secure_philox_noise_is_keyed_by_the_operating_system(tmp_path):
+    first = first_step_noise(tmp_path / "first", "philox", secure_mode=True)
+    second = first_step_noise(tmp_path / "second", "philox", secure_mode=True)  # the same seed, if one were used
+    assert_standard_normal(first, "secure fast_noise='philox'")
+    assert_uncorrelated(first, second, "two secure runs")
 
 
 def test_philox_run_resumes_bit_identically_and_refuses_another_generator(tmp_path):
