@@ -50,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from opacus_dp import PrivacyEngine
+from opacus_dp.engine.fast_noise import FAST_NOISE_NAMES
 
 FSDP_MODES = ("fsdp", "dp-fsdp-bk", "dp-fsdp-hooks", "dp-fsdp-ghost", "ddp", "dp-ddp-bk")
 BASELINE = {"dp-fsdp-bk": "fsdp", "dp-fsdp-hooks": "fsdp", "dp-fsdp-ghost": "fsdp", "dp-ddp-bk": "ddp"}
@@ -111,7 +112,7 @@ def rank_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-FAST_NOISE = {"off": False, "threads": True, "philox": "philox"}  # --fast-noise: make_private's fast_noise
+FAST_NOISE = FAST_NOISE_NAMES  # --fast-noise: make_private's fast_noise by name
 
 
 def private(module: nn.Module, optimizer, args, mode: str, fsdp) -> tuple:

@@ -34,8 +34,10 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from opacus_dp.engine.fast_noise import FAST_NOISE_NAMES
 
-FAST_NOISE = {"off": False, "threads": True, "philox": "philox"}
+
+FAST_NOISE = FAST_NOISE_NAMES  # --fast-noise: make_private's fast_noise by name
 
 
 def build(mode, d: int, loss_reduction: str, fast_noise=False, api: str = "modern"):
