@@ -47,6 +47,17 @@ class Recorder(pl.LightningModule):
         return PrivateDataLoader(loader) if self.private_loader else loader
 
 
+class SaveAt(pl.Callback):
+    """``trainer.save_checkpoint`` at the end of global step ``step``."""
+
+    def __init__(self, step: int, path):
+        self.step, self.path = step, str(path)
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
 def trainer(callbacks, epochs: int = 2, **options) -> pl.Trainer:
     """A CPU Trainer; its default checkpoints (``enable_checkpointing=True`` without a directory) go
     to a temporary directory, not the working directory."""

@@ -12,24 +12,13 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from opacus_dp.integrations.lightning import DPCallback  # noqa: E402
 from opacus_dp.optim.philox_noise import PhiloxGaussianNoise  # noqa: E402
-from tests.integrations.lightning_support import BATCH, LR, N, Recorder, clipped_sum, data, fit  # noqa: E402
+from tests.integrations.lightning_support import BATCH, LR, N, Recorder, SaveAt, clipped_sum, data, fit  # noqa: E402
 from tests.integrations.noise_statistics import assert_standard_normal, assert_uncorrelated  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:secure_mode")
 
 SIGMA, BOUND = 1.0, 1.0
 Q = BATCH / N  # 4 steps per epoch
-
-
-class SaveAt(pl.Callback):
-    """``trainer.save_checkpoint`` at the end of global step ``step``."""
-
-    def __init__(self, step: int, path):
-        self.step, self.path = step, str(path)
-
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
 
 
 def run(fast_noise, epochs=2, savers=(), ckpt_path=None):

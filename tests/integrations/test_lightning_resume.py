@@ -19,7 +19,7 @@ pl = pytest.importorskip("lightning.pytorch", reason="the Lightning integration 
 from opacus_dp.accountants import create_accountant  # noqa: E402
 from opacus_dp.integrations.lightning import DPCallback, UnsupportedLightningSetupError  # noqa: E402
 from opacus_dp.integrations.lightning_state import STATE_KEY  # noqa: E402
-from tests.integrations.lightning_support import BATCH, N, Recorder, data, fit  # noqa: E402
+from tests.integrations.lightning_support import BATCH, N, Recorder, SaveAt, data, fit  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:secure_mode")
 
@@ -31,17 +31,6 @@ def callback(**options):
     settings = dict(target_delta=1e-5, max_grad_norm=1.0, noise_multiplier=SIGMA, accountant="rdp")
     settings.update(options)
     return DPCallback(**settings)
-
-
-class SaveAt(pl.Callback):
-    """``trainer.save_checkpoint`` at the end of global step ``step``."""
-
-    def __init__(self, step: int, path):
-        self.step, self.path = step, str(path)
-
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
 
 
 def run(savers=(), ckpt_path=None, epochs=3, workers=0, module_options=None, trainer_options=None, **options):
