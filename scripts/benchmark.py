@@ -57,6 +57,9 @@ CPU, and the one ``torch.compile`` gives them).
 group of the benchmark's process alone (:mod:`ddp_single_process`), the private ones before
 ``make_private``, as a DDP script on one rank: with ``--compile``, compiled DDP.
 
+``--fast-noise off|threads|philox`` draws our private variants' noise with that generator
+(``make_private``'s ``fast_noise``; default off: torch's, as Opacus); Opacus's variants keep theirs.
+
 Usage::
 
     python scripts/benchmark.py [--models convnet,sequence] [--repeats 10] [--json out.json]
@@ -87,6 +90,7 @@ from benchmark_report import THEIRS, print_table, summarise  # noqa: E402
 from memory_probe import allocated_peak_mib, status_kb  # noqa: E402
 from compile_stats import COMPILED, add_compile_ratios, allow_recompiles, counting, print_compile_ratios  # noqa: E402
 from ddp_single_process import ddp_kwargs  # noqa: E402
+from opacus_dp.engine.fast_noise import FAST_NOISE_NAMES  # noqa: E402
 from opacus_dp.maths.cpu_products import cpu_products  # noqa: E402
 
 SIGMA, CLIP, LR = 1.0, 1.0, 0.01
@@ -189,11 +193,13 @@ def auto_choice(workload) -> str:
 
 # ----------------------------------------------------------------------------- timing
 def _precision(args) -> dict:
-    """``build_step``'s keywords for ``--precision`` (none for fp32, the default), ``--ddp`` and
-    ``--channels-last``."""
+    """``build_step``'s keywords for ``--precision`` (none for fp32, the default), ``--ddp``,
+    ``--channels-last`` and ``--fast-noise`` (none for off, the default)."""
     precision = getattr(args, "precision", "fp32")
     layout = {"channels_last": True} if getattr(args, "channels_last", False) else {}
-    return {**({} if precision == "fp32" else {"precision": precision}), **ddp_kwargs(args), **layout}
+    noise = getattr(args, "fast_noise", "off")
+    fast_noise = {} if noise == "off" else {"fast_noise": FAST_NOISE_NAMES[noise]}
+    return {**({} if precision == "fp32" else {"precision": precision}), **ddp_kwargs(args), **layout, **fast_noise}
 
 
 def _timer(kind: str) -> Callable[[], float]:
@@ -313,6 +319,7 @@ def measure_memory(model_name: str, variant: str, args) -> dict:
         cmd += ["--batch-size", str(args.batch_size)]
     cmd += ["--ddp"] if getattr(args, "ddp", False) else []
     cmd += ["--channels-last"] if getattr(args, "channels_last", False) else []
+    cmd += ["--fast-noise", args.fast_noise] if getattr(args, "fast_noise", "off") != "off" else []
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1][:160]}
@@ -357,6 +364,9 @@ def parse_args(argv=None):
                              "every variant alike")
     parser.add_argument("--ddp", action="store_true", help="every model (non-private too) in DistributedDataParallel, "
                         "in a process group of this process alone (scripts/ddp_single_process.py)")
+    parser.add_argument("--fast-noise", choices=tuple(FAST_NOISE_NAMES), default="off",
+                        help="the noise generator of our private variants (make_private's fast_noise: "
+                             "off = torch's, threads, philox)")
     parser.add_argument("--json", help="also write the report to this file")
     parser.add_argument("--probe", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -395,7 +405,8 @@ def main(argv=None) -> None:
     report["machine"]["load_average_after"] = os.getloadavg()
     print(f"allocator settings of the timed process: {report['machine']['allocator'] or 'defaults'}; "
           f"precision: {args.precision}; clipped sums' CPU products: {report['machine']['cpu_products']}"
-          + ("; images channels-last" if args.channels_last else ""))
+          + ("; images channels-last" if args.channels_last else "")
+          + (f"; noise: {args.fast_noise}" if args.fast_noise != "off" else ""))
     print_table(report)
     if args.compile:
         print_compile_ratios(report)

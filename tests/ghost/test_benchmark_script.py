@@ -78,9 +78,10 @@ def _expected_gradient(variant, grads, clip):
     return [t / len(grads) for t in total]
 
 
-def _gradient_of_one_step(bench, variant, x, y):
-    """``p.grad`` after one timed step (SGD without momentum: the update is ``-lr · p.grad``)."""
-    step = bench.build_step(_workload(bench), variant, x, y)
+def _gradient_of_one_step(bench, variant, x, y, **options):
+    """``p.grad`` after one timed step (SGD without momentum: the update is ``-lr · p.grad``);
+    ``options``: more keywords of ``build_step``."""
+    step = bench.build_step(_workload(bench), variant, x, y, **options)
     cells = dict(zip(step.__code__.co_freevars, (c.cell_contents for c in step.__closure__)))
     assert cells["optimizer"].defaults["lr"] == bench.LR and not cells["optimizer"].defaults["momentum"]
     step()
@@ -111,11 +112,14 @@ def test_each_variants_step_is_the_update_it_names(bench, monkeypatch, variant):
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-8)
 
 
-@pytest.mark.parametrize("variant", ["bk", "bk-per-layer", "ghost"])
-def test_the_timed_private_step_adds_noise_of_std_sigma_c_over_b(bench, variant):
+@pytest.mark.parametrize("variant, fast_noise", [("bk", "off"), ("bk-per-layer", "off"), ("ghost", "off"),
+                                                 ("bk", "philox"), ("ghost", "threads")])
+def test_the_timed_private_step_adds_noise_of_std_sigma_c_over_b(bench, variant, fast_noise):
     x, y = _workload(bench).batch()
     grads = _per_sample_grads(x, y)
-    noise = [g - e for g, e in zip(_gradient_of_one_step(bench, variant, x, y),
+    options = bench._precision(bench.parse_args(["--fast-noise", fast_noise]))
+    assert options == ({} if fast_noise == "off" else {"fast_noise": {"philox": "philox", "threads": True}[fast_noise]})
+    noise = [g - e for g, e in zip(_gradient_of_one_step(bench, variant, x, y, **options),
                                    _expected_gradient(variant, grads, bench.CLIP))]
     flat = torch.cat([n.flatten() for n in noise]).double()
     want = bench.SIGMA * bench.CLIP / BATCH
@@ -303,7 +307,7 @@ def test_channels_last_lays_out_model_and_batch_and_trains_the_same(bench, monke
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def test_memory_probe_is_asked_for_the_same_layout(bench, monkeypatch):
+def test_memory_probe_is_asked_for_the_same_layout_and_noise(bench, monkeypatch):
     seen = []
 
     def run(cmd, **kwargs):
@@ -311,6 +315,8 @@ def test_memory_probe_is_asked_for_the_same_layout(bench, monkeypatch):
         return SimpleNamespace(returncode=0, stdout='{"peak_increase_mib": 1.0, "tensor_peak_mib": 1.0}\n')
 
     monkeypatch.setattr(bench.subprocess, "run", run)
-    bench.measure_memory("convnet", "bk", SimpleNamespace(threads=1, memory_steps=1, channels_last=True))
+    bench.measure_memory("convnet", "bk", SimpleNamespace(threads=1, memory_steps=1, channels_last=True,
+                                                          fast_noise="philox"))
     bench.measure_memory("convnet", "bk", SimpleNamespace(threads=1, memory_steps=1))
     assert "--channels-last" in seen[0] and "--channels-last" not in seen[1]
+    assert seen[0][seen[0].index("--fast-noise") + 1] == "philox" and "--fast-noise" not in seen[1]
