@@ -9,6 +9,8 @@ import torch.nn as nn
 from opacus_dp.mechanisms.noise import CorrelatedNoise
 from opacus_dp.mechanisms.strategies import make_strategy
 from opacus_dp.optim import GaussianNoise
+from opacus_dp.optim.parallel_noise import ParallelGaussianNoise
+from opacus_dp.optim.philox_noise import PhiloxGaussianNoise
 from tests.distributed.oracle import clipped_sum, per_sample_grads
 from tests.distributed.spawn import run_on_ranks
 from tests.distributed.workers import dataset, make_model
@@ -17,15 +19,19 @@ from tests.mechanisms.workers import BANDS, CLIP, NOISE_SEED, SIGMA, banded_ddp_
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "dpddp"])
-def test_banded_noise_is_added_once_and_equals_the_single_process_noise(wrapper, tmp_path):
+DRAWS = {False: GaussianNoise, True: ParallelGaussianNoise, "philox": PhiloxGaussianNoise}
+
+
+@pytest.mark.parametrize("wrapper,fast_noise", [("ddp", False), ("dpddp", False), ("ddp", "philox"), ("dpddp", True)])
+def test_banded_noise_is_added_once_and_equals_the_single_process_noise(wrapper, fast_noise, tmp_path):
+    """With each generator (``fast_noise``): the single process's noise from the same generator."""
     cache = str(tmp_path)
-    ranks = run_on_ranks(banded_ddp_run, 2, wrapper, cache, timeout=300)
+    ranks = run_on_ranks(banded_ddp_run, 2, wrapper, cache, fast_noise, timeout=300)
     steps = len(ranks[0]["steps"])
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["after"], ranks[1]["after"]))
     assert [e[1] for e in ranks[0]["history"]] == [ranks[0]["group_rate"], 0.0] * (steps // 2)
     strategy = make_strategy("banded", steps=8, bands=BANDS, cache_dir=cache)  # one pass of 8 steps
-    oracle = CorrelatedNoise(strategy, GaussianNoise(torch.Generator().manual_seed(NOISE_SEED)))
+    oracle = CorrelatedNoise(strategy, DRAWS[fast_noise](torch.Generator().manual_seed(NOISE_SEED)))
     model = make_model(seed=0)
     for t in range(steps):
         with torch.no_grad():
