@@ -115,11 +115,25 @@ def input_signature(args, kwargs, batch_dim: int) -> Tuple[tuple, Optional[int]]
 
 
 def _values(args) -> tuple:
-    """``args`` with each tensor cloned: the values the call used, which code after it in the
-    graph may change in place (eagerly, the hooks refuse that; here the graph keeps both).
+    """``args`` with each tensor copied (:func:`_value`); other arguments as they are."""
+    return tuple(_value(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _value(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``: the values the call used, which code after it in the graph may
+    change in place (eagerly, the hooks refuse that; here the graph keeps both). A dimension
+    broadcast by a stride of 0 (a call on one sample expanded to the batch) stays broadcast: one
+    row is copied and expanded again, as the eager hook keeps the expanded view, not ``B`` copies.
     Detached: no gradient flows to a recorded value, and AOT autograd would otherwise hand the
     compiled backward a zero-filled gradient for each (one per differentiable graph output)."""
-    return tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+    tensor = tensor.detach()
+    broadcast = [d for d in range(tensor.dim()) if tensor.stride(d) == 0 and tensor.shape[d] != 1]
+    if not broadcast:
+        return tensor.clone()
+    row = tensor
+    for dim in broadcast:
+        row = row.narrow(dim, 0, 1)
+    return row.clone().expand(tensor.shape)
 
 
 class TracedTaps:
