@@ -111,7 +111,7 @@ def _noise_matrix(reports):
                         for s in range(len(reports[0]["draws"]))])
 
 
-NOISE_CASES = ["noise", "noise_secure", "noise_philox", "noise_philox_secure"]
+NOISE_CASES = ["noise", "noise_secure", "noise_philox", "noise_philox_secure", "noise_threads"]
 
 
 @pytest.mark.parametrize("case", NOISE_CASES)

@@ -338,6 +338,7 @@ def fsdp_job(rank, world_size, directory):
     results["noise_secure"] = noise_samples(rank, world_size, secure=True)
     results["noise_philox"] = noise_samples(rank, world_size, fast_noise="philox")
     results["noise_philox_secure"] = noise_samples(rank, world_size, secure=True, fast_noise="philox")
+    results["noise_threads"] = noise_samples(rank, world_size, fast_noise=True)
     for mode in ("bk", "hooks"):
         for part in ("whole", "first", "second"):
             results[("resume", mode, part)] = resume_run(rank, world_size, os.path.join(directory, mode), mode, part)
