@@ -80,7 +80,6 @@ class FsdpRendezvous:
         self._handles = []
 
 
-
 def _before_forward(rendezvous: "weakref.ref[FsdpRendezvous]", module, args) -> None:
     meeting = rendezvous()
     if meeting is not None:

@@ -190,7 +190,6 @@ def explained_fallback_error(error: RuntimeError, layer_name: str) -> Exception:
     return error
 
 
-
 def check_fallback_inputs(layer_name: str, master: nn.Module, call) -> None:
     """Refuse a fallback layer called without tensors, or with a tensor not batched like its
     output (``call``: its :class:`~opacus_dp.grad_sample.layer_call.LayerCall`)."""

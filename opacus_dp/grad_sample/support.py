@@ -19,8 +19,6 @@ from torch.nn.utils import parametrize
 from opacus_dp.module_parameters import has_trainable_parameters, trains_anything
 
 
-
-
 def sum_over_positions(x: torch.Tensor) -> torch.Tensor:
     """``Σ_s x[:, s, :]`` of a ``(B, T, p)`` tensor, shape ``(B, p)``, as the product
     ``1ᵀ x_i`` of each sample (a new tensor). On CPU the product reads ``x`` once, row by
@@ -29,14 +27,6 @@ def sum_over_positions(x: torch.Tensor) -> torch.Tensor:
     if x.dtype in (torch.float32, torch.float64) and x.shape[1] > 1 and x.numel() > 0:
         return torch.bmm(x.new_ones(x.shape[0], 1, x.shape[1]), x).squeeze(1)
     return x.sum(dim=1)
-
-
-
-
-
-
-
-
 
 
 def describe(path: str, module: nn.Module) -> str:

@@ -76,7 +76,6 @@ def training_args(out, **overrides):
     return transformers.TrainingArguments(**settings)
 
 
-
 def train_on_rank(rank: int, world_size: int, out_dir: str, steps: int, clip: float, overrides=None):
     """One process of a torchrun-style run (the process group exists already): σ = 0, clipping
     active; returns the batches this rank drew, its final parameters, the accountant's history,
