@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from common.cli import make_parser
+from common.cli import add_fast_noise_arg, make_parser
 from common.fsdp_llama import (
     build_model,
     fsdp_options,
@@ -115,9 +115,7 @@ def _add_privacy_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--delta", type=float, default=1e-5, help="δ of the reported (ε, δ)")
     group.add_argument("--max-grad-norm", type=float, default=1.0, help="per-example clipping bound C")
     group.add_argument("--accountant", default="prv", choices=["prv", "rdp", "gdp"], help="privacy accountant")
-    group.add_argument("--fast-noise", default="off", choices=["off", "threads", "philox"],
-                       help="noise generator: off (torch's), threads (parallel threads on CPU), philox "
-                            "(counter-based, drawn and added in one pass; torch's Philox on GPUs)")
+    add_fast_noise_arg(group)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

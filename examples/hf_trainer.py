@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import text_data  # noqa: E402
+from common.cli import add_fast_noise_arg  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,8 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     privacy.add_argument("--delta", type=float, default=1e-5, help="target delta")
     privacy.add_argument("--max-grad-norm", type=float, default=1.0, help="per-example clipping bound C")
     privacy.add_argument("--max-epsilon", type=float, default=None, help="stop before epsilon exceeds this")
-    privacy.add_argument("--fast-noise", default="off", choices=["off", "threads", "philox"],
-                         help="noise generator (philox: counter-based, drawn and added in one pass)")
+    add_fast_noise_arg(privacy)
     args = parser.parse_args(argv)
     if args.sigma is not None and args.target_epsilon is not None:
         parser.error("--sigma and --target-epsilon exclude each other")

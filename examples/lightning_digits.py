@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from common.cli import add_fast_noise_arg
 from common.digits import accuracy, load_data
 from opacus_dp.integrations.lightning import DPCallback, PrivateDataLoader
 
@@ -39,8 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--devices", type=int, default=1, help="CPU processes (2 or more: Lightning's DDP)")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation, sampling and noise")
-    parser.add_argument("--fast-noise", default="off", choices=["off", "threads", "philox"],
-                        help="noise generator (philox: counter-based, drawn and added in one pass)")
+    add_fast_noise_arg(parser)
     parser.add_argument("--json", metavar="PATH", help="write accuracy, ε and σ to this file")
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.devices < 1:

@@ -112,9 +112,6 @@ def rank_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-FAST_NOISE = FAST_NOISE_NAMES  # --fast-noise: make_private's fast_noise by name
-
-
 def private(module: nn.Module, optimizer, args, mode: str, fsdp) -> tuple:
     """``make_private`` in ``mode``; ``(model, optimizer, criterion)``. The loader (one shard per
     process) only sets the batch size: the timed steps bring their own batches (its samples are
@@ -128,7 +125,7 @@ def private(module: nn.Module, optimizer, args, mode: str, fsdp) -> tuple:
         made = PrivacyEngine(accountant="rdp").make_private(
             module=module, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
             max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode=mode, criterion=criterion,
-            fsdp=fsdp, fast_noise=FAST_NOISE[getattr(args, "fast_noise", "off")])
+            fsdp=fsdp, fast_noise=FAST_NOISE_NAMES[getattr(args, "fast_noise", "off")])
     if mode == "ghost":
         return made[0], made[1], made[2]
     return made[0], made[1], criterion
@@ -348,7 +345,7 @@ def add_fsdp_arguments(parser) -> None:
     parser.add_argument("--classes", type=int, default=10, help="--fsdp: outputs of the head")
     parser.add_argument("--warmup", type=int, default=3, help="--fsdp: untimed first steps")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="--fsdp: inner optimizer")
-    parser.add_argument("--fast-noise", choices=sorted(FAST_NOISE), default="off",
+    parser.add_argument("--fast-noise", choices=tuple(FAST_NOISE_NAMES), default="off",
                         help="--fsdp: the noise generator of the private settings (make_private's fast_noise)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="--fsdp: cuda runs NCCL with one GPU per rank")

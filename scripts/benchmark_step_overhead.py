@@ -37,9 +37,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from opacus_dp.engine.fast_noise import FAST_NOISE_NAMES
 
 
-FAST_NOISE = FAST_NOISE_NAMES  # --fast-noise: make_private's fast_noise by name
-
-
 def build(mode, d: int, loss_reduction: str, fast_noise=False, api: str = "modern"):
     """A step function of the non-private (``mode=None``) or private model (``step.weight``: the
     weight it trains)."""
@@ -93,7 +90,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--loss-reduction", choices=("mean", "sum"), default="mean")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--fast-noise", choices=sorted(FAST_NOISE), default="off")
+    parser.add_argument("--fast-noise", choices=tuple(FAST_NOISE_NAMES), default="off")
     parser.add_argument("--timer", choices=("cpu", "wall"), default="cpu")
     parser.add_argument("--api", choices=("modern", "classic"), default="modern")
     args = parser.parse_args(argv)
@@ -101,7 +98,7 @@ def main(argv=None) -> dict:
     d = args.dim
     buffer = torch.empty(d * d)
     variants = {"non-private": build(None, d, args.loss_reduction),
-                **{f"private {m}": build(m, d, args.loss_reduction, FAST_NOISE[args.fast_noise], args.api) for m in args.modes.split(",")},
+                **{f"private {m}": build(m, d, args.loss_reduction, FAST_NOISE_NAMES[args.fast_noise], args.api) for m in args.modes.split(",")},
                 "noise": noise_draw(args.fast_noise, d), "add_": lambda: buffer.add_(buffer)}
     samples = {name: [] for name in variants}
     for round_ in range(args.warmup + args.repeats):

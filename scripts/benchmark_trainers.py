@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from opacus_dp.engine.fast_noise import FAST_NOISE_NAMES  # noqa: E402
 from scripts.compile_stats import counting  # noqa: E402
 
 VARIANTS = ("non-private", "non-private compiled", "private", "private compiled")
@@ -183,7 +184,7 @@ def main(argv=None) -> list:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--fast-noise", choices=("off", "threads", "philox"), default="off",
+    parser.add_argument("--fast-noise", choices=tuple(FAST_NOISE_NAMES), default="off",
                         help="the private runs' noise generator")
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.steps:

@@ -35,7 +35,6 @@ from benchmark import _batch, _ours  # noqa: E402
 from benchmark_models import WORKLOADS  # noqa: E402
 from profile_step import instrument, step_phases, table  # noqa: E402
 
-FAST_NOISE = FAST_NOISE_NAMES  # --fast-noise: make_private's fast_noise by name
 CLOCKS = {"cpu": (time.process_time, "process CPU"), "wall": (time.perf_counter, "wall-clock")}
 
 
@@ -60,7 +59,7 @@ def profile_model(name: str, args) -> dict:
     workload = WORKLOADS[name]
     x, y = _batch(workload, args)  # the benchmark's batch (seed 1), its first --batch-size samples
     settings = {"non-private": build(workload, None, x, y, False)}
-    settings.update({mode: build(workload, mode, x, y, FAST_NOISE[args.fast_noise]) for mode in args.modes})
+    settings.update({mode: build(workload, mode, x, y, FAST_NOISE_NAMES[args.fast_noise]) for mode in args.modes})
     rows = {setting: defaultdict(list) for setting in settings}
     for step in range(args.warmup + args.steps):
         for setting, (model, optimizer, criterion, times, private) in settings.items():
@@ -80,7 +79,7 @@ def main(argv=None) -> dict:
                         help="the first samples of the benchmark batch (e.g. 2: the step's fixed cost)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--fast-noise", choices=sorted(FAST_NOISE), default="off")
+    parser.add_argument("--fast-noise", choices=tuple(FAST_NOISE_NAMES), default="off")
     parser.add_argument("--timer", choices=sorted(CLOCKS), default="cpu",
                         help="cpu: process CPU time (one thread); wall: wall clock (several threads)")
     args = parser.parse_args(argv)

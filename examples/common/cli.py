@@ -73,7 +73,15 @@ def add_privacy_args(parser: argparse.ArgumentParser, *, sigma: float, max_grad_
     group.add_argument("--disable-dp", action="store_true", help="train without privacy (baseline)")
     group.add_argument("--secure-rng", action="store_true",
                        help="OS-seeded noise and sampling (slower; for final models)")
-    group.add_argument("--fast-noise", default="off", choices=["off", "threads", "philox"],
+    add_fast_noise_arg(group)
+
+
+def add_fast_noise_arg(group) -> None:
+    """``--fast-noise off|threads|philox``: ``make_private``'s ``fast_noise`` by name
+    (:data:`opacus_dp.engine.fast_noise.FAST_NOISE_NAMES`)."""
+    from opacus_dp.engine.fast_noise import FAST_NOISE_NAMES
+
+    group.add_argument("--fast-noise", default="off", choices=tuple(FAST_NOISE_NAMES),
                        help="noise generator: off (torch's, one thread), threads (parallel threads on CPU), "
                             "philox (counter-based, drawn and added in one pass: fastest on CPU); "
                             "a checkpoint resumes with its own")
