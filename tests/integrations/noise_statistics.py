@@ -22,3 +22,9 @@ def assert_uncorrelated(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     a, b = a.double().flatten(), b.double().flatten()
     correlation = float(torch.corrcoef(torch.stack([a, b]))[0, 1])
     assert abs(correlation) < 5 / math.sqrt(a.numel()), f"{what}: correlation {correlation:.4f}"
+
+
+def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
+    """The model's parameters as one detached vector (a copy): before and after a step, their
+    difference is the step's update."""
+    return torch.cat([p.detach().flatten() for p in model.parameters()])

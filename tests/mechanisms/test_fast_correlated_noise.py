@@ -14,7 +14,7 @@ from opacus_dp import PrivacyEngine
 from opacus_dp.mechanisms.noise import CorrelatedNoise, recursion_for
 from opacus_dp.optim.parallel_noise import ParallelGaussianNoise
 from opacus_dp.optim.philox_noise import PhiloxGaussianNoise
-from tests.integrations.noise_statistics import assert_standard_normal, assert_uncorrelated
+from tests.integrations.noise_statistics import assert_standard_normal, assert_uncorrelated, flat_parameters
 from tests.mechanisms.test_noise import run
 from tests.mechanisms.test_noise_protocol import STEPS, c_inverse, strategy_of, stream
 
@@ -67,9 +67,9 @@ def whitened_noise(kind, fast_noise, secure_mode=False) -> torch.Tensor:
     noises = []
     for _ in range(EPOCHS):
         for batch in loader:
-            before = torch.cat([p.detach().flatten() for p in model.parameters()])
+            before = flat_parameters(model)
             step(model, optimizer, batch)
-            after = torch.cat([p.detach().flatten() for p in model.parameters()])
+            after = flat_parameters(model)
             noises.append((before - after).double() * optimizer.expected_batch_size / LR)
     strategy = optimizer.noise.strategy
     z = torch.stack(noises)

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from opacus_dp import PrivacyEngine
-from tests.integrations.noise_statistics import assert_standard_normal, assert_uncorrelated
+from tests.integrations.noise_statistics import assert_standard_normal, assert_uncorrelated, flat_parameters
 from tests.privacy_units.models import make_data, make_model
 
 SIGMA, CLIP, LR, STEPS = 1e4, 1.0, 1e-4, 6
@@ -32,11 +32,11 @@ def step_noise(mode: str, fast_noise, secure_mode: bool = False) -> torch.Tensor
     noises = []
     while len(noises) < STEPS:
         for x, y in loader:
-            before = torch.cat([p.detach().flatten() for p in model.parameters()])
+            before = flat_parameters(model)
             nn.functional.cross_entropy(private(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
-            after = torch.cat([p.detach().flatten() for p in model.parameters()])
+            after = flat_parameters(model)
             noises.append((before - after).double() * optimizer.expected_batch_size / (LR * SIGMA * CLIP))
             if len(noises) == STEPS:
                 break
