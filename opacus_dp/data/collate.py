@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import default_collate
 
+from opacus_dp.data.collate_rows import Layout, check_rows, learn_layout, warn_if_layout_disagrees
+
 _SCALARS = (str, bytes, int, float, complex, bool, type(None))
 _UNKNOWN = object()  # no two-example collate to compare with
 
@@ -106,13 +108,17 @@ class EmptyBatchCollate:
     A class rather than a closure so that it pickles into DataLoader worker processes.
     """
 
-    def __init__(self, collate_fn: Optional[Callable], empty_batch: Any):
+    def __init__(self, collate_fn: Optional[Callable], empty_batch: Any, layout: Layout = ()):
         self.collate_fn = default_collate if collate_fn is None else collate_fn
         self.empty_batch = empty_batch
+        self.layout = list(layout)  # the example dimensions every batch is checked on (collate_rows)
 
     @classmethod
     def from_dataset(cls, dataset, collate_fn: Optional[Callable], *, batch_first: bool = True):
-        """Learn the empty batch by collating ``[dataset[0]]`` (raises ValueError on an empty dataset)."""
+        """Learn the empty batch and the example dimensions (:mod:`~opacus_dp.data.collate_rows`) by
+        collating ``[dataset[0]]`` and ``[dataset[0], dataset[0]]`` (raises ValueError on an empty
+        dataset, :class:`~opacus_dp.data.collate_rows.RowsPerExampleError` on a collate that does
+        not give one row per example)."""
         if len(dataset) == 0:
             raise ValueError("dataset is empty: there is nothing to sample from")
         fn = default_collate if collate_fn is None else collate_fn
@@ -121,11 +127,16 @@ class EmptyBatchCollate:
             pair = fn([first, first])
         except Exception:  # a collate that refuses a repeated example: fall back to the layout rule
             pair = None
-        return cls(fn, empty_like_batch(fn([first]), batch_first=batch_first, pair=pair))
+        single = fn([first])
+        layout = [] if pair is None else learn_layout(single, pair)
+        warn_if_layout_disagrees(layout, batch_first, single)
+        return cls(fn, empty_like_batch(single, batch_first=batch_first, pair=pair), layout)
 
     def __call__(self, samples):
         if len(samples) > 0:
-            return self.collate_fn(samples)
+            batch = self.collate_fn(samples)
+            check_rows(batch, self.layout, len(samples))
+            return batch
         return _fresh_copy(self.empty_batch)
 
 

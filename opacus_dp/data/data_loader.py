@@ -15,6 +15,7 @@ from opacus_dp.data.samplers import (
     check_sample_rate,
     generator_from_global_rng,
 )
+from opacus_dp.data.step_per_batch import StepPerBatch
 
 
 def worker_settings(data_loader: DataLoader) -> dict:
@@ -128,6 +129,18 @@ class DPDataLoader(SamplingGeneratorKept, DataLoader):
             pin_memory_device=pin_memory_device,
         )
         self._seed_generator = worker_seed_generator(generator)
+        self.step_per_batch = StepPerBatch()  # connected by make_private to the optimizer's steps
+
+    def __iter__(self):
+        """The batches of one pass; refuses a batch whose predecessor got no step, once
+        ``step_per_batch`` follows an optimizer (:mod:`~opacus_dp.data.step_per_batch`)."""
+        batches = super().__iter__()
+        return self.step_per_batch.checked(batches) if self.step_per_batch.connected else batches
+
+    def iter_after(self, dropped: int):
+        """An iterator of one pass whose first ``dropped`` batches are drawn and dropped (a pass
+        resumed inside, so that the sampling continues exactly), checked as :meth:`__iter__`."""
+        return self.step_per_batch.checked(super().__iter__(), dropped)
 
     def _make_batch_sampler(self, num_samples: int, generator, steps):
         if self.distributed:

@@ -60,6 +60,8 @@ def assemble(plan: PrivatePlan, *, module: nn.Module, optimizer, data_loader: Da
         sample_rate = sample_rate_of(loader)
         dp_optimizer = _optimizer(plan, optimizer, module, gsm, loader, mechanism, world_size)
         connect(module, dp_optimizer, sample_rate, mechanism)  # all ranks agree from here on
+        if world_size == 1 and type(loader) is DPDataLoader:  # one step per batch (step_per_batch.py)
+            loader.step_per_batch.follow(dp_optimizer)
     except Exception:
         if gsm is not module:
             gsm.close()

@@ -32,7 +32,8 @@ A module Lightning compiles (``trainer.fit(torch.compile(module))``) has its hoo
 into the compiled ``training_step`` (:mod:`~opacus_dp.integrations.lightning_compile`).
 
 Refused up front (:class:`UnsupportedLightningSetupError`): several optimizers, manual optimization,
-``training_step(dataloader_iter)``, ``accumulate_grad_batches > 1``, ``gradient_clip_val``
+``training_step(dataloader_iter)``, ``accumulate_grad_batches > 1`` (or a
+``GradientAccumulationScheduler``), ``reload_dataloaders_every_n_epochs``, ``gradient_clip_val``
 (clipping is per example here), ``min_epochs``/``min_steps`` with a budget (they override the
 stop), a train loader that is not a :class:`PrivateDataLoader`, correlated noise mechanisms
 (Lightning fetches the next batch before the step, which their schedule forbids).
@@ -288,6 +289,11 @@ def _refuse_unsupported(trainer: "pl.Trainer", pl_module: "pl.LightningModule", 
             "dataloader_iter" in inspect.signature(pl_module.training_step).parameters,
         f"accumulate_grad_batches={trainer.accumulate_grad_batches} (each step is one Poisson batch; "
         "raise the batch size instead)": trainer.accumulate_grad_batches != 1,
+        "a GradientAccumulationScheduler callback (each step is one Poisson batch)":
+            any(isinstance(c, pl.callbacks.GradientAccumulationScheduler) for c in trainer.callbacks),
+        f"reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs} (the reloaded loader "
+        "would not be the one made private; the PrivateDataLoader draws new Poisson batches every epoch)":
+            bool(trainer.reload_dataloaders_every_n_epochs),
         f"gradient_clip_val={trainer.gradient_clip_val} (clipping is per example, max_grad_norm)":
             trainer.gradient_clip_val is not None,
         "min_epochs or min_steps with max_epsilon (they would keep training past the budget stop)":

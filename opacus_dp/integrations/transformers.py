@@ -56,7 +56,7 @@ from opacus_dp.distributed import DifferentiallyPrivateDistributedDataParallel
 from opacus_dp.errors import PrivacyBudgetExceededError
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.integrations.transformers_batches import PerExampleLoss, batch_size_of, piece_losses, pieces
-from opacus_dp.integrations.transformers_checks import check_optimizer, refuse_unsupported
+from opacus_dp.integrations.transformers_checks import check_optimizer, refuse_trainer_loss, refuse_unsupported
 from opacus_dp.integrations.transformers_forward import compile_as_accelerate_would, mixed_precision_forward
 from opacus_dp.integrations.transformers_state import load_private_state, save_private_state
 from opacus_dp.engine.fast_noise import fast_noise_setting
@@ -154,6 +154,7 @@ class DPTrainer(Trainer):
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"DPTrainer: args must be a TrainingArguments, got {type(args).__name__}")
         refuse_unsupported(args)
+        refuse_trainer_loss(trainer_kwargs.get("compute_loss_func"))
         self.privacy_args = privacy_args
         self.physical_batch_size = int(args.per_device_train_batch_size)
         self.accumulation_steps = int(args.gradient_accumulation_steps)

@@ -54,6 +54,21 @@ def refuse_unsupported(args: TrainingArguments) -> None:
             "once per batch (optim='adamw_torch', 'sgd', 'adafactor', ...)")
     if name.startswith("schedule_free"):
         raise ValueError(f"DPTrainer does not support optim={name!r}: {_MODES}")
+    if getattr(args, "label_smoothing_factor", 0):
+        raise ValueError(f"DPTrainer: label_smoothing_factor={args.label_smoothing_factor} would not be applied: "
+                         f"the private step trains on one loss per example. {_OWN_LOSS}")
+
+
+def refuse_trainer_loss(compute_loss_func) -> None:
+    """Refuse the Trainer's ``compute_loss_func``: it returns one loss for the whole batch, from
+    which no per-example gradient follows."""
+    if compute_loss_func is not None:
+        raise ValueError(f"DPTrainer: compute_loss_func would not be called: it returns one loss for the batch, "
+                         f"and the private step needs one loss per example. {_OWN_LOSS}")
+
+
+_OWN_LOSS = ("Pass DPTrainer(..., per_example_loss=f) with f(outputs, labels) returning a tensor of one loss per "
+             "example (label smoothing: F.cross_entropy(..., label_smoothing=s, reduction='none') averaged per row)")
 
 
 _MODES = ("schedule-free optimizers need the Trainer's optimizer.train()/eval() calls, which the private "

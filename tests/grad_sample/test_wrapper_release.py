@@ -42,7 +42,7 @@ def make_private(model, mode, clipping="flat", batch_size=6, engine=None):
 
 
 def one_step(wrapper, optimizer, criterion, loader) -> None:
-    x, y = next((x, y) for x, y in loader if len(x))
+    x, y = next(iter(loader))  # the pass's first batch, even an empty one: every batch gets its step
     optimizer.zero_grad()
     criterion(wrapper(x), y).backward()
     optimizer.step()

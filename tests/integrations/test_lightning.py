@@ -263,10 +263,18 @@ def test_checkpoint_without_or_with_shortened_private_state_is_refused(tmp_path)
     (dict(optimizers=0), {}, "0 optimizers|one torch.optim.Optimizer"),
     ({}, dict(accumulate_grad_batches=2), "accumulate_grad_batches=2"),
     ({}, dict(gradient_clip_val=1.0), "gradient_clip_val"),
+    ({}, dict(reload_dataloaders_every_n_epochs=1), "reload_dataloaders_every_n_epochs=1"),
 ])
 def test_unsupported_setups_are_refused(setup, options, message):
     with pytest.raises(UnsupportedLightningSetupError, match=message):
         fit(Recorder(*data(), **setup), [callback()], **options)
+
+
+def test_a_gradient_accumulation_scheduler_is_refused_before_the_first_step():
+    private = callback()
+    with pytest.raises(UnsupportedLightningSetupError, match="GradientAccumulationScheduler"):
+        fit(Recorder(*data()), [private, pl.callbacks.GradientAccumulationScheduler({1: 2})], max_epochs=2)
+    assert private.privacy_engine is None or len(private.privacy_engine.accountant) == 0
 
 
 def test_bad_arguments_are_refused():
