@@ -8,7 +8,7 @@ samplers give some examples a rate above q; ``drop_last`` silently changes the b
 """
 
 import warnings
-from typing import List
+from typing import List, Optional
 
 from torch.utils.data import (BatchSampler, DataLoader, RandomSampler, SequentialSampler, SubsetRandomSampler,
                               WeightedRandomSampler)
@@ -110,6 +110,35 @@ def check_replaceable_sampler(data_loader: DataLoader, where: str) -> None:
         warnings.warn(
             f"{where}: the loader's {name} is replaced by Poisson sampling over the whole "
             f"dataset ({len(data_loader.dataset)} examples, each at rate q)", SamplingWarning, stacklevel=3)
+
+
+def _distributed_sampler(data_loader: DataLoader) -> Optional[DistributedSampler]:
+    """The loader's ``DistributedSampler`` (looking through BatchMemoryManager's splitter), if any."""
+    batch_sampler = _logical_batch_sampler(data_loader)
+    for sampler in (getattr(batch_sampler, "sampler", None), batch_sampler, getattr(data_loader, "sampler", None)):
+        if isinstance(sampler, DistributedSampler):
+            return sampler
+    return None
+
+
+def check_no_padding_across_ranks(data_loader: DataLoader, where: str) -> None:
+    """Refuse a ``DistributedSampler`` that pads the shards by repeating examples (``drop_last=False``
+    and N not divisible by ``num_replicas``): a repeated example can be in two ranks' batches of one
+    step, clipped on each, so it adds 2C to the all-reduced sum while the noise covers C."""
+    sampler = _distributed_sampler(data_loader)
+    if sampler is None or sampler.drop_last:
+        return
+    n, replicas = len(sampler.dataset), sampler.num_replicas
+    padding = -n % replicas
+    if padding:
+        raise ValueError(
+            f"{where}: {type(sampler).__name__}(drop_last=False) pads the {n} examples to a multiple of "
+            f"num_replicas={replicas} by repeating {padding} of them, so one example can be in two ranks' "
+            "batches of the same step: clipped on each rank, it adds 2C to the all-reduced sum while the "
+            "noise covers C (sensitivity 2C). Build the sampler with DistributedSampler(dataset, "
+            f"drop_last=True) (each pass then leaves out {n % replicas} of the {n}), or use "
+            "poisson_sampling=True (disjoint Poisson batches drawn from the whole dataset)"
+        )
 
 
 def check_sampling(data_loader: DataLoader, poisson_expected: bool = True) -> List[str]:

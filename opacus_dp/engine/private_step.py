@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
+from opacus_dp.data.sampling_checks import check_no_padding_across_ranks
 from opacus_dp.engine.budget_guard import BudgetGuard
 from opacus_dp.distributed import (
     check_data_loader_world_size,
@@ -63,8 +64,11 @@ def check_distributed(module: nn.Module) -> int:
 
 
 def check_distributed_loader(data_loader: DataLoader, world_size: int, poisson_sampling: bool) -> None:
-    """Refuse a loader whose sharding disagrees with the process group."""
+    """Refuse a loader whose sharding disagrees with the process group or, kept as it is
+    (``poisson_sampling=False``), repeats an example across the ranks of one step."""
     check_data_loader_world_size(data_loader, world_size, poisson_sampling=poisson_sampling)
+    if world_size > 1 and not poisson_sampling:
+        check_no_padding_across_ranks(data_loader, "make_private(poisson_sampling=False)")
 
 
 def connect_private_step(module: nn.Module, dp_optimizer, *, accountant, sample_rate: float,

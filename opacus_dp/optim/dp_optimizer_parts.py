@@ -33,9 +33,11 @@ from opacus_dp.optim.wrapped_optimizer import WrappedOptimizer
 from opacus_dp.per_sample_source import AttributeGradSource, GradSource, grad_source_for
 from opacus_dp.state_views import OPACUS_1X, StateViews
 
+NOISE_NOT_DRAWN_HERE = "noise_not_drawn_on_this_rank"  # noise_state_dict of a rank that draws none
+
 # the settings every process checks at each step (DPOptimizerParts._step_settings)
 STEP_SETTINGS = ("noise_multiplier", "max_grad_norm (sensitivity)", "sum of clipping bounds",
-                 "batches merged into the step")
+                 "batches merged into the step", "steps taken (a checkpoint loaded on every rank?)")
 
 
 def _check_expected_batch_size(expected_batch_size, loss_reduction: str):
@@ -261,7 +263,7 @@ class DPOptimizerParts(WrappedOptimizer):
         """The settings every process must share at each step (a scheduler may change σ or the
         bounds between steps): checked in the step's own collective (a distributed reducer)."""
         values = (self.noise_multiplier, self.clipper.sensitivity, float(sum(self.max_grad_norms)),
-                  float(self.accumulated_iterations))
+                  float(self.accumulated_iterations), float(self.steps_taken))
         return dict(zip(STEP_SETTINGS, values))
 
     def settings_ranks_share(self) -> Dict[str, Optional[float]]:
@@ -308,14 +310,29 @@ class DPOptimizerParts(WrappedOptimizer):
         self.clipper.load_state_dict(state)
 
     def noise_state_dict(self) -> dict:
-        """State of the noise generator, for reproducible resumption."""
+        """State of the noise generator, for reproducible resumption. A rank that draws no noise
+        (under DDP every rank but 0) has a generator that never advanced: it gives a marker
+        instead, which a rank that draws the noise refuses to resume from (:meth:`load_noise_state_dict`)."""
+        if not self.reducer.draws_noise:
+            return {NOISE_NOT_DRAWN_HERE: True}
         params = self.params
         if params and not self.noise.secure_mode:
             self.noise.generator_for(params[0].device)  # materialise it where the noise is drawn
         return self.noise.state_dict()
 
     def load_noise_state_dict(self, state: dict) -> None:
-        self.noise.load_state_dict(state)
+        """Restore :meth:`noise_state_dict`; a marker (saved by a rank that draws no noise) changes
+        nothing, and is refused by a rank that draws the noise once steps were taken: resuming
+        from a generator that never advanced would draw the released steps' noise again."""
+        if not state.get(NOISE_NOT_DRAWN_HERE, False):
+            self.noise.load_state_dict(state)
+        elif self.reducer.draws_noise and self.steps_taken > 0:
+            raise ValueError(
+                f"the checkpoint's noise state was saved by a rank that draws no noise (under DDP only rank 0 "
+                f"draws it), so it is the generator's state before any step; resuming this run, which has "
+                f"released {self.steps_taken} steps, from it would add the noise of its first steps again "
+                "(differences of updates would then be noise-free). Save the checkpoint on rank 0 "
+                "(if dist.get_rank() == 0: save_checkpoint(...)) and load it on every rank")
 
     def _name(self, p) -> str:
         if p in self.param_names:

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from opacus_dp.optim.dp_optimizer_parts import STEP_SETTINGS
+
 SCRIPTS = str(Path(__file__).resolve().parents[2] / "scripts")
 
 
@@ -25,7 +27,7 @@ def bench():
 def test_bytes_per_step_of_each_mode_on_two_processes(bench):
     args = SimpleNamespace(width=16, batch_size=8, steps=2)
     gradient_bytes = 4 * sum(p.numel() for p in bench.make_model(args.width).parameters())
-    settings_bytes = 4 * 2 * (4 + 2)  # the step's 4 settings and its clock (phase, batches) per rank, in the same all-reduce
+    settings_bytes = 4 * 2 * (len(STEP_SETTINGS) + 2)  # the step's settings and its clock (phase, batches) per rank, in the same all-reduce
     results = bench.run_world(2, args)
     assert set(results) == set(bench.MODES)
     assert results["ddp"]["bytes_per_step"] == gradient_bytes

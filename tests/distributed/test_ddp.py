@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from opacus_dp.optim.dp_optimizer_parts import STEP_SETTINGS
 from tests.distributed.oracle import clipped_mean_update, per_sample_grads, sgd_step
 from tests.distributed.spawn import run_on_ranks
 from tests.distributed.workers import FLAT_C, LAYER_C, LR, make_model
@@ -123,7 +124,7 @@ def test_one_all_reduce_of_the_clipped_sums_per_step(equivalence, privacy):
     numel = sum(p.numel() for p in r["start"])
     steps = len(r["batches"])
     assert r["all_reduces"] == steps
-    agreement = WORLD * (4 + 2)  # the step's settings and clock, one row per rank (distributed/reducers.py)
+    agreement = WORLD * (len(STEP_SETTINGS) + 2)  # the step's settings and clock, one row per rank (distributed/reducers.py)
     assert r["reducer_bytes"] == steps * (numel + agreement) * 8  # float64, once per logical step
     assert privacy[0]["noise_ddp"]["ddp_grads_stayed_local"], "DDP must not all-reduce unclipped grads"
 
@@ -225,6 +226,25 @@ def test_checkpoint_written_by_rank_zero_resumes_everywhere(privacy):
     assert c0["epsilon"] == c1["epsilon"]
 
 
+def test_a_checkpoint_written_by_a_rank_that_draws_no_noise_is_refused_where_the_noise_is_drawn(privacy):
+    """Under DDP only rank 0 draws the noise: rank 1's generator never advanced, and resuming
+    rank 0 from it would add the first steps' noise again (noise-free differences of updates)."""
+    refused = privacy[0]["checkpoint"]["saved_by_rank_1"]
+    assert refused is not None and "saved by a rank that draws no noise" in refused and "rank 0" in refused
+    assert privacy[1]["checkpoint"]["saved_by_rank_1"] is None  # nothing to restore there
+
+
+def test_a_checkpoint_loaded_on_one_rank_only_is_refused_at_the_next_step_on_every_rank(privacy):
+    """The ranks' step counts travel in the step's agreement table: a rank that started afresh
+    (0 steps) beside one resumed (2 steps) would otherwise train on with a different epsilon."""
+    for rank in (0, 1):
+        outcome = privacy[rank]["checkpoint"]["loaded_on_rank_0_only"]
+        assert outcome["error"] is not None and "steps taken" in outcome["error"], outcome
+        assert "{0: 2.0, 1: 0.0}" in outcome["error"]
+    assert privacy[0]["checkpoint"]["loaded_on_rank_0_only"]["steps"] == 2
+    assert privacy[1]["checkpoint"]["loaded_on_rank_0_only"]["steps"] == 0
+
+
 @pytest.mark.parametrize("case,words", [
     ("sample_rate", "sample_rate differs between ranks"),
     ("noise_multiplier", "noise_multiplier differs between ranks"),
@@ -285,7 +305,7 @@ def test_adaptive_clipping_with_noise_one_all_reduce_same_bound_everywhere(priva
     assert_bit_identical(r0["final"], r1["final"])
     steps, numel = len(r0["batches"]), sum(p.numel() for p in r0["start"])
     assert r0["all_reduces"] == steps  # the unclipped count travels in the gradients' all-reduce
-    assert r0["reducer_bytes"] == steps * (numel + 1 + WORLD * (4 + 2)) * 8  # settings + clock
+    assert r0["reducer_bytes"] == steps * (numel + 1 + WORLD * (len(STEP_SETTINGS) + 2)) * 8  # settings + clock
     reference = RDPAccountant()  # the accountant records the total σ, not the gradient's share
     for _ in range(steps):
         reference.step(noise_multiplier=r0["sigma"], sample_rate=r0["sample_rate"])

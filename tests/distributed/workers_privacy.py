@@ -144,8 +144,33 @@ def checkpoint_run(rank, world_size, path):
     engine2.load_checkpoint(path=path, module=gsm2, optimizer=optimizer2)
     loaded = params_of(gsm2)
     train(gsm2, optimizer2, dp_loader2, 1)
-    return {"saved": saved, "loaded": loaded, "resumed": params_of(gsm2), "uninterrupted": uninterrupted,
-            "history": list(engine2.accountant.history), "epsilon": engine2.get_epsilon(DELTA)}
+    result = {"saved": saved, "loaded": loaded, "resumed": params_of(gsm2), "uninterrupted": uninterrupted,
+              "history": list(engine2.accountant.history), "epsilon": engine2.get_epsilon(DELTA)}
+    result["saved_by_rank_1"] = _resume_from_rank_1(rank, path + ".rank1", build, train)
+    result["loaded_on_rank_0_only"] = _resume_on_rank_0_only(rank, path, build, train)
+    return result
+
+
+def _resume_from_rank_1(rank, path, build, train):
+    """Rank 1 (which draws no noise under DDP) saves after two steps; every rank loads: the
+    error of each rank's load (None: loaded)."""
+    engine, gsm, optimizer, dp_loader = build(seed=600 + rank)
+    train(gsm, optimizer, dp_loader, 2)
+    if rank == 1:
+        engine.save_checkpoint(path=path, module=gsm, optimizer=optimizer)
+    dist.barrier()
+    engine, gsm, optimizer, _ = build(seed=700 + rank)
+    return _error_of(lambda: engine.load_checkpoint(path=path, module=gsm, optimizer=optimizer))
+
+
+def _resume_on_rank_0_only(rank, path, build, train):
+    """Rank 0 resumes from the checkpoint, rank 1 starts afresh; both take a step: its error on
+    each rank, and the steps each accountant holds."""
+    engine, gsm, optimizer, dp_loader = build(seed=700 + rank)
+    if rank == 0:
+        engine.load_checkpoint(path=path, module=gsm, optimizer=optimizer)
+    error = _error_of(lambda: train(gsm, optimizer, dp_loader, 1))
+    return {"error": error, "steps": len(engine.accountant)}
 
 
 def classic_epsilon_run(rank, world_size, steps=3, per_process_batch=4):
