@@ -20,6 +20,7 @@ from opacus_dp.accountants import RDPAccountant
 from opacus_dp.accountants.analysis.rdp import compute_rdp
 from opacus_dp.accountants.validation import warn_if_delta_not_small
 from opacus_dp.data.empty_draw_steps import follow_empty_draws
+from opacus_dp.distributed.noise_streams import give_rank_its_stream
 from opacus_dp.engine.arguments import check_optimizer_params
 from opacus_dp.engine.classic_arguments import (
     DEFAULT_ALPHAS,
@@ -174,6 +175,7 @@ class ClassicPrivacyEngine:
         if self._pending_noise_state is not None:  # from load_state_dict before attach
             dp_optimizer.load_noise_state_dict(self._pending_noise_state)
             self._pending_noise_state = None
+            _own_stream_per_rank(dp_optimizer)
         self._saved_attributes = patch_optimizer(optimizer, self)
         self.optimizer = optimizer
 
@@ -280,12 +282,14 @@ class ClassicPrivacyEngine:
         return len(self.accountant)
 
     def _set_seed(self, seed: int) -> None:
-        """Seed the noise generator (Opacus 0.x debugging helper; not in secure mode)."""
+        """Seed the noise generator (Opacus 0.x debugging helper; not in secure mode). Under FSDP2
+        each rank then draws from its own stream derived from ``seed`` (:func:`_own_stream_per_rank`)."""
         if self.secure_mode:
             raise ValueError("_set_seed is not allowed with secure_rng=True")
-        self.noise_generator = torch.Generator().manual_seed(int(seed))
+        self.noise_generator = torch.Generator().manual_seed(int(seed))  # attach derives the ranks' streams
         if self._dp_optimizer is not None:
             self._dp_optimizer.noise.reseed(int(seed))
+            _own_stream_per_rank(self._dp_optimizer)
 
     def to(self, device) -> "ClassicPrivacyEngine":
         """Record the device of the model (noise is drawn on the parameters' device)."""
@@ -309,14 +313,23 @@ class ClassicPrivacyEngine:
         return self.get_privacy_spent(delta)[0]
 
     def state_dict(self) -> dict:
-        """Steps, full privacy history and noise generator state."""
+        """Steps, full privacy history and noise generator state: this process's stream only (no
+        collective, so rank 0 alone may save it; under FSDP2 see :meth:`load_state_dict`)."""
         state = {"steps": self.steps, "accountant": self.accountant.state_dict()}
         if self._dp_optimizer is not None:
             state["noise_generator_state"] = self._dp_optimizer.noise_state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict`; an Opacus 0.x ``{"steps": n}`` means n steps of (σ, q)."""
+        """Restore :meth:`state_dict`; an Opacus 0.x ``{"steps": n}`` means n steps of (σ, q).
+
+        Under FSDP2 (each rank noises its own shard) the state holds one stream, the saving
+        rank's, and every rank loads it: each rank then continues from its own stream derived
+        from it (:func:`_own_stream_per_rank`), never the saved stream itself. Like the sharded
+        checkpoints (:mod:`~opacus_dp.checkpoints.sharded`), no two ranks share a stream; unlike
+        them, which save and restore every rank's stream bit-exactly, the resumed run is
+        reproducible from this state but not the continuation of the saved one. Under DDP only
+        rank 0 draws noise: its stream is restored as saved."""
         if "accountant" in state_dict:
             self.accountant.load_state_dict(state_dict["accountant"])
         else:
@@ -326,6 +339,7 @@ class ClassicPrivacyEngine:
         noise = state_dict.get("noise_generator_state")
         if noise is not None and self._dp_optimizer is not None:
             self._dp_optimizer.load_noise_state_dict(noise)
+            _own_stream_per_rank(self._dp_optimizer)
         else:  # not attached yet: restored by attach()
             self._pending_noise_state = noise
 
@@ -334,6 +348,16 @@ class ClassicPrivacyEngine:
                         "attach(optimizer); for make_private create PrivacyEngine() without a model")
 
     make_private_with_epsilon = make_private
+
+
+def _own_stream_per_rank(dp_optimizer) -> None:
+    """Under a reducer whose ranks each noise their own shard (FSDP2), reseed this rank's noise
+    with ``rank_seed(stream_base, rank)`` of the stream just loaded or seeded, as ``make_private``
+    and ``attach`` do (:mod:`~opacus_dp.distributed.noise_streams`): deterministic, independent
+    across ranks. Nothing under other reducers (one stream, rank 0's) or in secure mode."""
+    reducer = dp_optimizer.reducer
+    if reducer.shards:
+        give_rank_its_stream(dp_optimizer.noise, reducer.rank)
 
 
 PrivacyEngine = ClassicPrivacyEngine  # this module's engine under Opacus 0.x's class name
