@@ -61,6 +61,26 @@ def _sampler_problems(data_loader: DataLoader, poisson_expected: bool) -> List[s
     return problems
 
 
+def check_draws_each_example_once(data_loader: DataLoader, where: str) -> None:
+    """Refuse a ``RandomSampler`` that draws with replacement or more examples per pass than the
+    dataset has, for a loader kept as it is (``q = 1/len(loader)``): with replacement an example
+    can fill two rows of one batch (clipped twice: 2C, noised for C), and ``k·N`` draws per pass
+    put each example in about ``k`` batches per pass, ``k`` times the rate ``1/len(loader)`` the
+    accountant would record."""
+    sampler = getattr(_logical_batch_sampler(data_loader), "sampler", None)
+    if not isinstance(sampler, RandomSampler):
+        return
+    n, draws = len(sampler.data_source), sampler.num_samples
+    if sampler.replacement or draws > n:
+        raise ValueError(
+            f"{where}: RandomSampler(replacement={sampler.replacement}, num_samples={draws}) over {n} examples "
+            "draws an example more than once per pass: with replacement it can fill two rows of one batch "
+            "(clipped twice, a sensitivity of 2C), and with more draws than examples each example is in "
+            f"about {draws / n:.3g} batches per pass while the accountant records q = 1/len(data_loader). "
+            "Use poisson_sampling=True (its rate q = 1/len(data_loader) is the rate it draws), or a "
+            "sampler that draws each example once per pass (shuffle=True)")
+
+
 def check_batching(data_loader: DataLoader, where: str) -> None:
     """Refuse a loader without batches (``batch_size=None``: each example would arrive without
     a batch dimension and its rows be clipped as separate examples), without a length (the

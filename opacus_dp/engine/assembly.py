@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from opacus_dp.data import DPDataLoader, check_sampling, switch_generator
 from opacus_dp.data.loader_facts import expected_batch_size_for, fixed_batch_size, sample_rate_of
-from opacus_dp.data.sampling_checks import check_batching
+from opacus_dp.data.sampling_checks import check_batching, check_draws_each_example_once
 from opacus_dp.distributed.checks import check_units_agree, share_generator_state
 from opacus_dp.engine.arguments import check_optimizer_params, refuse_skipped_empty_draws
 from opacus_dp.engine.model import validate_module, wrap_module
@@ -108,6 +108,7 @@ def private_loader(plan: PrivatePlan, data_loader: DataLoader, mechanism: Option
         return DPDataLoader.from_data_loader(data_loader, generator=generator, distributed=distributed,
                                              batch_first=plan.batch_first)
     check_batching(data_loader, "make_private(poisson_sampling=False)")
+    check_draws_each_example_once(data_loader, "make_private(poisson_sampling=False)")
     refuse_skipped_empty_draws(data_loader)
     check_sampling(data_loader, poisson_expected=False)
     if generator is None:

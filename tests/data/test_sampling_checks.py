@@ -62,3 +62,35 @@ def test_unbatched_loader_and_non_loader():
     assert "batch_size=None" in messages(DataLoader(dataset(), batch_size=None))
     with pytest.raises(TypeError, match="data_loader"):
         check_sampling([1, 2])
+
+
+def _make_private_without_poisson(sampler):
+    from opacus_dp import PrivacyEngine
+    data = TensorDataset(torch.randn(20, 2), torch.randint(0, 2, (20,)))
+    model = torch.nn.Linear(2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=5, sampler=sampler), noise_multiplier=1.0,
+            max_grad_norm=1.0, poisson_sampling=False)
+
+
+@pytest.mark.parametrize("replacement, num_samples, words", [
+    (True, 20, "replacement=True, num_samples=20"),   # an example can fill two rows of one batch
+    (False, 200, "about 10 batches per pass"),         # 10 draws of each example per pass at q = 1/40
+    (True, 200, "replacement=True, num_samples=200"),
+])
+def test_a_random_sampler_drawing_examples_more_than_once_per_pass_is_refused(replacement, num_samples, words):
+    data = TensorDataset(torch.randn(20, 2))
+    sampler = torch.utils.data.RandomSampler(data, replacement=replacement, num_samples=num_samples)
+    with pytest.raises(ValueError, match="poisson_sampling=True") as refused:
+        _make_private_without_poisson(sampler)
+    assert words in str(refused.value)
+
+
+def test_a_shuffling_or_subsampling_random_sampler_is_accepted():
+    data = TensorDataset(torch.randn(20, 2))
+    for sampler in (torch.utils.data.RandomSampler(data), torch.utils.data.RandomSampler(data, num_samples=10)):
+        _, optimizer, loader = _make_private_without_poisson(sampler)
+        assert loader.sampler is sampler or loader.batch_sampler.sampler is sampler
