@@ -50,7 +50,7 @@ from opacus_dp.checkpoints.agreement import (  # noqa: F401  (ShardedCheckpoint*
 from opacus_dp.checkpoints.consistency import STEPS_ENTRY, check_history_agrees
 from opacus_dp.checkpoints.file_format import CheckpointIntegrityError
 from opacus_dp.checkpoints.single_file import (_check_accountant_entry, _clipping_state, _load_clipping_state,
-                                               _sampler_generator)
+                                               _sampler_generator, sampler_state)
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
@@ -100,7 +100,7 @@ def _private_state(dp_optimizer, accountant, *, rank, world_size, data_loader, s
         state["noise_generator_state"] = dp_optimizer.noise_state_dict()
         generator = _sampler_generator(data_loader)
         if generator is not None:
-            state["sampler_generator_state"] = generator.get_state()
+            state["sampler_generator_state"] = sampler_state(data_loader, generator)
     learned = _clipping_state(dp_optimizer)
     if learned:
         state["clipping_state"] = learned

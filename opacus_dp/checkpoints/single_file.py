@@ -67,6 +67,13 @@ def _sampler_generator(data_loader) -> Optional[torch.Generator]:
     return generator if isinstance(generator, torch.Generator) else None
 
 
+def sampler_state(data_loader, generator: torch.Generator) -> torch.Tensor:
+    """The state to save of ``data_loader``'s sampling ``generator``: after the last batch handed
+    out (a DP loader with worker processes draws ahead), else the generator's own."""
+    state_of = getattr(data_loader, "sampling_state", None)
+    return state_of() if callable(state_of) else generator.get_state()
+
+
 def save(path, *, module: nn.Module, optimizer=None, accountant=None, data_loader=None,
          schedulers: Optional[Dict[str, object]] = None, checkpoint_dict=None,
          module_state_dict_kwargs=None, torch_save_kwargs=None, secure_mode: bool = False,
@@ -91,7 +98,7 @@ def save(path, *, module: nn.Module, optimizer=None, accountant=None, data_loade
             state[STEPS_ENTRY] = dp_optimizer.steps_taken
     generator = _sampler_generator(data_loader)
     if generator is not None:
-        state["sampler_generator_state"] = generator.get_state()
+        state["sampler_generator_state"] = sampler_state(data_loader, generator)
     for name, scheduler in (schedulers or {}).items():
         if scheduler is not None:
             state[f"{name}_state_dict"] = scheduler.state_dict()

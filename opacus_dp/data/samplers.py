@@ -102,6 +102,7 @@ class UniformWithReplacementSampler(Sampler[List[int]]):
         for _ in range(self.steps):
             indices = poisson_mask(self.num_samples, self.sample_rate, self.generator).nonzero().view(-1).tolist()
             self.draws += 1
+            log_state_after_draw(self)
             if indices or not self.skip_empty:
                 yield indices
             else:
@@ -110,6 +111,14 @@ class UniformWithReplacementSampler(Sampler[List[int]]):
     def expected_batch_size(self) -> float:
         """E|B| = N·q."""
         return self.num_samples * self.sample_rate
+
+
+def log_state_after_draw(sampler) -> None:
+    """Append the sampling generator's state to ``sampler.state_log`` (a deque a loader drawing
+    ahead with worker processes sets, to know the state after each batch it hands out)."""
+    log = getattr(sampler, "state_log", None)
+    if log is not None and isinstance(sampler.generator, torch.Generator):
+        log.append(sampler.generator.get_state())
 
 
 _LOGICAL_BATCHES = [0]  # handed out in this process by the distributed DP loaders
@@ -218,6 +227,7 @@ class DistributedPoissonBatchSampler(Sampler[List[int]]):
         owned = self.shard_indices()
         for _ in range(self.steps):
             mask = poisson_mask(self.total_size, self.sample_rate, self.generator)
+            log_state_after_draw(self)
             self._sizes_of_ranks = [int(mask[r :: self.num_replicas].sum()) for r in range(self.num_replicas)]
             if count_batches:
                 count_logical_batch()
