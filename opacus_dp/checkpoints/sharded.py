@@ -50,7 +50,7 @@ from opacus_dp.checkpoints.agreement import (  # noqa: F401  (ShardedCheckpoint*
 from opacus_dp.checkpoints.consistency import STEPS_ENTRY, check_history_agrees
 from opacus_dp.checkpoints.file_format import CheckpointIntegrityError
 from opacus_dp.checkpoints.single_file import (_check_accountant_entry, _clipping_state, _load_clipping_state,
-                                               _sampler_generator, sampler_state)
+                                               _sampler_generator, sampler_state, warn_if_rolled_back)
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
@@ -199,6 +199,7 @@ def load(path, *, module: nn.Module, optimizer, accountant, rank: int, world_siz
     model, dp_optimizer, inner = _parts(module, optimizer)
     status, state, error = check_rank_file(path, rank, world_size, accountant, signing_key)
     agree(path, status, action="load", rank=rank, world_size=world_size, cause=error)
+    warn_if_rolled_back(path, state, dp_optimizer)
     model_state, optimizer_state = get_state_dict(model, inner)
     sharded = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(sharded, checkpoint_id=os.path.join(os.fspath(path), SHARDED_DIR))
@@ -215,9 +216,9 @@ def _restore_private_state(state: dict, dp_optimizer, accountant, data_loader, s
     if noise is not None and not secure_mode:
         dp_optimizer.load_noise_state_dict(noise)
     generator = None if secure_mode else _sampler_generator(data_loader)
-    sampler_state = state.pop("sampler_generator_state", None)
-    if generator is not None and sampler_state is not None:
-        generator.set_state(sampler_state)
+    saved_sampling = state.pop("sampler_generator_state", None)
+    if generator is not None and saved_sampling is not None:
+        generator.set_state(saved_sampling)
     _load_clipping_state(state.pop("clipping_state", None), dp_optimizer)
     for name, scheduler in (schedulers or {}).items():
         saved = state.pop(f"{name}_state_dict", None)

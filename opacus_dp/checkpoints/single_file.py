@@ -119,6 +119,7 @@ def load(path, *, module: nn.Module, optimizer=None, accountant=None, data_loade
     _check_accountant_entry(path, state, accountant)
     check_history_agrees(path, state, require_steps=accountant is not None and "optimizer_state_dict" in state
                          and dp_optimizer_behind(optimizer) is not None)
+    warn_if_rolled_back(path, state, dp_optimizer_behind(optimizer))
     target = unwrap_model(module)
     generator = None if secure_mode else _sampler_generator(data_loader)
     schedulers = {k: v for k, v in (schedulers or {}).items() if v is not None}
@@ -208,6 +209,21 @@ def _convert_history(path, state: dict, target: str) -> None:
                   f"{target!r} (it can differ from what the saved run reported)", UserWarning)
     state[ACCOUNTANT_ENTRY] = {**state[ACCOUNTANT_ENTRY], "mechanism": target,
                                "history": [tuple(entry) for entry in state[ACCOUNTANT_ENTRY]["history"]]}
+
+
+def warn_if_rolled_back(path, state: dict, dp_optimizer) -> None:
+    """Warn when the checkpoint holds fewer released steps than ``dp_optimizer`` has taken: the
+    accountant's history goes back with the model, so the later steps stop counting, which is
+    right only if nothing trained by them (a model, an evaluation) was published."""
+    saved = state.get(STEPS_ENTRY)
+    if dp_optimizer is None or not isinstance(saved, int) or saved >= dp_optimizer.steps_taken:
+        return
+    warnings.warn(
+        f"loading checkpoint {path} takes this run back from {dp_optimizer.steps_taken} released private "
+        f"steps to {saved}: the accountant's history is replaced by the checkpoint's, so epsilon no longer "
+        f"counts the {dp_optimizer.steps_taken - saved} later steps. That is right only if nothing they "
+        "trained (a model, its outputs, an evaluation) was published; otherwise report the epsilon of "
+        "every step taken", UserWarning)
 
 
 def _load_optimizer(state: dict, optimizer) -> None:

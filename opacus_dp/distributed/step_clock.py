@@ -82,4 +82,7 @@ def _message(readings: Dict[int, Tuple[int, int]]) -> str:
         "sequence for every batch: forward, backward, optimizer.step(), even with a NaN loss "
         "(a non-finite sample is dropped by the step) or an empty batch. Under DDP/DPDDP the "
         "ranks pair again from the next batch; under FSDP2 a forward or backward pass was cut "
-        "short: restart every rank from the last checkpoint")
+        "short: restart every rank from the last checkpoint. (Under FSDP2 with BatchMemoryManager, ranks "
+        "whose distributed DP loaders were seeded differently also cut their batches into different "
+        "numbers of pieces: build the loader with make_private, which shares rank 0's sampling state, "
+        "or seed the DPDataLoader's generator alike on every rank)")

@@ -347,3 +347,19 @@ def test_a_history_of_an_unknown_accountant_type_is_refused(tmp_path):
     with pytest.raises(CheckpointIntegrityError, match="mechanism.*my_custom"):
         engine2.load_checkpoint(path=path, module=gsm2, optimizer=optimizer2)
     before.check()
+
+
+def test_loading_an_older_checkpoint_into_a_run_that_went_further_warns(tmp_path):
+    """The history goes back with the model: the later steps stop counting, which is right only if
+    nothing they trained was published, so the user is told how many steps are dropped."""
+    engine, gsm, optimizer, loader = trained(steps=3)
+    engine.save_checkpoint(path=tmp_path / "three.pt", module=gsm, optimizer=optimizer)
+    train(gsm, optimizer, loader, 2)
+    assert len(engine.accountant) == 5
+    with pytest.warns(UserWarning, match="from 5 released private steps to 3.*2 later steps"):
+        engine.load_checkpoint(path=tmp_path / "three.pt", module=gsm, optimizer=optimizer)
+    assert len(engine.accountant) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same checkpoint into a fresh run: nothing goes back
+        fresh_engine, fresh_gsm, fresh_optimizer, _ = fresh()
+        fresh_engine.load_checkpoint(path=tmp_path / "three.pt", module=fresh_gsm, optimizer=fresh_optimizer)
