@@ -25,6 +25,16 @@ def rank_seed(base: bytes, rank: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 2
 
 
+def own_stream_per_rank(dp_optimizer) -> None:
+    """Under a reducer whose ranks each noise their own shard (FSDP2), reseed this rank's noise
+    with its own stream derived from the stream just loaded or seeded (every rank may have loaded
+    rank 0's): deterministic and independent across ranks. Nothing under other reducers (one
+    stream, rank 0's) or in secure mode."""
+    reducer = dp_optimizer.reducer
+    if reducer.shards:
+        give_rank_its_stream(dp_optimizer.noise, reducer.rank)
+
+
 def give_rank_its_stream(noise, rank: int) -> None:
     """Reseed ``noise`` (a :class:`~opacus_dp.optim.noise.GaussianNoise`) with ``rank``'s stream;
     nothing in secure mode. The user's generator object is not changed (a new one replaces it)."""

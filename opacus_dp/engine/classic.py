@@ -20,7 +20,7 @@ from opacus_dp.accountants import RDPAccountant
 from opacus_dp.accountants.analysis.rdp import compute_rdp
 from opacus_dp.accountants.validation import warn_if_delta_not_small
 from opacus_dp.data.empty_draw_steps import follow_empty_draws
-from opacus_dp.distributed.noise_streams import give_rank_its_stream
+from opacus_dp.distributed.noise_streams import own_stream_per_rank
 from opacus_dp.engine.arguments import check_optimizer_params
 from opacus_dp.engine.classic_arguments import (
     DEFAULT_ALPHAS,
@@ -175,7 +175,7 @@ class ClassicPrivacyEngine:
         if self._pending_noise_state is not None:  # from load_state_dict before attach
             dp_optimizer.load_noise_state_dict(self._pending_noise_state)
             self._pending_noise_state = None
-            _own_stream_per_rank(dp_optimizer)
+            own_stream_per_rank(dp_optimizer)
         self._saved_attributes = patch_optimizer(optimizer, self)
         self.optimizer = optimizer
 
@@ -283,13 +283,14 @@ class ClassicPrivacyEngine:
 
     def _set_seed(self, seed: int) -> None:
         """Seed the noise generator (Opacus 0.x debugging helper; not in secure mode). Under FSDP2
-        each rank then draws from its own stream derived from ``seed`` (:func:`_own_stream_per_rank`)."""
+        each rank then draws from its own stream derived from ``seed``
+        (:func:`~opacus_dp.distributed.noise_streams.own_stream_per_rank`)."""
         if self.secure_mode:
             raise ValueError("_set_seed is not allowed with secure_rng=True")
         self.noise_generator = torch.Generator().manual_seed(int(seed))  # attach derives the ranks' streams
         if self._dp_optimizer is not None:
             self._dp_optimizer.noise.reseed(int(seed))
-            _own_stream_per_rank(self._dp_optimizer)
+            own_stream_per_rank(self._dp_optimizer)
 
     def to(self, device) -> "ClassicPrivacyEngine":
         """Record the device of the model (noise is drawn on the parameters' device)."""
@@ -325,11 +326,11 @@ class ClassicPrivacyEngine:
 
         Under FSDP2 (each rank noises its own shard) the state holds one stream, the saving
         rank's, and every rank loads it: each rank then continues from its own stream derived
-        from it (:func:`_own_stream_per_rank`), never the saved stream itself. Like the sharded
-        checkpoints (:mod:`~opacus_dp.checkpoints.sharded`), no two ranks share a stream; unlike
-        them, which save and restore every rank's stream bit-exactly, the resumed run is
-        reproducible from this state but not the continuation of the saved one. Under DDP only
-        rank 0 draws noise: its stream is restored as saved."""
+        from it (:func:`~opacus_dp.distributed.noise_streams.own_stream_per_rank`), never the saved
+        stream itself. Like the sharded checkpoints (:mod:`~opacus_dp.checkpoints.sharded`), no two
+        ranks share a stream; unlike them, which save and restore every rank's stream bit-exactly,
+        the resumed run is reproducible from this state but not the continuation of the saved one.
+        Under DDP only rank 0 draws noise: its stream is restored as saved."""
         if "accountant" in state_dict:
             self.accountant.load_state_dict(state_dict["accountant"])
         else:
@@ -339,7 +340,7 @@ class ClassicPrivacyEngine:
         noise = state_dict.get("noise_generator_state")
         if noise is not None and self._dp_optimizer is not None:
             self._dp_optimizer.load_noise_state_dict(noise)
-            _own_stream_per_rank(self._dp_optimizer)
+            own_stream_per_rank(self._dp_optimizer)
         else:  # not attached yet: restored by attach()
             self._pending_noise_state = noise
 
@@ -348,16 +349,6 @@ class ClassicPrivacyEngine:
                         "attach(optimizer); for make_private create PrivacyEngine() without a model")
 
     make_private_with_epsilon = make_private
-
-
-def _own_stream_per_rank(dp_optimizer) -> None:
-    """Under a reducer whose ranks each noise their own shard (FSDP2), reseed this rank's noise
-    with ``rank_seed(stream_base, rank)`` of the stream just loaded or seeded, as ``make_private``
-    and ``attach`` do (:mod:`~opacus_dp.distributed.noise_streams`): deterministic, independent
-    across ranks. Nothing under other reducers (one stream, rank 0's) or in secure mode."""
-    reducer = dp_optimizer.reducer
-    if reducer.shards:
-        give_rank_its_stream(dp_optimizer.noise, reducer.rank)
 
 
 PrivacyEngine = ClassicPrivacyEngine  # this module's engine under Opacus 0.x's class name

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from opacus_dp.checkpoints.consistency import ACCOUNTANT_ENTRY, STEPS_ENTRY, check_history_agrees
+from opacus_dp.distributed.noise_streams import own_stream_per_rank
 
 STATE_KEY = "opacus_dp_private_state"
 NOISE_ENTRY = "noise_generator_state"
@@ -61,7 +62,8 @@ def restore_private_state(state: dict, *, optimizer, accountant, sampler_generat
     accountant.load_state_dict(state[ACCOUNTANT_ENTRY])
     optimizer.steps_taken = state[STEPS_ENTRY]
     if not secure_mode and NOISE_ENTRY in state:
-        optimizer.load_noise_state_dict(state[NOISE_ENTRY])
+        optimizer.load_noise_state_dict(state[NOISE_ENTRY])  # rank 0's, loaded on every rank:
+        own_stream_per_rank(optimizer)  # a sharded model's ranks each continue a stream of their own
     if not secure_mode and SAMPLER_ENTRY in state and sampler_generator is not None:
         sampler_generator.set_state(state[SAMPLER_ENTRY])
     if CLIPPING_ENTRY in state and optimizer.clipping_state_dict():
