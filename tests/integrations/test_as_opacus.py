@@ -188,6 +188,7 @@ def test_install_is_idempotent_and_explicit(clean_opacus):
     import opacus
 
     assert opacus is opacus_dp
+    assert opacus.__version__ == opacus_dp.__version__  # documented (migration.md, section 5)
     uninstall_as_opacus()
     assert "opacus" not in sys.modules
 
