@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from tests.distributed.spawn import run_on_ranks
 from tests.distributed.workers import wrap
+from tests.engine.helpers import restore_classic
 
 pytestmark = pytest.mark.distributed
 
@@ -56,13 +57,7 @@ def _noise_step(model, optimizer) -> torch.Tensor:
 def _resumed(path, load_before_attach: bool, fast_noise) -> torch.Tensor:
     """A fresh run resumed from rank 0's ``engine.state_dict()`` at ``path``: its first noise."""
     model, optimizer, engine = _engine(fast_noise=fast_noise)
-    state = torch.load(path, weights_only=False)
-    if load_before_attach:
-        engine.load_state_dict(state)
-        engine.attach(optimizer)
-    else:
-        engine.attach(optimizer)
-        engine.load_state_dict(state)
+    restore_classic(engine, optimizer, torch.load(path, weights_only=False), load_before_attach)
     return _noise_step(model, optimizer)
 
 

@@ -72,3 +72,14 @@ def sample_std(t: torch.Tensor) -> float:
 def std_tolerance(n: int) -> float:
     """Relative 5-sigma tolerance of a sample std over n Gaussian draws (≈ 5/√(2n))."""
     return 5.0 / math.sqrt(2 * n)
+
+
+def restore_classic(engine, optimizer, state: dict, load_before_attach: bool) -> None:
+    """Attach the classic ``engine`` to ``optimizer`` and load ``state`` (its ``state_dict()``),
+    in either order."""
+    if load_before_attach:
+        engine.load_state_dict(state)
+        engine.attach(optimizer)
+    else:
+        engine.attach(optimizer)
+        engine.load_state_dict(state)

@@ -15,6 +15,7 @@ from opacus_dp.utils.uniform_sampler import UniformWithReplacementSampler
 from tests.engine.helpers import (
     clipped_sum_oracle,
     per_sample_grads_oracle,
+    restore_classic,
     small_data,
     small_model,
     train_plain,
@@ -331,12 +332,7 @@ def test_state_dict_restores_the_noise_stream_before_or_after_attach(load_before
     state = engine.state_dict()
     expected = noise_of_one_step(model, optimizer)
     resumed, model2, optimizer2 = engine_and_model(99)
-    if load_before_attach:
-        resumed.load_state_dict(state)
-        resumed.attach(optimizer2)
-    else:
-        resumed.attach(optimizer2)
-        resumed.load_state_dict(state)
+    restore_classic(resumed, optimizer2, state, load_before_attach)
     torch.testing.assert_close(noise_of_one_step(model2, optimizer2), expected, rtol=0, atol=0)
     assert resumed.steps == 2
     other = engine_and_model(99)
