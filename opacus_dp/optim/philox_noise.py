@@ -10,7 +10,10 @@ there (also counter-based Philox), seeded per ``(step, tensor)`` as
 
 * Each coordinate is ``N(0, std²)`` up to float32 rounding (the radius is bounded by
   ``√(2·32·ln 2) ≈ 6.66``, the 32-bit resolution of the uniform: every draw is within 6.66·std);
-  float64 and half-precision tensors get float32 draws converted.
+  half-precision tensors get float32 draws converted; float64 tensors get
+  :class:`~opacus_dp.optim.parallel_noise.ParallelGaussianNoise`'s float64 draws at the same
+  position (float32 noise on a float64 sum would leave the sum's low-order bits in the released
+  value).
 * Secure mode: a 128-bit key from the operating system's CSPRNG (:mod:`secrets`) at every step,
   never a user's seed, and each coordinate the sum of four draws of ``N(0, std²/4)`` (Holohan &
   Braun 2021, as the other noises). Philox is not a cryptographic generator.
@@ -49,15 +52,15 @@ class PhiloxGaussianNoise(ParallelGaussianNoise):
 
     def add_sample_(self, total: torch.Tensor, std: float) -> torch.Tensor:
         """``total += N(0, std²)`` in place, in one pass; bitwise ``sample(total, std) + total``."""
-        if std == 0:
-            return total
+        if std == 0 or not _on_stream(total):
+            return super().add_sample_(total, std) if std else total
         self._draw(total, std, add=True)
         return total
 
     def noised(self, total: torch.Tensor, std: float, reuse: bool = False) -> torch.Tensor:
         """``total + N(0, std²)``: a new tensor (on CPU ``total`` read and the result written once),
         or with ``reuse`` ``total`` itself (:meth:`add_sample_`); bitwise ``sample(total, std) + total``."""
-        if reuse or std == 0 or total.device.type != "cpu":
+        if reuse or std == 0 or not _on_stream(total):
             return super().noised(total, std, reuse)
         position = self._next_position()
         return philox.noised(total, std, position, self._draws(), self._workers())
@@ -65,11 +68,13 @@ class PhiloxGaussianNoise(ParallelGaussianNoise):
     def noised_divided(self, total: torch.Tensor, std: float, reuse: bool, divisor: float) -> torch.Tensor:
         """``(total + N(0, std²)) / divisor``: bitwise :meth:`noised` then ``div_(divisor)`` (the mean's
         division of the step), on CPU in the same pass as the noise (one read and one write)."""
-        if std == 0 or total.device.type != "cpu":
+        if std == 0 or not _on_stream(total):
             return self.noised(total, std, reuse).div_(divisor)
         return philox.noised(total, std, self._next_position(), self._draws(), self._workers(), reuse, divisor)
 
     def _draw(self, target: torch.Tensor, std: float, add: bool) -> None:
+        if target.device.type == "cpu" and not _on_stream(target):  # float64: ParallelGaussianNoise's draws
+            return super()._draw(target, std, add)
         position = self._next_position()
         if target.device.type != "cpu":
             draw_into(target, std, keyed.device_generator(*position, target.device), self._draws(), add)
@@ -108,3 +113,10 @@ class PhiloxGaussianNoise(ParallelGaussianNoise):
                              f"draws {STREAM!r}: its draws cannot be continued")
         self._key, self._step, self._slot = check_key(saved["key"]), int(saved["step"]), int(saved["slot"])
         self._small = None
+
+
+def _on_stream(tensor: torch.Tensor) -> bool:
+    """Whether the CPU stream's float32 draws may noise ``tensor``: not a float64 one, whose sum's
+    low-order bits would show in ``released - sum`` (always a float32 number with float32 noise;
+    :func:`~opacus_dp.optim.philox.draws.refuse_wider_than_float32`), nor one on another device."""
+    return tensor.device.type == "cpu" and tensor.dtype != torch.float64

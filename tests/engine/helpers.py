@@ -19,8 +19,8 @@ def small_data(n: int = 12, seed: int = 1, dtype=torch.float64):
     return x, y
 
 
-def small_loader(n: int = 24, batch_size: int = 6, seed: int = 1) -> DataLoader:
-    x, y = small_data(n, seed)
+def small_loader(n: int = 24, batch_size: int = 6, seed: int = 1, dtype=torch.float64) -> DataLoader:
+    x, y = small_data(n, seed, dtype)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 

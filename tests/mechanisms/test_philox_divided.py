@@ -40,7 +40,7 @@ def test_the_kernel_divides_as_a_division_after_it(divisor, with_base):
 
 @pytest.mark.parametrize("secure_draws", [1, 4])
 @pytest.mark.parametrize("reuse", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_noised_and_divided_is_noised_then_divided(secure_draws, reuse, dtype):
     total = torch.randn(700_000, generator=torch.Generator().manual_seed(2)).to(dtype)
     expected = draws.noised(total.clone(), 0.3, POSITION, secure_draws, workers=2).div_(7.3)
@@ -50,6 +50,16 @@ def test_noised_and_divided_is_noised_then_divided(secure_draws, reuse, dtype):
     assert (got is given) == reuse
     if not reuse:
         assert torch.equal(given, total)  # the sum itself is left as it was
+
+
+def test_the_stream_refuses_a_float64_tensor():
+    """Its float32 draws on a float64 sum would leave the sum's low-order bits in the result
+    (the mechanism gives float64 tensors float64 draws instead: test_philox_noise_state.py)."""
+    total = torch.randn(1000, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64"):
+        draws.noised(total, 0.3, POSITION, 1, workers=1)
+    with pytest.raises(TypeError, match="float64"):
+        draws.draw(total, 0.3, POSITION, 1, add=True, workers=1)
 
 
 def test_the_mechanism_divides_as_noised_then_div():

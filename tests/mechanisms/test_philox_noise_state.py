@@ -73,7 +73,7 @@ def test_generator_derives_the_key_without_advancing_it():
 def totals():
     g = torch.Generator().manual_seed(0)
     yield "float32 large", torch.randn(2 * 2 ** 18 + 5, generator=g)
-    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16):  # float64: test_float64_tensors_get_float64_draws
         yield f"{dtype}", torch.randn(30, 70, generator=g).to(dtype)
         yield f"{dtype} transposed", torch.randn(600, 7, generator=g).to(dtype).t()
 
@@ -94,6 +94,28 @@ def test_sample_noised_and_add_sample_agree_bitwise(name, total):
     fused = total.clone()
     assert c.add_sample_(fused, std) is fused and torch.equal(fused, expected)
     assert fused.stride() == total.stride()
+
+
+@pytest.mark.parametrize("shape, transposed", [((30, 70), False), ((600, 7), True), ((3 * 2 ** 17 + 5,), False)])
+def test_float64_tensors_get_float64_draws(shape, transposed):
+    """float32 draws added to a float64 sum would leave ``noised - total`` a float32 number for the
+    true sum only (its low-order bits exposed): a float64 tensor gets ParallelGaussianNoise's
+    float64 draws at the same position, through every path alike."""
+    std, key = 1.3, 4242
+    total = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    total = total.t() if transposed else total
+    philox = [PhiloxGaussianNoise(seed=key, num_threads=2) for _ in range(3)]
+    threads = ParallelGaussianNoise(seed=key, num_threads=2)
+    for noise in philox + [threads]:
+        noise.begin_step(CPU)
+    sample = philox[0].sample(total, std)
+    assert sample.dtype == torch.float64 and torch.equal(sample, threads.sample(total, std))
+    assert torch.equal(philox[1].noised(total, std), sample + total)
+    fused = total.clone()
+    assert torch.equal(philox[2].add_sample_(fused, std), sample + total)
+    released = sample + total
+    on_float32_lattice = (released - total).float().double() == (released - total)
+    assert float(on_float32_lattice.double().mean()) < 0.01
 
 
 def test_zero_std_draws_nothing():
@@ -214,16 +236,16 @@ def test_secure_noise_is_keyed_by_the_os_at_every_step(monkeypatch):
     assert requested == [128] * 4
 
 
-def train(fast_noise, sigma):
+def train(fast_noise, sigma, dtype=torch.float32):
     torch.manual_seed(7)
-    model = nn.Linear(4, 2).double()
+    model = nn.Linear(4, 2).to(dtype)
     initial = [p.detach().clone() for p in model.parameters()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = PrivacyEngine(accountant="rdp")
         gsm, opt, loader = engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-            data_loader=small_loader(n=8, batch_size=4), noise_multiplier=sigma, max_grad_norm=0.5,
+            data_loader=small_loader(n=8, batch_size=4, dtype=dtype), noise_multiplier=sigma, max_grad_norm=0.5,
             fast_noise=fast_noise)
         for x, y in loader:
             opt.zero_grad()
@@ -242,6 +264,13 @@ def test_make_private_with_philox_noise():
     noiseless = [train(fast_noise, 0.0) for fast_noise in (False, True, "philox")]
     assert not any(torch.equal(a, b) for a, b in zip(noiseless[0][2], noiseless[0][1]))  # it trained
     assert same(noiseless[0][2], noiseless[1][2]) and same(noiseless[0][2], noiseless[2][2])
+
+
+def test_a_float64_model_with_philox_gets_the_parallel_float64_draws():
+    """The stream draws float32; a float64 model's noise is ParallelGaussianNoise's (``True``) at
+    the same positions and key (philox_noise.py), not float32 draws widened."""
+    philox, threads = train("philox", 1.0, torch.float64)[2], train(True, 1.0, torch.float64)[2]
+    assert same(philox, threads) and not same(philox, train(False, 1.0, torch.float64)[2])
 
 
 @pytest.mark.parametrize("fast_noise", ["bogus", 1, "Philox"])

@@ -87,10 +87,24 @@ def chunk_elements(n: int, workers: int) -> int:
     return -(-share // TILE) * TILE  # whole tiles: a chunk starting inside a tile would repeat its draws
 
 
+def refuse_wider_than_float32(dtype: torch.dtype, where: str) -> None:
+    """Refuse a tensor more precise than float32: the stream's float32 draws added to a float64
+    sum ``S`` leave ``released - S`` a float32 number, which no neighbouring sum matches (its
+    low-order bits would identify ``S`` exactly, whatever σ)."""
+    if dtype == torch.float64:
+        raise TypeError(
+            f"fast_noise='philox' draws float32 noise on CPU, but {where} is float64: float32 noise added to "
+            "a float64 sum leaves the sum's low-order bits in the released value (the difference is exactly "
+            "a float32 number for the true sum and for no neighbouring one), so the step would not be private. "
+            "Use fast_noise=True or False (float64 draws) for float64 parameters, or train in float32")
+
+
 def draw(target: torch.Tensor, std: float, position, draws: int, add: bool, workers: int) -> None:
-    """``target = noise`` or, with ``add``, ``target += noise`` for a CPU floating tensor;
-    ``noise = Σ_{d<draws} std/√draws · z_d`` with ``z_d`` the stream of ``(*position, d)``
-    (``position = (key, step, slot)``; secure mode sums four draws, as the other noises do)."""
+    """``target = noise`` or, with ``add``, ``target += noise`` for a CPU tensor of float32 or
+    less (:func:`refuse_wider_than_float32`); ``noise = Σ_{d<draws} std/√draws · z_d`` with
+    ``z_d`` the stream of ``(*position, d)`` (``position = (key, step, slot)``; secure mode sums
+    four draws, as the other noises do)."""
+    refuse_wider_than_float32(target.dtype, "the noised tensor")
     scale = float32_value(std / math.sqrt(draws))
     direct = target.dtype == torch.float32 and target.is_contiguous()
     flat = target.view(-1) if direct else torch.empty(target.numel(), dtype=torch.float32)
