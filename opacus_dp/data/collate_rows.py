@@ -93,6 +93,36 @@ def warn_if_layout_disagrees(layout: Layout, batch_first: bool, single: Any) -> 
         BatchLayoutWarning, stacklevel=4)
 
 
+def check_keeps_order(collate_fn, first: Any, second: Any) -> None:
+    """Refuse (:class:`RowsPerExampleError`) a collate that does not keep its examples' order,
+    seen on two different examples: ``collate([a, b]) == collate([b, a])`` (a collate that sorts
+    its rows, e.g. by length for ``pack_padded_sequence``). Privacy units group the rows by their
+    positions, so reordered rows would be clipped with another unit's."""
+    try:
+        forward, backward = collate_fn([first, second]), collate_fn([second, first])
+        distinct = not _same(collate_fn([first]), collate_fn([second]))
+    except Exception:  # a collate that cannot take these two: nothing is learned here
+        return
+    if distinct and _same(forward, backward):
+        raise RowsPerExampleError(
+            "collate_fn returns the same batch for two examples in either order, so it reorders its rows "
+            "(e.g. sorts them by length): with privacy units (privacy_unit='user', augmentation_multiplicity) "
+            "the rows are grouped into units by their positions, and reordered rows would be clipped with "
+            "another unit's. Keep the examples' order in collate_fn (pack_padded_sequence(..., "
+            "enforce_sorted=False) sorts inside the model instead)")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal structure and values (tensors and arrays: same shape and elements)."""
+    if _shape(a) is not None or _shape(b) is not None:
+        return _shape(a) == _shape(b) and bool((torch.as_tensor(a) == torch.as_tensor(b)).all())
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
 def check_rows(batch: Any, layout: Layout, examples: int) -> None:
     """Raise :class:`RowsPerExampleError` if an example dimension of ``batch`` (a collate of
     ``examples`` examples) has more rows than that."""

@@ -58,7 +58,7 @@ class StepPerBatch:
     def _check(self, steps_before: Optional[int]) -> None:
         if steps_before is not None and self._counter() == steps_before:
             raise SkippedBatchError(
-                "DPDataLoader: the previous batch of this pass got no optimizer.step() (was an empty "
+                "the private loader: the previous batch of this pass got no optimizer.step() (was an empty "
                 "batch skipped with `continue`, or an exception caught and the batch dropped?). The "
                 "accountant charges the steps released, and whether a batch was skipped depends on its "
                 "draw, so every batch, also an empty one, must end in optimizer.step(): it adds the "

@@ -7,10 +7,15 @@ from typing import Callable, Optional
 from torch.utils.data import DataLoader
 
 from opacus_dp.data.collate import EmptyBatchCollate, unwrap_collate
+from opacus_dp.data.collate_rows import check_keeps_order
 from opacus_dp.data.data_loader import SamplingGeneratorKept, worker_seed_generator, worker_settings
 from opacus_dp.data.samplers import generator_from_global_rng
+from opacus_dp.data.step_per_batch import StepPerBatch
 from opacus_dp.data.unit_sampling import UnitPoissonSampler, units_of
 from opacus_dp.maths.unit_groups import UnitChannel
+
+
+ORDER_PROBES = 8  # pairs of examples a collate is shown in both orders (a stable sort keeps equal keys')
 
 
 class UnitDataLoader(SamplingGeneratorKept, DataLoader):
@@ -26,6 +31,8 @@ class UnitDataLoader(SamplingGeneratorKept, DataLoader):
     def __init__(self, dataset, sampler: UnitPoissonSampler, *, privacy_unit: str, collate_fn: Optional[Callable] = None,
                  batch_first: bool = True, channel: Optional[UnitChannel] = None, **workers):
         collate = EmptyBatchCollate.from_dataset(dataset, unwrap_collate(collate_fn), batch_first=batch_first)
+        for other in range(1, min(len(dataset), ORDER_PROBES + 1)):  # units group rows by position
+            check_keeps_order(collate.collate_fn, dataset[0], dataset[other])  # (collate_rows.py)
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate, generator=sampler.generator,
                          in_order=True, **workers)
         self.sample_rate = sampler.sample_rate
@@ -35,10 +42,16 @@ class UnitDataLoader(SamplingGeneratorKept, DataLoader):
         self.unit_channel = channel if channel is not None else UnitChannel()
         self._seed_generator = worker_seed_generator(sampler.generator)
         self._iterators = 0
+        self.step_per_batch = StepPerBatch()  # connected by make_private (data/step_per_batch.py)
 
     def __iter__(self):
-        """Batches in the sampler's order, each batch's grouping delivered with it. Only the newest
-        iterator may be used: the groupings of an older one were dropped when it started."""
+        """Batches in the sampler's order, each batch's grouping delivered with it, each refused
+        while its predecessor got no step once ``step_per_batch`` follows an optimizer. Only the
+        newest iterator may be used: the groupings of an older one were dropped when it started."""
+        batches = self._delivered()
+        return self.step_per_batch.checked(batches) if self.step_per_batch.connected else batches
+
+    def _delivered(self):
         self._iterators += 1
         mine = self._iterators
         layouts = self.batch_sampler.layouts

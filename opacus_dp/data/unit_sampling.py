@@ -16,9 +16,11 @@ draws the same mask over all units and the same subsets (a shared generator), so
 local batches is one global Poisson sample of units.
 """
 
+import math
 from collections import deque
 from typing import Dict, Iterator, List, Optional, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -43,6 +45,7 @@ def units_of(user_ids, num_examples: int) -> List[List[int]]:
                          "user_ids[i] must be the user of example i, one per example")
     if any(u is None for u in user_ids):
         raise ValueError("user_ids contains None: every example needs a user")
+    user_ids = [_id_value(u, i) for i, u in enumerate(user_ids)]
     members: Dict[object, List[int]] = {}
     for i, u in enumerate(user_ids):
         members.setdefault(u, []).append(i)
@@ -51,6 +54,21 @@ def units_of(user_ids, num_examples: int) -> List[List[int]]:
     except TypeError:
         order = list(members)
     return [members[u] for u in order]
+
+
+def _id_value(user, index: int):
+    """The id of example ``index``'s user as a value that compares by content: a one-element
+    tensor or numpy scalar becomes its number (tensors hash by identity, so equal tensor ids would
+    be as many users as examples); NaN, which equals nothing, and other tensors are refused."""
+    if isinstance(user, (torch.Tensor, np.ndarray, np.generic)):
+        if (user.numel() if isinstance(user, torch.Tensor) else user.size) != 1:
+            raise ValueError(f"user_ids[{index}] is a tensor of shape {tuple(user.shape)}: a user id must be one "
+                             "number or string per example (pass a 1-D tensor, or a list of ints or strings)")
+        user = user.item()
+    if isinstance(user, float) and math.isnan(user):
+        raise ValueError(f"user_ids[{index}] is NaN: NaN equals no other id, so each such example would be a user "
+                         "of its own; give every example a real user id")
+    return user
 
 
 class UnitPoissonSampler(Sampler[List[int]]):

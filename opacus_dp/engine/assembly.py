@@ -21,7 +21,7 @@ from opacus_dp.engine.model import validate_module, wrap_module
 from opacus_dp.engine.optimizer import make_dp_optimizer, secure_generator
 from opacus_dp.engine.plan import PrivatePlan
 from opacus_dp.engine.privacy_units import connect_units, user_ids_of
-from opacus_dp.data.unit_loader import unit_loader
+from opacus_dp.data.unit_loader import UnitDataLoader, unit_loader
 from opacus_dp.engine.private_step import (check_distributed, check_distributed_loader, rebind_if_sharded,
                                            shard_if_asked)
 from opacus_dp.mechanisms.engine import MechanismPlan, plan_mechanism
@@ -60,7 +60,8 @@ def assemble(plan: PrivatePlan, *, module: nn.Module, optimizer, data_loader: Da
         sample_rate = sample_rate_of(loader)
         dp_optimizer = _optimizer(plan, optimizer, module, gsm, loader, mechanism, world_size)
         connect(module, dp_optimizer, sample_rate, mechanism)  # all ranks agree from here on
-        if world_size == 1 and type(loader) is DPDataLoader:  # one step per batch (step_per_batch.py)
+        if world_size == 1 and (type(loader) is DPDataLoader or isinstance(loader, UnitDataLoader)):
+            # one step per batch (step_per_batch.py); the cyclic loader checks its own schedule
             loader.step_per_batch.follow(dp_optimizer)
     except Exception:
         if gsm is not module:

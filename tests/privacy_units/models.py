@@ -61,3 +61,15 @@ def make_data(kind: str, seed: int = 1):
     users = torch.repeat_interleave(torch.tensor([40, 3, 17, 8, 25, 11, 5, 30, 2]), torch.tensor(sizes))
     users = users[torch.randperm(N_EXAMPLES, generator=g)]
     return TensorDataset(x, y), users
+
+
+def stepped_batches(model: nn.Module, optimizer, loader, record):
+    """``[record(x) for every batch]`` of the private ``loader``, each batch followed by its private
+    step (the loader refuses a batch whose predecessor got none)."""
+    records = []
+    for x, y in loader:
+        records.append(record(x))
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return records

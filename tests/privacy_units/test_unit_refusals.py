@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 from opacus_dp import PrivacyEngine
 from opacus_dp.data import BatchMemoryManager
 from opacus_dp.maths.unit_groups import UnitLayoutError
-from tests.privacy_units.models import make_data, make_model
+from tests.privacy_units.models import make_data, make_model, stepped_batches
 
 
 def _make(engine=None, **settings):
@@ -93,9 +93,64 @@ def test_secure_mode_samples_users_from_the_os():
     draw different users), while without it they do."""
     def first_batches(secure: bool):
         torch.manual_seed(0)
-        _, (_, _, loader) = _make(engine=PrivacyEngine(secure_mode=secure))
-        return [x.clone() for x, _ in loader]
+        _, (private, optimizer, loader) = _make(engine=PrivacyEngine(secure_mode=secure))
+        return stepped_batches(private, optimizer, loader, lambda x: x.clone())
 
     assert all(torch.equal(a, b) for a, b in zip(first_batches(False), first_batches(False)))
     secure = [first_batches(True) for _ in range(2)]
     assert any(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(*secure))
+
+
+def test_tensor_ids_group_by_value():
+    """A list of one-element tensors (``list(users)``, ``[dataset[i][2] for i ...]``) names the
+    same users as the 1-D tensor: tensors hash by identity, so grouping them as keys would make
+    every example a user of its own (one user's examples clipped separately, at a rate above q)."""
+    _, users = make_data("mlp")
+    as_tensor = _make(user_ids=users)[1][2].batch_sampler.units
+    as_list = _make(user_ids=list(users))[1][2].batch_sampler.units
+    assert as_list == as_tensor and len(as_tensor) == len(set(users.tolist()))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda users: [float("nan")] + users.tolist()[1:], "user_ids\\[0\\] is NaN"),
+    (lambda users: [torch.tensor([u, u]) for u in users.tolist()], "user_ids\\[0\\] is a tensor of shape \\(2,\\)"),
+])
+def test_ids_that_name_no_user_are_refused(bad, match):
+    _, users = make_data("mlp")
+    with pytest.raises(ValueError, match=match):
+        _make(user_ids=bad(users))
+
+
+def sorted_by_first_feature(rows):
+    """A collate that sorts its rows (as a collate sorting by length for pack_padded_sequence does)."""
+    rows = sorted(rows, key=lambda row: float(row[0][0]))
+    return torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])
+
+
+def test_a_collate_that_reorders_its_rows_is_refused():
+    """Rows are grouped into users by position: a reordered row would be clipped with another
+    user's examples (oracle: the same collate without sorting is accepted)."""
+    dataset, users = make_data("mlp")
+    model = make_model("mlp")
+    arguments = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                     max_grad_norm=1.0, privacy_unit="user", user_ids=users)
+    with pytest.raises(ValueError, match="reorders its rows"):
+        PrivacyEngine().make_private(data_loader=DataLoader(dataset, batch_size=12, collate_fn=sorted_by_first_feature),
+                                     **arguments)
+    model = make_model("mlp")  # the same data with torch's collate, which keeps the order: accepted
+    arguments.update(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    PrivacyEngine().make_private(data_loader=DataLoader(dataset, batch_size=12), **arguments)
+
+
+def test_skipping_the_step_of_a_batch_of_users_is_refused():
+    from opacus_dp.data.step_per_batch import SkippedBatchError
+
+    _, (private, optimizer, loader) = _make(user_ids=make_data("mlp")[1])
+    with pytest.raises(SkippedBatchError, match="got no optimizer.step"):
+        for i, (x, y) in enumerate(loader):
+            if i == 1:
+                continue  # as `if len(x) == 0: continue` would
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(private(x), y).backward()
+            optimizer.step()
+    assert optimizer.steps_taken == 1

@@ -104,7 +104,7 @@ def test_worker_processes_keep_each_batch_with_its_grouping():
     from torch.utils.data import DataLoader
 
     from opacus_dp import PrivacyEngine
-    from tests.privacy_units.models import make_data, make_model
+    from tests.privacy_units.models import make_data, make_model, stepped_batches
 
     def run(workers: int):
         dataset, users = make_data("mlp")
@@ -112,11 +112,11 @@ def test_worker_processes_keep_each_batch_with_its_grouping():
         torch.manual_seed(4)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _, _, loader = PrivacyEngine().make_private(
+            private, optimizer, loader = PrivacyEngine().make_private(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                 data_loader=DataLoader(dataset, batch_size=6, num_workers=workers), noise_multiplier=1.0,
                 max_grad_norm=1.0, privacy_unit="user", user_ids=users, max_examples_per_user=3)
-        return [(x.clone(), loader.unit_channel.latest().sizes()) for x, _ in loader]
+            return stepped_batches(private, optimizer, loader, lambda x: (x.clone(), loader.unit_channel.latest().sizes()))
 
     alone, with_workers = run(0), run(2)
     assert len(alone) == len(with_workers) == 6
