@@ -144,7 +144,8 @@ class DPDataLoader(SamplingGeneratorKept, DataLoader):
         if self._state_at_hand_out is not None:  # a pass drawn ahead was left: undo its unused draws
             self.generator.set_state(self._state_at_hand_out)
         log = None
-        if self.num_workers > 0 and isinstance(self.generator, torch.Generator):
+        if self.num_workers > 0 and getattr(self.batch_sampler, "logs_draw_states", False) \
+                and isinstance(self.generator, torch.Generator):
             self._state_at_hand_out = self.generator.get_state()
             log = self.batch_sampler.state_log = deque()  # the state after each draw (samplers.py)
         batches = super().__iter__()

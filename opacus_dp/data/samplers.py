@@ -83,6 +83,9 @@ class UniformWithReplacementSampler(Sampler[List[int]]):
     ``draws`` counts the draws made so far, empty ones included.
     """
 
+    logs_draw_states = True  # log_state_after_draw: a loader drawing ahead knows each batch's state
+    state_log = None
+
     def __init__(self, num_samples: int, sample_rate: float, generator=None, steps: Optional[int] = None,
                  *, skip_empty: bool = True):
         self.num_samples = check_positive_int(num_samples, "num_samples")
@@ -116,7 +119,7 @@ class UniformWithReplacementSampler(Sampler[List[int]]):
 def log_state_after_draw(sampler) -> None:
     """Append the sampling generator's state to ``sampler.state_log`` (a deque a loader drawing
     ahead with worker processes sets, to know the state after each batch it hands out)."""
-    log = getattr(sampler, "state_log", None)
+    log = sampler.state_log
     if log is not None and isinstance(sampler.generator, torch.Generator):
         log.append(sampler.generator.get_state())
 
@@ -170,6 +173,9 @@ class DistributedPoissonBatchSampler(Sampler[List[int]]):
 
     ``set_epoch(epoch)`` changes the shard assignment for the next iteration.
     """
+
+    logs_draw_states = True  # log_state_after_draw: a loader drawing ahead knows each batch's state
+    state_log = None
 
     def __init__(
         self,
