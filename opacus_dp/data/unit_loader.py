@@ -48,8 +48,7 @@ class UnitDataLoader(SamplingGeneratorKept, DataLoader):
         """Batches in the sampler's order, each batch's grouping delivered with it, each refused
         while its predecessor got no step once ``step_per_batch`` follows an optimizer. Only the
         newest iterator may be used: the groupings of an older one were dropped when it started."""
-        batches = self._delivered()
-        return self.step_per_batch.checked(batches) if self.step_per_batch.connected else batches
+        return self.step_per_batch.checked(self._delivered())
 
     def _delivered(self):
         self._iterators += 1

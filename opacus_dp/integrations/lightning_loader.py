@@ -65,9 +65,7 @@ class PrivateDataLoader:
                                "Trainer(callbacks=[DPCallback(...)]) (opacus_dp.integrations.lightning)")
         replayed = self._start_epoch()
         # the batches trained on before the checkpoint: drawn again so the stream continues exactly
-        batches = self.private_loader.iter_after(replayed) if hasattr(self.private_loader, "iter_after") \
-            else _after(iter(self.private_loader), replayed)
-        for batch in batches:
+        for batch in self.private_loader.iter_after(replayed):  # make_private's DPDataLoader
             self.position += 1
             yield batch
 
@@ -108,9 +106,3 @@ class PrivateDataLoader:
             raise ValueError(f"PrivateDataLoader: {EPOCH_START} must be a torch.uint8 generator state, got "
                              f"{type(start).__name__}")
         self._resume = dict(state)
-
-
-def _after(batches, dropped: int):
-    for _ in range(dropped):
-        next(batches)
-    return batches
