@@ -121,22 +121,24 @@ FAULTS_PER_STEP = """
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(statistics.mean(faults[2:]))
+    print(statistics.mean(faults[2:]), statistics.median(faults[2:]))
 """
 
 
 @needs_glibc
 def test_private_steps_reuse_their_pages():
-    """Pages faulted per step after two steps (mean), against the 4096 pages of the model's weights: a
-    fresh process without the settling faults in about three model sizes per step (the sums, the
-    noised gradients, Adam's temporaries); settled, almost none (a step now and then maps one
-    layer-sized block, 1024 pages, anew)."""
-    settled = float(run_child(FAULTS_PER_STEP.format(skip=False)))
-    unsettled = float(run_child(FAULTS_PER_STEP.format(skip=True)))
+    """Pages faulted per step after two steps, against the 4096 pages of the model's weights. Settled, a
+    typical step (the median) faults almost none and the mean stays small (a step now and then maps one
+    layer-sized block, 1024 pages, anew). A fresh process without the settling faults its sums, noised
+    gradients and Adam's temporaries in afresh: 0.5 to 3.5 model sizes per step (mean) in runs on glibc
+    2.36 on different kernels, so the check only asks for an eighth of one."""
+    settled_mean, settled_median = map(float, run_child(FAULTS_PER_STEP.format(skip=False)).split())
+    unsettled_mean, _ = map(float, run_child(FAULTS_PER_STEP.format(skip=True)).split())
     model_pages = (16 << 20) // 4096
-    assert settled < 0.25 * model_pages
+    assert settled_median < 0.02 * model_pages
+    assert settled_mean < 0.25 * model_pages
     if not huge_pages_always():  # with every mapping on 2 MiB pages the unsettled run faults little too
-        assert unsettled > model_pages / 2  # (1.5 to 3.5 model sizes in runs on glibc 2.36)
+        assert unsettled_mean > model_pages / 8
 
 
 def huge_pages_always() -> bool:
