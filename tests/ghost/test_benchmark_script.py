@@ -192,6 +192,8 @@ def test_faults_column_counts_the_pages_a_step_touches_first(bench, monkeypatch)
     def build(workload, variant, x, y):
         def fresh_pages():
             with mmap.mmap(-1, pages * mmap.PAGESIZE) as mapping:
+                if hasattr(mmap, "MADV_NOHUGEPAGE"):  # base pages whatever the kernel's huge-page setting
+                    mapping.madvise(mmap.MADV_NOHUGEPAGE)
                 for page in range(pages):
                     mapping[page * mmap.PAGESIZE] = 1
 
