@@ -139,6 +139,23 @@ def logical_batches_handed_out() -> int:
     return _LOGICAL_BATCHES[0]
 
 
+_SHARD_ASSIGNMENT = [0.0]  # of the pass the distributed DP samplers of this process began last
+
+
+def note_shard_assignment(seed: float) -> None:
+    """A distributed DP sampler began a pass whose shards are assigned by ``seed``
+    (``shuffle_seed + epoch``; -1 unshuffled). Ranks of different epochs would own overlapping
+    shards, so each step compares it across ranks (:mod:`~opacus_dp.distributed.step_clock`). It is
+    kept modulo 256, so that it stays exact in a bfloat16 gradient bucket: ranks whose epochs differ
+    by less than 256 are told apart."""
+    _SHARD_ASSIGNMENT[0] = float(seed % 256) if seed >= 0 else -1.0
+
+
+def shard_assignment_in_use() -> float:
+    """The seed of the shard assignment last noted by :func:`note_shard_assignment`."""
+    return _SHARD_ASSIGNMENT[0]
+
+
 def distributed_world(num_replicas, rank):
     """(num_replicas, rank), filled in from ``torch.distributed`` when not given."""
     if num_replicas is None or rank is None:
@@ -231,6 +248,7 @@ class DistributedPoissonBatchSampler(Sampler[List[int]]):
         (:func:`count_logical_batch`; ``BatchMemoryManager`` counts them itself, when their
         first piece reaches the loop)."""
         owned = self.shard_indices()
+        note_shard_assignment(self.shuffle_seed + self.epoch if self.shuffle else -1)
         for _ in range(self.steps):
             mask = poisson_mask(self.total_size, self.sample_rate, self.generator)
             log_state_after_draw(self)

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import Sampler
 
 from opacus_dp.data.samplers import (check_positive_int, check_sample_rate, count_logical_batch, default_steps,
-                                     distributed_world, poisson_mask)
+                                     distributed_world, note_shard_assignment, poisson_mask)
 from opacus_dp.maths.unit_groups import UNIT_GRADIENTS, UnitGroups
 
 
@@ -136,6 +136,8 @@ class UnitPoissonSampler(Sampler[List[int]]):
         """The ``steps`` local batches of one pass (``count_batches``: see the distributed sampler)."""
         self.layouts.clear()
         owner = self.owner_of_units()
+        if self.distributed:
+            note_shard_assignment(self.shuffle_seed + self.epoch)
         for _ in range(self.steps):
             sampled = poisson_mask(self.num_units, self.sample_rate, self.generator).nonzero().view(-1).tolist()
             rows = [self._rows_of(u) for u in sampled]  # every rank draws every subset: one stream

@@ -109,15 +109,24 @@ def check_mean_divisor(optimizer) -> None:
         )
 
 
-def check_units_agree(units, world_size: int) -> None:
+def _digest(value) -> int:
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "big")
+
+
+def check_units_agree(units, world_size: int, settings: Optional[Dict[str, object]] = None) -> None:
     """Every rank must see the same users (the same ``user_ids``), so that each user belongs to one
-    rank only; a digest of the units' example lists is compared across ranks (one all-reduce)."""
+    rank only, and the same unit ``settings`` (the ranks draw every unit's rows from one shared
+    stream); digests of both are compared across ranks (one all-reduce)."""
     if world_size <= 1:
         return
-    digest = hashlib.sha256(repr([list(u) for u in units]).encode()).digest()
-    value = int.from_bytes(digest[:7], "big")
-    extremes = torch.tensor([value, -value], dtype=torch.int64, device=collective_device(None))
+    digests = [_digest([list(u) for u in units]), _digest(sorted((settings or {}).items()))]
+    extremes = torch.tensor([v for d in digests for v in (d, -d)], dtype=torch.int64, device=collective_device(None))
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    if int(extremes[2]) != -int(extremes[3]):
+        raise ValueError(
+            f"the ranks were given different privacy-unit settings (this rank: {dict(settings or {})}): every "
+            f"rank must pass the same {', '.join(sorted(settings or {}))} to make_private (the ranks draw "
+            "the units' rows from one shared sampling stream)")
     if int(extremes[0]) != -int(extremes[1]):
         raise ValueError(
             "privacy_unit='user': the ranks were given different user_ids (or datasets): a user could "

@@ -55,7 +55,10 @@ def assemble(plan: PrivatePlan, *, module: nn.Module, optimizer, data_loader: Da
             gsm.forbid_grad_accumulation()
         loader = private_loader(plan, data_loader, mechanism, distributed=world_size > 1)
         if plan.groups_rows:
-            check_units_agree(loader.batch_sampler.units, world_size)
+            sampler = loader.batch_sampler
+            check_units_agree(sampler.units, world_size, settings=dict(
+                max_examples_per_user=sampler.max_rows_per_unit, unit_gradient=sampler.unit_gradient,
+                augmentation_multiplicity=sampler.multiplicity))
             connect_units(gsm, loader)
         sample_rate = sample_rate_of(loader)
         dp_optimizer = _optimizer(plan, optimizer, module, gsm, loader, mechanism, world_size)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from opacus_dp.distributed.step_clock import CLOCK_COLUMNS
 from opacus_dp.optim.dp_optimizer_parts import STEP_SETTINGS
 
 SCRIPTS = str(Path(__file__).resolve().parents[2] / "scripts")
@@ -27,7 +28,7 @@ def bench():
 def test_bytes_per_step_of_each_mode_on_two_processes(bench):
     args = SimpleNamespace(width=16, batch_size=8, steps=2)
     gradient_bytes = 4 * sum(p.numel() for p in bench.make_model(args.width).parameters())
-    settings_bytes = 4 * 2 * (len(STEP_SETTINGS) + 2)  # the step's settings and its clock (phase, batches) per rank, in the same all-reduce
+    settings_bytes = 4 * 2 * (len(STEP_SETTINGS) + CLOCK_COLUMNS)  # the step's settings and its clock per rank, in the same all-reduce
     results = bench.run_world(2, args)
     assert set(results) == set(bench.MODES)
     assert results["ddp"]["bytes_per_step"] == gradient_bytes

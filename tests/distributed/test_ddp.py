@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from opacus_dp.distributed.step_clock import CLOCK_COLUMNS
 from opacus_dp.optim.dp_optimizer_parts import STEP_SETTINGS
 from tests.distributed.oracle import clipped_mean_update, per_sample_grads, sgd_step
 from tests.distributed.spawn import run_on_ranks
@@ -124,7 +125,7 @@ def test_one_all_reduce_of_the_clipped_sums_per_step(equivalence, privacy):
     numel = sum(p.numel() for p in r["start"])
     steps = len(r["batches"])
     assert r["all_reduces"] == steps
-    agreement = WORLD * (len(STEP_SETTINGS) + 2)  # the step's settings and clock, one row per rank (distributed/reducers.py)
+    agreement = WORLD * (len(STEP_SETTINGS) + CLOCK_COLUMNS)  # the step's settings and clock, one row per rank (distributed/reducers.py)
     assert r["reducer_bytes"] == steps * (numel + agreement) * 8  # float64, once per logical step
     assert privacy[0]["noise_ddp"]["ddp_grads_stayed_local"], "DDP must not all-reduce unclipped grads"
 
@@ -305,7 +306,7 @@ def test_adaptive_clipping_with_noise_one_all_reduce_same_bound_everywhere(priva
     assert_bit_identical(r0["final"], r1["final"])
     steps, numel = len(r0["batches"]), sum(p.numel() for p in r0["start"])
     assert r0["all_reduces"] == steps  # the unclipped count travels in the gradients' all-reduce
-    assert r0["reducer_bytes"] == steps * (numel + 1 + WORLD * (len(STEP_SETTINGS) + 2)) * 8  # settings + clock
+    assert r0["reducer_bytes"] == steps * (numel + 1 + WORLD * (len(STEP_SETTINGS) + CLOCK_COLUMNS)) * 8  # settings + clock
     reference = RDPAccountant()  # the accountant records the total σ, not the gradient's share
     for _ in range(steps):
         reference.step(noise_multiplier=r0["sigma"], sample_rate=r0["sample_rate"])

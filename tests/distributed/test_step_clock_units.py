@@ -6,14 +6,16 @@ import torch
 
 from opacus_dp.data.batch_memory_manager import BatchSplittingSampler
 from opacus_dp.data.samplers import DistributedPoissonBatchSampler, logical_batches_handed_out
+from opacus_dp.data.unit_sampling import UnitPoissonSampler
 from opacus_dp.distributed import RanksOutOfStepError, StepRefusedError
 from opacus_dp.distributed.agreement import agreement_rows, check_table
 from opacus_dp.distributed.step_clock import BACKWARD, FORWARD, STEP, StepClock, check_clock
 from opacus_dp.optim.step_refusal import OUT_OF_STEP, REASONS
 
 
-def _table(*readings):
-    return torch.tensor([[float(p), float(b)] for p, b in readings], dtype=torch.float64)
+def _table(*readings, shards=None):
+    shards = shards or [0] * len(readings)
+    return torch.tensor([[float(p), float(b), float(s)] for (p, b), s in zip(readings, shards)], dtype=torch.float64)
 
 
 def test_ranks_in_step_pass():
@@ -47,12 +49,12 @@ def test_ranks_in_different_phases_are_out_of_step():
 
 
 def test_the_clock_is_checked_before_a_refusal_or_the_settings():
-    rows = [agreement_rows([1.0, 2.0], torch.empty(0, dtype=torch.float64), refusal, 2, rank, [STEP, batches])
+    rows = [agreement_rows([1.0, 2.0], torch.empty(0, dtype=torch.float64), refusal, 2, rank, [STEP, batches, 0])
             for rank, refusal, batches in ((0, None, 1), (1, 2, 2))]
     with pytest.raises(RanksOutOfStepError):
-        check_table(["a", "b"], rows[0] + rows[1], clock_columns=2)
-    same = [agreement_rows([1.0, 2.0], torch.empty(0, dtype=torch.float64), None, 2, r, [STEP, 1]) for r in (0, 1)]
-    check_table(["a", "b"], same[0] + same[1], clock_columns=2)
+        check_table(["a", "b"], rows[0] + rows[1], clock_columns=3)
+    same = [agreement_rows([1.0, 2.0], torch.empty(0, dtype=torch.float64), None, 2, r, [STEP, 1, 0]) for r in (0, 1)]
+    check_table(["a", "b"], same[0] + same[1], clock_columns=3)
 
 
 def test_the_clock_counts_logical_batches_since_the_last_step():
@@ -61,11 +63,11 @@ def test_the_clock_counts_logical_batches_since_the_last_step():
                                              generator=torch.Generator().manual_seed(0), steps=3)
     batches = iter(sampler)
     next(batches)
-    assert clock.row(STEP) == [float(STEP), 1.0]
+    assert clock.row(STEP) == [float(STEP), 1.0, 0.0]
     next(batches)
-    assert clock.row(FORWARD) == [float(FORWARD), 2.0]
+    assert clock.row(FORWARD) == [float(FORWARD), 2.0, 0.0]
     clock.step_over()
-    assert clock.row(STEP) == [float(STEP), 0.0]
+    assert clock.row(STEP) == [float(STEP), 0.0, 0.0]
 
 
 def test_batch_memory_manager_counts_a_logical_batch_once_not_its_draw():
@@ -76,3 +78,38 @@ def test_batch_memory_manager_counts_a_logical_batch_once_not_its_draw():
     pieces = list(splitter)
     assert len(pieces) > 3  # the batches were cut into pieces
     assert logical_batches_handed_out() == before  # the loader counts them as they reach the loop
+
+
+def test_ranks_of_different_shard_assignments_are_out_of_step():
+    with pytest.raises(RanksOutOfStepError) as caught:
+        check_clock(_table((STEP, 1), (STEP, 1), (STEP, 1), shards=[3, 4, 3]))
+    assert caught.value.refusals == {1: OUT_OF_STEP} and "set_epoch" in str(caught.value)
+    check_clock(_table((STEP, 1), (STEP, 1), shards=[4, 4]))
+
+
+@pytest.mark.parametrize("units", [False, True])
+def test_a_pass_notes_its_shard_assignment_on_the_clock(units):
+    if units:
+        sampler = UnitPoissonSampler([[0, 1], [2], [3, 4, 5]], sample_rate=0.5, num_replicas=2, rank=1,
+                                     distributed=True, shuffle_seed=7, generator=torch.Generator().manual_seed(0))
+    else:
+        sampler = DistributedPoissonBatchSampler(total_size=20, sample_rate=0.5, num_replicas=2, rank=1,
+                                                 shuffle_seed=7, generator=torch.Generator().manual_seed(0))
+    sampler.set_epoch(2)
+    next(iter(sampler))
+    assert StepClock().row(STEP)[2] == 9.0  # shuffle_seed + epoch
+
+
+def test_a_large_shuffle_seed_stays_told_apart_in_a_bfloat16_bucket():
+    """The DDP table rides in the first gradient bucket, bfloat16 for a bfloat16 model: 1000 + 1
+    and 1000 + 2 round to the same bfloat16, their residues modulo 256 do not."""
+    columns = []
+    for epoch in (1, 2):
+        sampler = DistributedPoissonBatchSampler(total_size=20, sample_rate=0.5, num_replicas=2, rank=0,
+                                                 shuffle_seed=1000, generator=torch.Generator().manual_seed(0))
+        sampler.set_epoch(epoch)
+        next(iter(sampler))
+        columns.append(torch.tensor(StepClock().row(STEP), dtype=torch.bfloat16))
+    assert torch.tensor(1001.0, dtype=torch.bfloat16) == torch.tensor(1002.0, dtype=torch.bfloat16)
+    with pytest.raises(RanksOutOfStepError, match="set_epoch"):
+        check_clock(torch.stack(columns).double())
