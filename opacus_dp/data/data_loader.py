@@ -2,13 +2,13 @@
 
 import copy
 import warnings
-from collections import deque
 from typing import Callable, Optional
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 
 from opacus_dp.data.collate import EmptyBatchCollate, unwrap_collate
+from opacus_dp.data.hand_out_state import HandOutState
 from opacus_dp.data.sampling_checks import check_batching, check_replaceable_sampler
 from opacus_dp.data.samplers import (
     DistributedPoissonBatchSampler,
@@ -67,7 +67,7 @@ class SamplingGeneratorKept:
             self.generator = sampling
 
 
-class DPDataLoader(SamplingGeneratorKept, DataLoader):
+class DPDataLoader(HandOutState, SamplingGeneratorKept, DataLoader):
     """DataLoader whose batches are Poisson samples: each example is in each batch w.p. ``sample_rate``.
 
     ``len(loader)`` is the number of steps per pass (default ``round(1/q)``), the expected batch
@@ -131,7 +131,6 @@ class DPDataLoader(SamplingGeneratorKept, DataLoader):
         )
         self._seed_generator = worker_seed_generator(generator)
         self.step_per_batch = StepPerBatch()  # connected by make_private to the optimizer's steps
-        self._state_at_hand_out: Optional[torch.Tensor] = None  # sampling_state() with workers
 
     def __iter__(self):
         """The batches of one pass; refuses a batch whose predecessor got no step, once
@@ -141,39 +140,13 @@ class DPDataLoader(SamplingGeneratorKept, DataLoader):
     def iter_after(self, dropped: int):
         """An iterator of one pass whose first ``dropped`` batches are drawn and dropped (a pass
         resumed inside, so that the sampling continues exactly), checked as :meth:`__iter__`."""
-        if self._state_at_hand_out is not None:  # a pass drawn ahead was left: undo its unused draws
-            self.generator.set_state(self._state_at_hand_out)
-        log = None
-        if self.num_workers > 0 and getattr(self.batch_sampler, "logs_draw_states", False) \
-                and isinstance(self.generator, torch.Generator):
-            self._state_at_hand_out = self.generator.get_state()
-            log = self.batch_sampler.state_log = deque()  # the state after each draw (samplers.py)
+        log = self._start_pass()
         batches = super().__iter__()
         if log is not None:
             batches = self._noting_states(batches, log)
         if dropped or self.step_per_batch.connected:
             batches = self.step_per_batch.checked(batches, dropped)
         return batches
-
-    def _noting_states(self, batches, log: deque):
-        """``batches``, keeping the sampling state after the last one handed out."""
-        try:
-            for batch in batches:
-                if log:
-                    self._state_at_hand_out = log.popleft()
-                yield batch
-            self._state_at_hand_out = None  # every draw of the pass was handed out
-        finally:
-            if getattr(self.batch_sampler, "state_log", None) is log:
-                self.batch_sampler.state_log = None
-
-    def sampling_state(self) -> torch.Tensor:
-        """The sampling generator's state after the last batch handed out to the loop: what a
-        checkpoint saves, so that a resumed run draws the batches after those trained on. With
-        worker processes the generator runs ahead by the batches drawn in advance; a new pass
-        starts from this state too (the draws of a pass left early are never used)."""
-        state = self._state_at_hand_out
-        return state if state is not None else self.generator.get_state()
 
     def _make_batch_sampler(self, num_samples: int, generator, steps):
         if self.distributed:

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 from opacus_dp.data.collate import EmptyBatchCollate, unwrap_collate
 from opacus_dp.data.collate_rows import check_keeps_order
 from opacus_dp.data.data_loader import SamplingGeneratorKept, worker_seed_generator, worker_settings
+from opacus_dp.data.hand_out_state import HandOutState
 from opacus_dp.data.samplers import generator_from_global_rng
 from opacus_dp.data.step_per_batch import StepPerBatch
 from opacus_dp.data.unit_sampling import UnitPoissonSampler, units_of
@@ -18,7 +19,7 @@ from opacus_dp.maths.unit_groups import UnitChannel
 ORDER_PROBES = 8  # pairs of examples a collate is shown in both orders (a stable sort keeps equal keys')
 
 
-class UnitDataLoader(SamplingGeneratorKept, DataLoader):
+class UnitDataLoader(HandOutState, SamplingGeneratorKept, DataLoader):
     """DataLoader over a :class:`~opacus_dp.data.unit_sampling.UnitPoissonSampler`.
 
     ``sample_rate`` is the units' rate ``q`` (what the accountant records), ``len(loader)`` the
@@ -54,7 +55,9 @@ class UnitDataLoader(SamplingGeneratorKept, DataLoader):
         self._iterators += 1
         mine = self._iterators
         layouts = self.batch_sampler.layouts
-        for batch in super().__iter__():
+        log = self._start_pass()  # (workers draw ahead: hand_out_state.py)
+        batches = super().__iter__()
+        for batch in batches if log is None else self._noting_states(batches, log):
             if mine != self._iterators:
                 raise RuntimeError(
                     "a batch of an older iterator of the privacy-unit loader was requested after a newer "

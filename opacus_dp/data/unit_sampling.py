@@ -25,7 +25,8 @@ import torch
 from torch.utils.data import Sampler
 
 from opacus_dp.data.samplers import (check_positive_int, check_sample_rate, count_logical_batch, default_steps,
-                                     distributed_world, note_shard_assignment, poisson_mask)
+                                     distributed_world, log_state_after_draw, note_shard_assignment,
+                                     poisson_mask)
 from opacus_dp.maths.unit_groups import UNIT_GRADIENTS, UnitGroups
 
 
@@ -82,6 +83,9 @@ class UnitPoissonSampler(Sampler[List[int]]):
         unit_gradient: ``"mean"`` or ``"sum"`` of a unit's row gradients.
         distributed: shard the units over the ranks of ``torch.distributed`` (or ``num_replicas``/``rank``).
     """
+
+    logs_draw_states = True  # log_state_after_draw: a loader drawing ahead knows each batch's state
+    state_log = None
 
     def __init__(self, units: Sequence[Sequence[int]], *, sample_rate: float, max_rows_per_unit: Optional[int] = None,
                  multiplicity: int = 1, unit_gradient: str = "mean", generator=None, steps: Optional[int] = None,
@@ -143,6 +147,7 @@ class UnitPoissonSampler(Sampler[List[int]]):
             rows = [self._rows_of(u) for u in sampled]  # every rank draws every subset: one stream
             self._rows_of_ranks = [[len(r) for u, r in zip(sampled, rows) if owner[u] == rank]
                                    for rank in range(self.num_replicas)]
+            log_state_after_draw(self)
             mine = [r for u, r in zip(sampled, rows) if owner[u] == self.rank]
             self.layouts.append(UnitGroups.from_sizes([len(r) for r in mine], self.unit_gradient))
             if count_batches and self.distributed:

@@ -43,7 +43,7 @@ def test_passes_left_early_continue_where_the_loop_stopped(lengths):
     assert all(torch.equal(a, b) for a, b in zip(ahead_states, plain_states))
 
 
-def private(num_workers: int, seed: int = 3):
+def private(num_workers: int, seed: int = 3, user_ids=None):
     fixed = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(40, 3, generator=fixed), torch.randint(0, 2, (40,), generator=fixed))
     torch.manual_seed(seed)  # the resumed run's model starts elsewhere, then loads the checkpoint
@@ -52,7 +52,8 @@ def private(num_workers: int, seed: int = 3):
     model, optimizer, dp_loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(data, batch_size=8, num_workers=num_workers, generator=torch.Generator().manual_seed(5)),
-        noise_multiplier=0.5, max_grad_norm=1.0, noise_generator=torch.Generator().manual_seed(7))
+        noise_multiplier=0.5, max_grad_norm=1.0, noise_generator=torch.Generator().manual_seed(7),
+        **({} if user_ids is None else dict(privacy_unit="user", user_ids=user_ids, max_examples_per_user=2)))
     return engine, model, optimizer, dp_loader
 
 
@@ -65,15 +66,26 @@ def train(model, optimizer, dp_loader, steps: int):
         optimizer.step()
 
 
-def test_a_checkpoint_taken_with_workers_resumes_the_uninterrupted_run(tmp_path):
-    engine, model, optimizer, dp_loader = private(num_workers=2)
+USERS = [i % 13 for i in range(40)]  # 13 users of 3 or 4 examples, 2 of them drawn when sampled
+
+
+@pytest.mark.parametrize("user_ids", [None, USERS], ids=["examples", "users"])
+def test_a_checkpoint_taken_with_workers_resumes_the_uninterrupted_run(tmp_path, user_ids):
+    """Oracle: the same run without workers (a pass of 2 steps, then one of 4: each pass goes on
+    from the batches handed out, not from those the workers drew ahead)."""
+    _, model, optimizer, dp_loader = private(num_workers=0, user_ids=user_ids)
+    train(model, optimizer, dp_loader, 2)
+    train(model, optimizer, dp_loader, 4)
+    oracle = [p.detach().clone() for p in model.parameters()]
+
+    engine, model, optimizer, dp_loader = private(num_workers=2, user_ids=user_ids)
     train(model, optimizer, dp_loader, 2)  # the workers have drawn further ahead
     engine.save_checkpoint(path=tmp_path / "ckpt.pt", module=model, optimizer=optimizer, data_loader=dp_loader)
     train(model, optimizer, dp_loader, 4)
-    uninterrupted = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b.detach()) for a, b in zip(oracle, model.parameters()))
 
-    engine, model, optimizer, dp_loader = private(num_workers=2, seed=9)
+    engine, model, optimizer, dp_loader = private(num_workers=2, seed=9, user_ids=user_ids)
     engine.load_checkpoint(path=tmp_path / "ckpt.pt", module=model, optimizer=optimizer, data_loader=dp_loader)
     train(model, optimizer, dp_loader, 4)
-    assert all(torch.equal(a, b.detach()) for a, b in zip(uninterrupted, model.parameters()))
+    assert all(torch.equal(a, b.detach()) for a, b in zip(oracle, model.parameters()))
     assert len(engine.accountant) == 6
