@@ -13,7 +13,6 @@ independently with probability q, which is what the accountant assumes.
 
 import argparse
 import math
-import secrets
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
@@ -82,9 +81,13 @@ class TrainingRun:
 
 
 def _sampling_generator(args: argparse.Namespace) -> torch.Generator:
-    """Seeded (same on every rank) or, with ``--secure-rng``, seeded by the OS."""
-    seed = secrets.randbits(63) if args.secure_rng else args.seed
-    return torch.Generator().manual_seed(seed)
+    """Seeded, or with ``--secure-rng`` its whole state drawn from the OS (``manual_seed`` keeps
+    32 bits of a seed)."""
+    if not args.secure_rng:
+        return torch.Generator().manual_seed(args.seed)
+    from opacus_dp.engine.optimizer import secure_generator
+
+    return secure_generator()
 
 
 def _noise_generator(args: argparse.Namespace, device: torch.device) -> Optional[torch.Generator]:
@@ -169,9 +172,13 @@ def prepare_training(args: argparse.Namespace, model: nn.Module, optimizer: torc
     q = sample_rate_of(args, len(train_set), setup.world_size)
     for note in sampling_notes(args, len(train_set), setup.world_size):
         say_error(note, setup.is_main)
-    loader = DPDataLoader(train_set, sample_rate=q, distributed=setup.active,
-                          generator=_sampling_generator(args), num_workers=args.workers,
-                          collate_fn=collate_fn)
+    generator = _sampling_generator(args)
+    if setup.active and args.secure_rng:  # one stream on every rank, rank 0's (as make_private's)
+        from opacus_dp.distributed.checks import share_generator_state
+
+        share_generator_state(generator)
+    loader = DPDataLoader(train_set, sample_rate=q, distributed=setup.active, generator=generator,
+                          num_workers=args.workers, collate_fn=collate_fn)
     with engine_notices(setup.is_main):
         if args.api == "modern":
             budget_delta = args.delta if args.max_epsilon is not None else None

@@ -129,3 +129,17 @@ def test_local_rank_flag_is_the_fallback_of_the_environment(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     setup = distributed.init_distributed("cpu", local_rank=0)
     assert (setup.local_rank, setup.world_size) == (0, 1)
+
+
+def test_secure_rng_sampling_generator_is_not_rebuilt_from_its_seed():
+    """--secure-rng: the Poisson loader's generator (the classic API samples with it) has its whole
+    state from the OS. Oracle: a generator seeded with its initial seed (torch keeps 32 bits of
+    that seed, a search) draws otherwise; two such generators draw differently."""
+    example_module("cifar10")  # examples/ on the path
+    privacy = __import__("common.privacy", fromlist=["_sampling_generator"])
+    secure = argparse.Namespace(secure_rng=True, seed=0)
+    first, second = privacy._sampling_generator(secure), privacy._sampling_generator(secure)
+    rebuilt = torch.Generator().manual_seed(first.initial_seed())
+    draws = torch.rand(64, generator=first)
+    assert not torch.equal(draws, torch.rand(64, generator=rebuilt))
+    assert not torch.equal(draws, torch.rand(64, generator=second))
