@@ -16,7 +16,7 @@ from opacus_dp.data.samplers import (
     check_sample_rate,
     generator_from_global_rng,
 )
-from opacus_dp.data.step_per_batch import StepPerBatch
+from opacus_dp.data.step_per_batch import StepPerBatch, register_loader
 
 
 def worker_settings(data_loader: DataLoader) -> dict:
@@ -131,6 +131,8 @@ class DPDataLoader(HandOutState, SamplingGeneratorKept, DataLoader):
         )
         self._seed_generator = worker_seed_generator(generator)
         self.step_per_batch = StepPerBatch()  # connected by make_private to the optimizer's steps
+        if type(self) is DPDataLoader and not self.distributed:  # or by a classic engine (poisson=True)
+            register_loader(self)
 
     def __iter__(self):
         """The batches of one pass; refuses a batch whose predecessor got no step, once

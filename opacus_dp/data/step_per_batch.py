@@ -9,10 +9,18 @@ optimizer's released steps (``DPOptimizer.steps_taken``) have not moved since th
 was handed out. Leaving a pass with ``break`` is allowed: the draws not handed out were not used.
 ``BatchMemoryManager`` checks its logical batches itself; the cyclic Poisson loader of the
 correlated mechanisms checks its steps against its schedule.
+
+The classic engine cannot see its loader: attached with ``poisson=True`` in one process, it
+follows every live ``DPDataLoader`` of its rate (:func:`follow_live_loaders`), so that Poisson
+batches merged into one step with ``virtual_step`` (each an accounted draw of rate ``q``, two of
+them a draw of about ``2q`` where an example may count twice) are refused as well.
 """
 
+import math
 import weakref
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, List, Optional
+
+_LIVE_LOADERS = weakref.WeakSet()  # the single-process DPDataLoaders (register_loader)
 
 
 class SkippedBatchError(RuntimeError):
@@ -29,6 +37,9 @@ class StepPerBatch:
 
     def follow(self, optimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
+
+    def unfollow(self) -> None:
+        self._optimizer = None
 
     @property
     def connected(self) -> bool:
@@ -65,3 +76,22 @@ class StepPerBatch:
                 "noise and is accounted (an empty batch goes through the model and the loss like any "
                 "other; a non-finite sample is dropped by the step itself). To stop early, leave the loop "
                 "with break; to iterate without training, use the original data loader")
+
+
+def register_loader(loader) -> None:
+    """Note a single-process Poisson loader (``loader.sample_rate``, ``loader.step_per_batch``)
+    that :func:`follow_live_loaders` may connect."""
+    _LIVE_LOADERS.add(loader)
+
+
+def follow_live_loaders(optimizer, sample_rate: float) -> List[StepPerBatch]:
+    """Connect every live registered loader of rate ``sample_rate`` (equal up to 1e-9 relative)
+    that follows no optimizer yet to ``optimizer`` (``steps_taken``); return their checks, for
+    :meth:`StepPerBatch.unfollow` when the engine detaches."""
+    followed = []
+    for loader in list(_LIVE_LOADERS):
+        check = loader.step_per_batch
+        if not check.connected and math.isclose(float(loader.sample_rate), float(sample_rate), rel_tol=1e-9):
+            check.follow(optimizer)
+            followed.append(check)
+    return followed

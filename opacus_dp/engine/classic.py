@@ -11,6 +11,7 @@ Accounting uses RDP with the engine's ``alphas`` (orders), as Opacus 0.x did; on
 """
 
 import warnings
+import weakref
 from typing import List, Optional, Sequence, Union
 
 import torch
@@ -19,21 +20,24 @@ import torch.nn as nn
 from opacus_dp.accountants import RDPAccountant
 from opacus_dp.accountants.analysis.rdp import compute_rdp
 from opacus_dp.accountants.validation import warn_if_delta_not_small
-from opacus_dp.data.empty_draw_steps import follow_empty_draws
 from opacus_dp.distributed.noise_streams import own_stream_per_rank
 from opacus_dp.engine.arguments import check_optimizer_params
 from opacus_dp.engine.classic_arguments import (
     DEFAULT_ALPHAS,
+    PoissonDrawsFollowed,
     SamplerFeed,
     calibrate_noise_multiplier,
+    check_every_trainable_parameter_attached,
     check_misc_settings,
     classic_sampling,
+    read_by_attach,
     recognised_0x_sampler,
+    refuse_sample_rate_change,
     warn_fixed_size_batches,
 )
 from opacus_dp.engine.classic_patching import PATCHED_ATTRIBUTES, patch_optimizer, restore_optimizer
 from opacus_dp.engine.model import validate_module, wrap_module
-from opacus_dp.engine.optimizer import make_dp_optimizer
+from opacus_dp.engine.optimizer import make_dp_optimizer, secure_generator
 from opacus_dp.engine.plan import PrivatePlan
 from opacus_dp.engine.private_step import (check_distributed, connect_private_step, rebind_if_sharded, shard_if_asked,
                                            warn_if_not_secure)
@@ -94,7 +98,7 @@ class ClassicPrivacyEngine:
         self.accountant = RDPAccountant(alphas=self.alphas)
         self.target_delta = target_delta
         self.batch_first, self.loss_reduction, self.poisson = batch_first, loss_reduction, poisson
-        self.sample_rate, self.batch_size, self.sample_size, self.expected_batch_size = classic_sampling(
+        self._sample_rate, self.batch_size, self.sample_size, self.expected_batch_size = classic_sampling(
             batch_size=batch_size, sample_size=sample_size, sample_rate=sample_rate,
             poisson=poisson, world_size=self.world_size, loss_reduction=loss_reduction)
         if clip_per_layer and not isinstance(max_grad_norm, (list, tuple)):
@@ -118,8 +122,8 @@ class ClassicPrivacyEngine:
         self._dp_optimizer = None
         self._pending_noise_state = None
         self._saved_attributes = None
-        self._empty_draws = None  # follows the empty draws of a 0.x Poisson sampler while attached
-        self._sampling_given = None  # (poisson, sample_size, expected) while a 0.14 sampler is taken
+        self._draws_followed = None  # the empty draws and Poisson loaders of its rate, while attached
+        self._sampling_given = None  # (poisson, sample_size, expected, sampler, generator) while one is taken
         self._sampler_feed = None  # checks that the taken sampler feeds the steps
 
     # ------------------------------------------------------------------ attach / detach
@@ -140,6 +144,7 @@ class ClassicPrivacyEngine:
             raise ValueError("this PrivacyEngine is already attached to an optimizer: detach it first")
         rebind_if_sharded(optimizer, self._unsharded_names, self.module)
         check_optimizer_params(self.module, optimizer)
+        check_every_trainable_parameter_attached(self.module, optimizer)
         validate_module(self.module, error_class=IncompatibleModuleException)  # 0.x's error type
         sampler = self._take_0x_sampler()
         try:
@@ -151,8 +156,8 @@ class ClassicPrivacyEngine:
             self._sampler_feed = SamplerFeed(sampler, self.steps)
         if not self.poisson:
             warn_fixed_size_batches(self.sample_rate)
-        elif self.world_size == 1:  # every empty draw of a 0.x sampler is a step too
-            self._empty_draws = follow_empty_draws(optimizer, sample_rate=self.sample_rate)
+        elif self.world_size == 1:  # an empty 0.x draw is a step; a Poisson batch gets its own
+            self._draws_followed = PoissonDrawsFollowed(optimizer, sample_rate=self.sample_rate)
 
     def _wire(self, optimizer) -> None:
         """Hooks on the model, the private step on ``optimizer``, the accountant behind it."""
@@ -168,14 +173,13 @@ class ClassicPrivacyEngine:
             connect_private_step(self.module, dp_optimizer, accountant=self.accountant,
                                  sample_rate=self.sample_rate, max_epsilon=self.max_epsilon,
                                  max_epsilon_delta=self.target_delta, epsilon_of=self._budget_epsilon)
+            if self._pending_noise_state is not None:  # from load_state_dict before attach, or detach
+                dp_optimizer.load_noise_state_dict(self._pending_noise_state)
+                own_stream_per_rank(dp_optimizer)
         except Exception:
             gsm.close()
             raise
-        self.grad_sample_module, self._dp_optimizer = gsm, dp_optimizer
-        if self._pending_noise_state is not None:  # from load_state_dict before attach
-            dp_optimizer.load_noise_state_dict(self._pending_noise_state)
-            self._pending_noise_state = None
-            own_stream_per_rank(dp_optimizer)
+        self.grad_sample_module, self._dp_optimizer, self._pending_noise_state = gsm, dp_optimizer, None
         self._saved_attributes = patch_optimizer(optimizer, self)
         self.optimizer = optimizer
 
@@ -194,19 +198,25 @@ class ClassicPrivacyEngine:
     def _take_0x_sampler(self):
         """Opacus 0.14's loop (:func:`recognised_0x_sampler`): run as ``poisson=True,
         sample_size=N`` while attached — the mean divides by q·N, empty draws are accounted
-        steps. Returns the sampler taken, or None."""
+        steps. With ``secure_rng`` its draws come from an OS-seeded generator until ``detach``.
+        Returns the sampler taken, or None."""
         sampler = recognised_0x_sampler(poisson=self.poisson, world_size=self.world_size,
                                         batch_size=self.batch_size, sample_size=self.sample_size,
                                         sample_rate=self.sample_rate)
         if sampler is not None:
-            self._sampling_given = (self.poisson, self.sample_size, self.expected_batch_size)
+            self._sampling_given = (self.poisson, self.sample_size, self.expected_batch_size,
+                                    weakref.ref(sampler), sampler.generator)
             self.poisson, self.sample_size = True, sampler.num_samples
             self.expected_batch_size = self.sample_rate * sampler.num_samples
+            if self.secure_mode:  # the run's Poisson sampling, secured as make_private's
+                sampler.generator = secure_generator()
         return sampler
 
     def _restore_sampling_given(self) -> None:
         if self._sampling_given is not None:
-            self.poisson, self.sample_size, self.expected_batch_size = self._sampling_given
+            self.poisson, self.sample_size, self.expected_batch_size, taken, generator = self._sampling_given
+            if taken() is not None:
+                taken().generator = generator
         self._sampling_given = self._sampler_feed = None
 
     def _limit_logical_batches(self, gsm) -> BatchingPolicy:
@@ -222,17 +232,19 @@ class ClassicPrivacyEngine:
         return BatchingPolicy(count_iterations=False, max_batch_size=None if self.poisson else self.batch_size)
 
     def detach(self) -> None:
-        """Restore the optimizer (step, zero_grad, ...) and the model exactly."""
+        """Restore the optimizer (step, zero_grad, ...) and the model exactly; σ, C (as a schedule
+        left them) and the noise stream carry over to the next ``attach``."""
         if self.optimizer is None:
             raise ValueError("this PrivacyEngine is not attached to an optimizer")
-        if self._empty_draws is not None:
-            self._empty_draws.remove()
-            self._empty_draws = None
+        if self._draws_followed is not None:
+            self._draws_followed.remove()
+            self._draws_followed = None
         restore_optimizer(self.optimizer, self._saved_attributes)
         self._restore_sampling_given()
         self._dp_optimizer.reducer.close()
         self.grad_sample_module.close()
-        self._noise_multiplier = self._dp_optimizer.noise_multiplier
+        self._noise_multiplier, self._max_grad_norm = self._dp_optimizer.noise_multiplier, self.max_grad_norm
+        self._pending_noise_state = self._dp_optimizer.noise_state_dict()  # never redraw released noise
         self.optimizer = self.grad_sample_module = self._dp_optimizer = None
         self._saved_attributes = None
 
@@ -255,6 +267,9 @@ class ClassicPrivacyEngine:
         return self._dp_optimizer
 
     # ------------------------------------------------------------------ settings
+    max_epsilon = read_by_attach("max_epsilon")  # the budget guard's ε
+    sample_rate = property(lambda self: self._sample_rate, refuse_sample_rate_change)  # q of every step: fixed
+
     @property
     def noise_multiplier(self) -> float:
         return self._dp_optimizer.noise_multiplier if self._dp_optimizer else self._noise_multiplier
@@ -287,7 +302,8 @@ class ClassicPrivacyEngine:
         (:func:`~opacus_dp.distributed.noise_streams.own_stream_per_rank`)."""
         if self.secure_mode:
             raise ValueError("_set_seed is not allowed with secure_rng=True")
-        self.noise_generator = torch.Generator().manual_seed(int(seed))  # attach derives the ranks' streams
+        # attach derives the ranks' streams from it; the stream kept by detach gives way to it
+        self.noise_generator, self._pending_noise_state = torch.Generator().manual_seed(int(seed)), None
         if self._dp_optimizer is not None:
             self._dp_optimizer.noise.reseed(int(seed))
             own_stream_per_rank(self._dp_optimizer)
@@ -341,7 +357,7 @@ class ClassicPrivacyEngine:
         if noise is not None and self._dp_optimizer is not None:
             self._dp_optimizer.load_noise_state_dict(noise)
             own_stream_per_rank(self._dp_optimizer)
-        else:  # not attached yet: restored by attach()
+        elif noise is not None:  # not attached yet: restored by attach()
             self._pending_noise_state = noise
 
     def make_private(self, **_ignored):

@@ -8,7 +8,10 @@ from typing import Optional, Sequence, Tuple
 
 from opacus_dp.accountants import get_noise_multiplier
 from opacus_dp.data import SamplingWarning
+from opacus_dp.data.empty_draw_steps import follow_empty_draws
 from opacus_dp.data.empty_draws import live_sampler_of_rate
+from opacus_dp.data.step_per_batch import follow_live_loaders
+from opacus_dp.optim.dp_optimizer import dp_optimizer_behind
 
 # Opacus 0.x default RDP orders: 1.1, 1.2, ..., 10.9 and 12, ..., 63.
 DEFAULT_ALPHAS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
@@ -87,6 +90,46 @@ def calibrate_noise_multiplier(*, target_epsilon, target_delta, sample_rate: flo
                                       alphas=list(alphas)))
 
 
+def check_every_trainable_parameter_attached(module, optimizer) -> None:
+    """ValueError if a trainable parameter of ``module`` is not in ``optimizer``: Opacus 0.x's
+    step clipped and noised the gradient of every trainable parameter of the module, the attached
+    optimizer's step only its own, so another optimizer would apply autograd's gradient there."""
+    attached = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    left = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in attached]
+    if left:
+        shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+        raise ValueError(
+            f"trainable parameters of the model are not in the optimizer given to attach: {shown}. Their "
+            "gradients would be neither clipped nor noised (Opacus 0.x made every trainable parameter's "
+            "gradient private), so another optimizer stepping them would train on non-private gradients. "
+            "Add them to this optimizer (optimizer.add_param_group) or freeze them (p.requires_grad_(False)) "
+            "before attach")
+
+
+def refuse_sample_rate_change(engine, value) -> None:
+    """The setter of a classic engine's ``sample_rate``: refused (its steps record the rate given
+    when it was built, so a new rate set on it would not be accounted)."""
+    if value == engine.sample_rate:
+        return
+    raise AttributeError(
+        f"sample_rate is fixed when the PrivacyEngine is built ({engine.sample_rate:.4g}; got {value!r}): "
+        "every step records it, so batches drawn at another rate would not be accounted. For another "
+        "rate, detach this engine and attach PrivacyEngine(model, sample_rate=..., ...) after its "
+        "load_state_dict(engine.state_dict()), which keeps the privacy history")
+
+
+def read_by_attach(name: str) -> property:
+    """A classic engine's setting that ``attach`` reads (stored as ``_name``): a change while
+    attached would be ignored, so it is refused, with the way to make it."""
+    def fset(engine, value) -> None:
+        if getattr(engine, "_dp_optimizer", None) is not None:
+            raise AttributeError(f"{name} is read by attach, so a change now would be ignored: call detach(), "
+                                 f"set {name}, then attach(optimizer) again (σ, C, the noise stream and the "
+                                 "privacy history carry over)")
+        setattr(engine, "_" + name, value)
+    return property(lambda engine: getattr(engine, "_" + name), fset)
+
+
 def warn_fixed_size_batches(sample_rate: float) -> None:
     """The classic engine cannot see the loader: say what the accounting assumes."""
     warnings.warn(
@@ -118,6 +161,22 @@ def recognised_0x_sampler(*, poisson: bool, world_size: int, batch_size, sample_
     if sampler is None or sample_size not in (None, sampler.num_samples):
         return None
     return sampler
+
+
+class PoissonDrawsFollowed:
+    """While a classic engine with ``poisson=True`` is attached in one process: every empty draw
+    of a skipping 0.x sampler of its rate is a step (:mod:`~opacus_dp.data.empty_draw_steps`), and
+    every live ``DPDataLoader`` of its rate refuses a batch whose predecessor got no step, such as
+    Poisson batches merged with ``virtual_step`` (:mod:`~opacus_dp.data.step_per_batch`)."""
+
+    def __init__(self, optimizer, *, sample_rate: float):
+        self._empty_draws = follow_empty_draws(optimizer, sample_rate=sample_rate)
+        self._loaders = follow_live_loaders(dp_optimizer_behind(optimizer), sample_rate)
+
+    def remove(self) -> None:
+        self._empty_draws.remove()
+        for check in self._loaders:
+            check.unfollow()
 
 
 class SamplerFeed:

@@ -31,6 +31,7 @@ class OptimizerValueScheduler:
     relative_to_base = False
 
     def __init__(self, optimizer, *, last_epoch: int = -1):
+        self._given = optimizer  # a classic engine's optimizer: the private step behind it may change
         optimizer = dp_optimizer_behind(optimizer) or optimizer  # also Opacus's optimizers
         if not hasattr(optimizer, self.attribute):
             raise ValueError(
@@ -62,7 +63,7 @@ class OptimizerValueScheduler:
 
     def state_dict(self) -> Dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items()
-                 if k != "optimizer" and not isinstance(v, (types.FunctionType, types.LambdaType))}
+                 if k not in ("optimizer", "_given") and not isinstance(v, (types.FunctionType, types.LambdaType))}
         state["value"] = self._read()
         return state
 
@@ -85,16 +86,24 @@ class OptimizerValueScheduler:
                 f"{type(self).__name__}: the saved schedule is for {saved} clipping but this "
                 f"optimizer clips {current}; build the run as it was saved (nothing was loaded)")
 
+    def _target(self):
+        """The optimizer whose value is scheduled: after a classic engine's ``detach`` and
+        ``attach``, the private step attached now."""
+        self.optimizer = dp_optimizer_behind(self._given) or self.optimizer
+        return self.optimizer
+
     def _read(self) -> Value:
-        if self.attribute == "max_grad_norm" and _clips_per_layer(self.optimizer):
-            return list(self.optimizer.max_grad_norms)
-        return getattr(self.optimizer, self.attribute)
+        optimizer = self._target()
+        if self.attribute == "max_grad_norm" and _clips_per_layer(optimizer):
+            return list(optimizer.max_grad_norms)
+        return getattr(optimizer, self.attribute)
 
     def _write(self, value: Value) -> None:
+        optimizer = self._target()
         if isinstance(value, (list, tuple)):
-            self.optimizer.max_grad_norms = list(value)
+            optimizer.max_grad_norms = list(value)
         else:
-            setattr(self.optimizer, self.attribute, value)
+            setattr(optimizer, self.attribute, value)
 
 
 def _clips_per_layer(optimizer) -> bool:

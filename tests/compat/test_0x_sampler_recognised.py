@@ -180,3 +180,22 @@ def test_several_processes_are_left_as_they_are():
     assert recognised_0x_sampler(world_size=1, **given) is sampler
     assert recognised_0x_sampler(world_size=2, **given) is None
     assert recognised_0x_sampler(world_size=1, **{**given, "sample_size": 9}) is None
+
+
+@pytest.mark.parametrize("secure_rng", [False, True])
+def test_secure_rng_draws_the_taken_samplers_batches_from_the_os_until_detach(secure_rng):
+    """Oracle: the draws of the same sampler, seeded alike, alone. secure_rng=True replaces the
+    seed the script gave the sampler while attached (as make_private does with the loader's
+    generator); without it the seeded draws are kept. detach gives the sampler its generator back."""
+    n, q, seed = 64, 0.25, 3
+    seeded = list(_sampler(n, q, seed))
+    sampler = _sampler(n, q, seed)
+    given = sampler.generator
+    model = nn.Linear(4, 2)
+    engine = PrivacyEngine(model, sample_rate=q, alphas=ALPHAS, noise_multiplier=1.0, max_grad_norm=1.0,
+                           secure_rng=secure_rng)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    drawn = list(sampler)
+    assert (drawn != seeded) == secure_rng
+    engine.detach()
+    assert sampler.generator is given

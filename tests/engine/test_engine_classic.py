@@ -384,3 +384,153 @@ def test_opacus_0x_misc_settings():
     for static in (None, 0, "static"):  # 0.x's default method keeps the fixed bound: private
         PrivacyEngine(small_model(), 5, 100, noise_multiplier=1.0, max_grad_norm=1.0, experimental=True,
                       clipping_method=static)
+
+
+def _noise_of_one_step(model, optimizer):
+    """The update of a step whose data gradient is zero (SGD, lr 1): minus the mean noise."""
+    before = model.weight.detach().clone()
+    optimizer.zero_grad()
+    (0 * model(torch.zeros(8, 5)).sum()).backward()
+    optimizer.step()
+    return before - model.weight.detach()
+
+
+@pytest.mark.parametrize("fast_noise", [False, True, "philox"])
+@pytest.mark.parametrize("seed_when", ["before_attach", "while_attached", "never"])
+def test_detach_and_attach_again_continue_the_noise_stream(seed_when, fast_noise):
+    """``detach`` then ``attach`` draws what the uninterrupted run draws: the noise of a released
+    step is never drawn again (two steps with equal noise would release a noise-free difference)."""
+    def noises(detach_between):
+        torch.manual_seed(0)
+        model = nn.Linear(5, 2)
+        optimizer = SGD(model.parameters(), lr=1.0)
+        engine = PrivacyEngine(model, batch_size=8, sample_size=80, noise_multiplier=1.0, max_grad_norm=1.0,
+                               fast_noise=fast_noise)
+        if seed_when == "before_attach":
+            engine._set_seed(3)
+        engine.attach(optimizer)
+        if seed_when == "while_attached":
+            engine._set_seed(3)
+        drawn = [_noise_of_one_step(model, optimizer) for _ in range(2)]
+        if detach_between:
+            engine.detach()
+            engine.attach(optimizer)
+        return drawn + [_noise_of_one_step(model, optimizer) for _ in range(2)]
+
+    interrupted, uninterrupted = noises(True), noises(False)
+    for got, expected in zip(interrupted, uninterrupted):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    assert not any(torch.allclose(a, b) for a in interrupted[:2] for b in interrupted[2:])
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_detach_keeps_the_clipping_bound_a_schedule_set(per_layer):
+    """After ``detach``/``attach`` the engine clips with the bound a clipping schedule left, as it
+    keeps the scheduled σ: the next step equals the per-sample oracle at that bound."""
+    from opacus_dp.schedulers import StepGradClip
+
+    x, y = small_data(6)
+    model = small_model()
+    optimizer = SGD(model.parameters(), lr=0.5)
+    engine = PrivacyEngine(model, 6, 24, noise_multiplier=0.0, max_grad_norm=[0.4] * 4 if per_layer else 0.4)
+    engine.attach(optimizer)
+    StepGradClip(optimizer, step_size=1, gamma=0.25).step()
+    scheduled = engine.max_grad_norm
+    engine.detach()
+    assert engine.max_grad_norm == scheduled
+    engine.attach(optimizer)
+    grads = per_sample_grads_oracle(small_model(), x, y)  # the same initial weights, no hooks
+    summed = clipped_sum_oracle(grads, [0.1] * 4 if per_layer else 0.1, per_layer=per_layer)
+    expected = [p.detach() - 0.5 * s / 6 for p, s in zip(model.parameters(), summed)]
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-9, atol=1e-12)
+
+
+def test_trainable_parameters_outside_the_attached_optimizer_are_refused():
+    """Opacus 0.x's step clipped and noised the gradient of every trainable parameter of the model;
+    one outside the attached optimizer would keep autograd's gradient here, which a second, plain
+    optimizer would apply: refused at attach. Frozen, the rest trains as the per-sample oracle."""
+    x, y = small_data(5)
+    model = small_model()
+    engine = PrivacyEngine(model, 5, 20, noise_multiplier=0.0, max_grad_norm=0.01)
+    with pytest.raises(ValueError, match=r"not in the optimizer given to attach: 0\.weight, 0\.bias"):
+        engine.attach(SGD(model[2].parameters(), lr=0.1))
+    assert engine.optimizer is None
+    assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
+    model[0].requires_grad_(False)
+    optimizer = SGD(model[2].parameters(), lr=0.1)
+    engine.attach(optimizer)
+    reference = small_model()
+    reference[0].requires_grad_(False)
+    summed = clipped_sum_oracle(per_sample_grads_oracle(reference, x, y), 0.01, per_layer=False)
+    expected = [p.detach() - 0.1 * s / 5 for p, s in zip(reference[2].parameters(), summed)]
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    for p, e in zip(model[2].parameters(), expected):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-9, atol=1e-12)
+
+
+def test_a_new_sample_rate_is_refused_and_a_new_engine_keeps_the_history():
+    """Every step records q, so ``engine.sample_rate = q2`` (an Opacus 0.x attribute) would leave
+    batches drawn at q2 accounted at q: refused. The way the error names (a new engine at q2 that
+    loads the old one's state) gives the ε of the steps taken (dp-accounting)."""
+    from tests.accountants.oracles import dp_accounting_rdp_epsilon
+
+    orders = [2, 4, 8, 16, 32]
+    x, y = small_data(10)
+    model = small_model()
+    optimizer = SGD(model.parameters(), lr=0.1)
+    engine = PrivacyEngine(model, sample_rate=0.1, sample_size=40, poisson=True, alphas=orders,
+                           noise_multiplier=1.0, max_grad_norm=1.0)
+    engine.attach(optimizer)
+    taken = []
+    for q in (0.1, 0.5):
+        if q != engine.sample_rate:
+            with pytest.raises(AttributeError, match="sample_rate is fixed"):
+                engine.sample_rate = q
+            assert engine.sample_rate == 0.1
+            engine.detach()
+            new = PrivacyEngine(model, sample_rate=q, sample_size=40, poisson=True, alphas=orders,
+                                noise_multiplier=1.0, max_grad_norm=1.0)
+            new.load_state_dict(engine.state_dict())
+            new.attach(optimizer)
+            engine = new
+        for _ in range(3):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            taken.append((1.0, q, 1))
+    expected = dp_accounting_rdp_epsilon(taken, 1e-5, orders)
+    assert engine.get_privacy_spent(1e-5)[0] == pytest.approx(expected, rel=1e-6)
+
+
+def test_max_epsilon_is_changed_while_detached_and_enforced_by_the_next_attach():
+    """``attach`` installs the budget guard, so ``engine.max_epsilon = ε₂`` while attached would be
+    ignored (steps past ε₂ taken): refused. Set while detached, the next ``attach`` enforces it: the
+    steps taken spend at most ε₂ and one more would exceed it (dp-accounting)."""
+    from opacus_dp.errors import PrivacyBudgetExceededError
+    from tests.accountants.oracles import dp_accounting_rdp_epsilon
+
+    orders = [2, 4, 8, 16, 32]
+    x, y = small_data(5)
+    model = small_model()
+    optimizer = SGD(model.parameters(), lr=0.1)
+    engine = PrivacyEngine(model, 5, 20, alphas=orders, noise_multiplier=1.0, max_grad_norm=1.0,
+                           max_epsilon=50.0, target_delta=1e-5)
+    engine.attach(optimizer)
+    with pytest.raises(AttributeError, match="max_epsilon is read by attach"):
+        engine.max_epsilon = 5.0
+    engine.detach()
+    engine.max_epsilon = 5.0
+    engine.attach(optimizer)
+    with pytest.raises(PrivacyBudgetExceededError):
+        for _ in range(100):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    steps = engine.steps
+    assert steps > 0
+    assert dp_accounting_rdp_epsilon([(1.0, 0.25, steps)], 1e-5, orders) <= 5.0
+    assert dp_accounting_rdp_epsilon([(1.0, 0.25, steps + 1)], 1e-5, orders) > 5.0

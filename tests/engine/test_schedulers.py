@@ -197,3 +197,36 @@ def test_classic_api_schedule_through_the_attached_optimizer():
     noise.step()
     clip.step()
     assert engine.noise_multiplier == pytest.approx(0.6) and engine.max_grad_norm == pytest.approx(1.6)
+
+
+@pytest.mark.parametrize("detach_after_epoch", [None, 0, 2])
+def test_classic_schedules_go_on_after_detach_and_attach(detach_after_epoch):
+    """A schedule built on a classic engine's optimizer keeps scheduling the private step attached
+    after ``detach``/``attach``: every epoch's σ (as the accountant records it) and C follow the
+    closed forms, as without the detach."""
+    noise_form, clip_form = SCHEDULES["ExponentialNoise"][2], SCHEDULES["StepGradClip"][2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = small_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = PrivacyEngine(model, batch_size=6, sample_size=24, noise_multiplier=1.2, max_grad_norm=0.8)
+        engine.attach(optimizer)
+    noise = ExponentialNoise(optimizer, **SCHEDULES["ExponentialNoise"][1])
+    clip = StepGradClip(optimizer, **SCHEDULES["StepGradClip"][1])
+    bounds = []
+    for epoch in range(4):
+        for x, y in small_loader(n=12):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        bounds.append(engine.max_grad_norm)
+        if epoch == detach_after_epoch:
+            engine.detach()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                engine.attach(optimizer)
+        noise.step()
+        clip.step()
+    sigmas = [s for s, _, n in engine.accountant.history for _ in range(n)]
+    assert sigmas == pytest.approx([noise_form(1.2, e) for e in range(4) for _ in range(2)])
+    assert bounds == pytest.approx([clip_form(0.8, e) for e in range(4)])
