@@ -30,7 +30,6 @@ from opacus_dp.engine.classic_arguments import (
     check_every_trainable_parameter_attached,
     check_misc_settings,
     classic_sampling,
-    read_by_attach,
     recognised_0x_sampler,
     refuse_sample_rate_change,
     warn_fixed_size_batches,
@@ -39,6 +38,7 @@ from opacus_dp.engine.classic_patching import PATCHED_ATTRIBUTES, patch_optimize
 from opacus_dp.engine.model import validate_module, wrap_module
 from opacus_dp.engine.optimizer import make_dp_optimizer, secure_generator
 from opacus_dp.engine.plan import PrivatePlan
+from opacus_dp.engine.read_once import setting_read_once
 from opacus_dp.engine.private_step import (check_distributed, connect_private_step, rebind_if_sharded, shard_if_asked,
                                            warn_if_not_secure)
 from opacus_dp.optim.clipper_registry import make_clipper
@@ -267,7 +267,9 @@ class ClassicPrivacyEngine:
         return self._dp_optimizer
 
     # ------------------------------------------------------------------ settings
-    max_epsilon = read_by_attach("max_epsilon")  # the budget guard's ε
+    max_epsilon = setting_read_once("max_epsilon", in_use=lambda e: getattr(e, "_dp_optimizer", None) is not None, fix=(
+        "call detach(), set {name}, then attach(optimizer) again (σ, C, the noise stream and the privacy history "
+        "carry over)"))  # the budget guard's ε
     sample_rate = property(lambda self: self._sample_rate, refuse_sample_rate_change)  # q of every step: fixed
 
     @property

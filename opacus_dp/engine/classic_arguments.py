@@ -118,18 +118,6 @@ def refuse_sample_rate_change(engine, value) -> None:
         "load_state_dict(engine.state_dict()), which keeps the privacy history")
 
 
-def read_by_attach(name: str) -> property:
-    """A classic engine's setting that ``attach`` reads (stored as ``_name``): a change while
-    attached would be ignored, so it is refused, with the way to make it."""
-    def fset(engine, value) -> None:
-        if getattr(engine, "_dp_optimizer", None) is not None:
-            raise AttributeError(f"{name} is read by attach, so a change now would be ignored: call detach(), "
-                                 f"set {name}, then attach(optimizer) again (σ, C, the noise stream and the "
-                                 "privacy history carry over)")
-        setattr(engine, "_" + name, value)
-    return property(lambda engine: getattr(engine, "_" + name), fset)
-
-
 def warn_fixed_size_batches(sample_rate: float) -> None:
     """The classic engine cannot see the loader: say what the accounting assumes."""
     warnings.warn(

@@ -33,6 +33,7 @@ from opacus_dp.engine.model import validate_module
 from opacus_dp.engine.optimizer import ghost_criterion
 from opacus_dp.engine.plan import PrivatePlan
 from opacus_dp.engine.private_step import connect_private_step, warn_if_not_secure
+from opacus_dp.engine.read_once import setting_read_once
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.validators import ModuleValidator
 
@@ -67,6 +68,11 @@ class PrivacyEngine(metaclass=_EngineType):
                 )
             return ClassicPrivacyEngine(*args, **kwargs)  # not a PrivacyEngine: __init__ is not called
         return object.__new__(cls)
+
+    _BUILT_BY_MAKE_PRIVATE = dict(in_use=lambda engine: getattr(engine, "_data_loader", None) is not None, fix=(
+        "make_private gave the budget guard its {name}; pass it to PrivacyEngine(...) before make_private"))
+    max_epsilon = setting_read_once("max_epsilon", **_BUILT_BY_MAKE_PRIVATE)
+    max_epsilon_delta = setting_read_once("max_epsilon_delta", **_BUILT_BY_MAKE_PRIVATE)
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False,
                  max_epsilon: Optional[float] = None, max_epsilon_delta: Optional[float] = None):

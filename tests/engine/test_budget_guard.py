@@ -250,3 +250,20 @@ def test_refused_step_inside_batch_memory_manager_drops_its_whole_logical_batch(
     assert checked, "a refusal followed by a completed step must have happened"
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name, value", [("max_epsilon", 1.0), ("max_epsilon_delta", 1e-3)])
+def test_a_budget_set_on_the_engine_after_make_private_is_refused(name, value):
+    """make_private hands the guard its ε and δ: ``engine.max_epsilon = 1.0`` afterwards would leave
+    the guard at 8.0 (training past ε = 1 without an error), so it is refused; the value given
+    before make_private is the guard's, and setting it again to that value is allowed."""
+    engine = PrivacyEngine(accountant="rdp", max_epsilon=8.0, max_epsilon_delta=1e-5)
+    engine.max_epsilon = 8.0  # before make_private: free
+    model = small_model()
+    engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        data_loader=small_loader(n=12, batch_size=3), noise_multiplier=1.0, max_grad_norm=1.0)
+    kept = getattr(engine, name)
+    with pytest.raises(AttributeError, match=f"{name} was read when the private step was built.*before make_private"):
+        setattr(engine, name, value)
+    setattr(engine, name, kept)
+    assert getattr(engine, name) == kept

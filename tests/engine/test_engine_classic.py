@@ -520,7 +520,7 @@ def test_max_epsilon_is_changed_while_detached_and_enforced_by_the_next_attach()
     engine = PrivacyEngine(model, 5, 20, alphas=orders, noise_multiplier=1.0, max_grad_norm=1.0,
                            max_epsilon=50.0, target_delta=1e-5)
     engine.attach(optimizer)
-    with pytest.raises(AttributeError, match="max_epsilon is read by attach"):
+    with pytest.raises(AttributeError, match="max_epsilon was read when the private step was built.*detach"):
         engine.max_epsilon = 5.0
     engine.detach()
     engine.max_epsilon = 5.0
