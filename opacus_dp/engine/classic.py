@@ -19,7 +19,6 @@ import torch.nn as nn
 
 from opacus_dp.accountants import RDPAccountant
 from opacus_dp.accountants.analysis.rdp import compute_rdp
-from opacus_dp.accountants.validation import warn_if_delta_not_small
 from opacus_dp.distributed.noise_streams import own_stream_per_rank
 from opacus_dp.engine.arguments import check_optimizer_params
 from opacus_dp.engine.classic_arguments import (
@@ -105,12 +104,9 @@ class ClassicPrivacyEngine:
             max_grad_norm = [max_grad_norm] * sum(p.requires_grad for p in module.parameters())
         self.clipping = "per_layer" if isinstance(max_grad_norm, (list, tuple)) else "flat"
         self._max_grad_norm = max_grad_norm
-        if noise_multiplier is None:
-            warn_if_delta_not_small(target_delta, self.sample_size)
-            noise_multiplier = calibrate_noise_multiplier(
-                target_epsilon=target_epsilon, target_delta=target_delta,
-                sample_rate=self.sample_rate, epochs=epochs, alphas=self.alphas)
-        self._noise_multiplier = noise_multiplier
+        self._noise_multiplier = calibrate_noise_multiplier(
+            noise_multiplier, target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=self.sample_rate,
+            sample_size=self.sample_size, epochs=epochs, alphas=self.alphas)
         self.max_epsilon, self.max_epsilon_delta = max_epsilon, target_delta
         self.noise_generator, self.fast_noise = noise_generator, fast_noise
         self.grad_sample_mode, self.skip_weight_grads = grad_sample_mode, skip_weight_grads

@@ -7,6 +7,7 @@ import weakref
 from typing import Optional, Sequence, Tuple
 
 from opacus_dp.accountants import get_noise_multiplier
+from opacus_dp.accountants.validation import warn_if_delta_not_small
 from opacus_dp.data import SamplingWarning
 from opacus_dp.data.empty_draw_steps import follow_empty_draws
 from opacus_dp.data.empty_draws import live_sampler_of_rate
@@ -74,10 +75,19 @@ def steps_per_epoch(sample_rate: float) -> int:
     return max(1, math.ceil((1.0 / sample_rate) * (1 - 1e-12)))
 
 
-def calibrate_noise_multiplier(*, target_epsilon, target_delta, sample_rate: float, epochs,
-                               alphas: Sequence[float]) -> float:
-    """σ such that ``⌈epochs · steps_per_epoch(q)⌉`` steps spend at most ``target_epsilon``
-    (RDP over ``alphas``)."""
+def calibrate_noise_multiplier(noise_multiplier, *, target_epsilon, target_delta, sample_rate: float, sample_size,
+                               epochs, alphas: Sequence[float]) -> float:
+    """``noise_multiplier`` if given (a ``target_epsilon`` beside it is ignored, as in Opacus 0.x,
+    with a warning), else σ such that ``⌈epochs · steps_per_epoch(q)⌉`` steps spend at most
+    ``target_epsilon`` (RDP over ``alphas``)."""
+    if noise_multiplier is not None:
+        if target_epsilon is not None:
+            warnings.warn(f"PrivacyEngine: noise_multiplier={noise_multiplier} was given, so target_epsilon="
+                          f"{target_epsilon} is ignored (σ is not calibrated to it; get_privacy_spent reports the "
+                          "ε spent). Pass noise_multiplier=None to calibrate σ to target_epsilon and epochs",
+                          UserWarning, stacklevel=3)
+        return noise_multiplier
+    warn_if_delta_not_small(target_delta, sample_size)
     if target_epsilon is None or epochs is None:
         raise ValueError("noise_multiplier is None: pass noise_multiplier, or target_epsilon and "
                          "epochs to calibrate it")

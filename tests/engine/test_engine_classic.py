@@ -205,6 +205,15 @@ def test_target_epsilon_calibrates_noise():
     assert by_rate.noise_multiplier == engine.noise_multiplier
 
 
+def test_a_target_epsilon_beside_a_noise_multiplier_is_ignored_with_a_warning():
+    """Opacus 0.x kept a given σ and ignored target_epsilon; here it says so (the ε spent at that σ
+    can be far above the target)."""
+    with pytest.warns(UserWarning, match="target_epsilon=2.0 is ignored"):
+        engine = PrivacyEngine(small_model(), 5, 100, noise_multiplier=0.3, max_grad_norm=1.0,
+                               target_epsilon=2.0, target_delta=1e-5, epochs=3)
+    assert engine.noise_multiplier == 0.3
+
+
 @pytest.mark.parametrize(
     "args, kwargs, match",
     [
