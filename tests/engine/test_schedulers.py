@@ -184,15 +184,21 @@ def test_bad_schedules_are_refused_early(make, error, words):
             make(optimizer).step()
 
 
-def test_classic_api_schedule_through_the_attached_optimizer():
-    """Classic API: the schedule is built on the optimizer given to ``attach``; the engine's σ
-    and C report the scheduled values."""
+def attached_classic_engine():
+    """A classic engine (σ = 1.2, C = 0.8) attached to SGD over a small model."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = small_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         engine = PrivacyEngine(model, batch_size=6, sample_size=24, noise_multiplier=1.2, max_grad_norm=0.8)
         engine.attach(optimizer)
+    return model, optimizer, engine
+
+
+def test_classic_api_schedule_through_the_attached_optimizer():
+    """Classic API: the schedule is built on the optimizer given to ``attach``; the engine's σ
+    and C report the scheduled values."""
+    model, optimizer, engine = attached_classic_engine()
     noise, clip = StepNoise(optimizer, step_size=1, gamma=0.5), ExponentialGradClip(optimizer, gamma=2.0)
     noise.step()
     clip.step()
@@ -205,12 +211,7 @@ def test_classic_schedules_go_on_after_detach_and_attach(detach_after_epoch):
     after ``detach``/``attach``: every epoch's σ (as the accountant records it) and C follow the
     closed forms, as without the detach."""
     noise_form, clip_form = SCHEDULES["ExponentialNoise"][2], SCHEDULES["StepGradClip"][2]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = small_model()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        engine = PrivacyEngine(model, batch_size=6, sample_size=24, noise_multiplier=1.2, max_grad_norm=0.8)
-        engine.attach(optimizer)
+    model, optimizer, engine = attached_classic_engine()
     noise = ExponentialNoise(optimizer, **SCHEDULES["ExponentialNoise"][1])
     clip = StepGradClip(optimizer, **SCHEDULES["StepGradClip"][1])
     bounds = []
