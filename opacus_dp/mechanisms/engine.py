@@ -165,6 +165,8 @@ def connect_mechanism(plan: Optional[MechanismPlan], dp_optimizer, accountant) -
         return None
     plan.schedule.follow(lambda: dp_optimizer.steps_taken)
     dp_optimizer.attach_pre_step_hook(_schedule_check)
+    dp_optimizer.noise.analysed = _noise_settings(dp_optimizer)
+    dp_optimizer.attach_pre_step_hook(_fixed_noise_check)
     return hooks_for(accountant, plan.reduction, dp_optimizer)
 
 
@@ -173,6 +175,23 @@ def _schedule_check(optimizer) -> None:
     process draws the noise (so that with several processes every rank refuses that step)."""
     if optimizer.reducer.draws_noise:
         optimizer.noise.check_schedule()
+
+
+def _noise_settings(optimizer) -> tuple:
+    return float(optimizer.noise_multiplier), tuple(float(c) for c in optimizer.max_grad_norms)
+
+
+def _fixed_noise_check(optimizer) -> None:
+    """A pre-step hook refusing a step whose σ or clipping bounds differ from those the run was
+    made private with (``noise.analysed``, kept in checkpoints): the correlated analysis (one event
+    per round, or per run) assumes the same noise std σ·C and sensitivity C at every step."""
+    planned, now = optimizer.noise.analysed, _noise_settings(optimizer)
+    if now != planned:
+        raise ValueError(
+            f"noise_mechanism={optimizer.noise.strategy.kind!r} is analysed for fixed noise_multiplier and "
+            f"max_grad_norm (σ={planned[0]}, bounds {list(planned[1])}), this step has σ={now[0]}, bounds "
+            f"{list(now[1])}: a noise or clipping-bound scheduler cannot be used with correlated noise "
+            "(use noise_mechanism='independent'); nothing was released")
 
 
 def calibrated_noise_multiplier(plan: MechanismPlan, *, accountant: str, target_epsilon: float,

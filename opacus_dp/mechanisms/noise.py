@@ -12,8 +12,8 @@ buffers); ``C = I`` (one band) gives ``z_t = w_t``, the draws of DP-SGD bit for 
 
 The buffers are committed at the start of the next step (:meth:`begin_step`), so a step refused
 after its noise was drawn (:meth:`discard_step`) leaves them as they were. They are part of
-:meth:`state_dict` (checkpoints), with the steps taken and the strategy's schedule (kind, steps,
-bands, period): a state saved for another schedule is refused. With a
+:meth:`state_dict` (checkpoints), with the steps taken, the strategy's schedule (kind, steps,
+bands, period) and ``analysed`` (σ and clipping bounds): a state saved for others is refused. With a
 :class:`~opacus_dp.data.cyclic_sampler.StepSchedule` (the engine's), a step whose index is not
 the schedule's (the optimizer's released steps, which the sampling and the accountant use) is
 refused before anything is drawn. With several processes only the rank that adds the noise
@@ -63,6 +63,7 @@ class CorrelatedNoise:
         self._history: History = []  # the recursion's state, committed
         self._pending: Dict[int, torch.Tensor] = {}  # what this step keeps per slot, committed by the next
         self._slot, self._open = 0, False
+        self.analysed: Optional[tuple] = None  # (σ, clipping bounds) of every step, set by the engine
 
     # the generator of the draws, as GaussianNoise (checkpoints, step refusal, streams)
     secure_mode = property(lambda self: self.base.secure_mode)
@@ -154,7 +155,8 @@ class CorrelatedNoise:
         """The generator's state (as :class:`GaussianNoise`), the steps taken, the strategy's
         schedule and the buffers."""
         self._commit()
-        return {**self.base.state_dict(), "mechanism": self.strategy.kind,
+        analysed = None if self.analysed is None else [self.analysed[0], list(self.analysed[1])]
+        return {**self.base.state_dict(), "mechanism": self.strategy.kind, "mechanism_settings": analysed,
                 "mechanism_steps": self.step_index + 1, "mechanism_schedule": self._schedule_record(),
                 "buffers": [[t.clone() for t in step] for step in self._history]}
 
@@ -172,7 +174,21 @@ class CorrelatedNoise:
                 f"{self._schedule_record()}: groups, rounds and correlation would change mid-run. "
                 "Resume with the make_private arguments of the saved run (noise_mechanism, bands, "
                 "epochs, the data loader's batch size)")
+        self._check_settings(state.get("mechanism_settings"))
         self.base.load_state_dict(state)
         self._history = [[t.clone() for t in step] for step in state.get("buffers", [])]
         self.step_index = int(state.get("mechanism_steps", 0)) - 1
         self._pending, self._slot, self._open = {}, 0, False
+
+    def _check_settings(self, saved) -> None:
+        """Refuse a state saved by a run noised with another σ or other clipping bounds: the
+        analysis of the whole run assumes the same ones at every step."""
+        if saved is None or self.analysed is None:
+            return
+        saved = (float(saved[0]), tuple(float(c) for c in saved[1]))
+        if saved != self.analysed:
+            raise ValueError(
+                f"the noise state was saved by a run with noise_multiplier {saved[0]} and clipping bounds "
+                f"{list(saved[1])}, this optimizer has {self.analysed[0]} and {list(self.analysed[1])}: the "
+                f"{self.strategy.kind} analysis needs the same at every step. Resume with the saved run's "
+                "noise_multiplier and max_grad_norm")

@@ -14,6 +14,7 @@ and without plain functions (which ``torch.save`` cannot pickle; pass the same f
 when resuming, as with ``torch.optim.lr_scheduler.LambdaLR``); ``load_state_dict`` sets the
 value again, so a resumed run continues from the scheduled value, not the constructor's.
 The accountant records the noise multiplier of each step, so any schedule is accounted exactly.
+Correlated noise (``noise_mechanism`` other than ``independent``) refuses a step whose σ or bound changed.
 """
 
 import types
