@@ -27,7 +27,7 @@ import torch
 from opacus_dp.maths.per_sample import per_sample_norms, sum_dtype, weighted_sum
 from opacus_dp.maths.unit_groups import UnitGroups
 from opacus_dp.module_parameters import local_part
-from opacus_dp.state_views import is_consumed, mark_consumed
+from opacus_dp.state_views import is_consumed, mark_consumed, passes_of
 
 FactorFunction = Callable[[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
 NameOf = Callable[[torch.Tensor], str]
@@ -174,6 +174,10 @@ class AttributeGradSource(_MaterialisedSource):
     concatenated along the batch dimension). As in Opacus 1.x, a step leaves them there, marked
     consumed (:mod:`opacus_dp.state_views`): read, never taken twice."""
 
+    def __init__(self, params: Optional[Callable[[], Sequence[torch.Tensor]]] = None):
+        super().__init__()
+        self._params = params  # the optimizer's trainable tensors, to count the passes they hold
+
     def _take(self, params):
         found = {}
         for i, p in enumerate(params):
@@ -190,8 +194,10 @@ class AttributeGradSource(_MaterialisedSource):
                 p.grad_sample = None
 
     def pending_passes(self) -> int:
-        """1: attributes do not tell the backward passes apart."""
-        return 1
+        """The most backward passes any unconsumed ``p.grad_sample`` holds (a list's length, or
+        as recorded by a ``GradSampleModule``); 1 if unknown."""
+        values = [getattr(p, "grad_sample", None) for p in (self._params() if self._params else ())]
+        return max([passes_of(v) for v in values if v is not None and not is_consumed(v)], default=1)
 
 
 class ModuleGradSource(_MaterialisedSource):

@@ -31,6 +31,7 @@ from typing import List, Optional
 import torch
 
 _CONSUMED = "_opacus_dp_consumed"
+_PASSES = "_opacus_dp_passes"
 
 
 def mark_consumed(tensor: torch.Tensor) -> None:
@@ -41,6 +42,19 @@ def mark_consumed(tensor: torch.Tensor) -> None:
 def is_consumed(value) -> bool:
     """Whether ``value`` is a per-sample gradient a step has already taken."""
     return isinstance(value, torch.Tensor) and getattr(value, _CONSUMED, False)
+
+
+def mark_passes(tensor: torch.Tensor, passes: int) -> None:
+    """Record that ``tensor`` concatenates the per-sample gradients of ``passes`` backward passes."""
+    setattr(tensor, _PASSES, passes)
+
+
+def passes_of(value) -> int:
+    """The backward passes (batches) a ``p.grad_sample`` value holds: those recorded by
+    :func:`mark_passes`, a list's length (Opacus 1.x), else 1."""
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return int(getattr(value, _PASSES, 1))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ import torch
 
 from opacus_dp.grad_sample.broadcast_inputs import BROADCAST_HINT
 from opacus_dp.grad_sample.outside_use_totals import OutsideUseTotals
-from opacus_dp.state_views import OPACUS_1X, StateViews, is_consumed, mark_consumed
+from opacus_dp.state_views import (OPACUS_1X, StateViews, is_consumed, mark_consumed, mark_passes,
+                                   passes_of)
 from opacus_dp.torch_internals import current_graph_task_id, queue_end_of_backward_callback
 
 _UNSET = object()
@@ -204,10 +205,11 @@ class PerSampleGradStore:
 
     def _append(self, param: torch.Tensor, grad_sample: torch.Tensor) -> None:
         previous = self._synced(param)
-        if previous is None or previous.shape[0] == 0:
-            self._publish(param, grad_sample)
-            return
-        self._publish(param, torch.cat([previous, grad_sample], dim=0))
+        passes = 1 if previous is None else passes_of(previous) + 1
+        if previous is not None and previous.shape[0] > 0:
+            grad_sample = torch.cat([previous, grad_sample], dim=0)
+        mark_passes(grad_sample, passes)  # read by a DPOptimizer not connected to this module
+        self._publish(param, grad_sample)
 
     # --------------------------------------------------------- compatibility view
     def _publish(self, param: torch.Tensor, grad_sample: Optional[torch.Tensor]) -> None:

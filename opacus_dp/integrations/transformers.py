@@ -30,7 +30,7 @@ callbacks, logging, checkpoints) with these changes:
   (:mod:`~opacus_dp.integrations.transformers_state`) and restored by
   ``train(resume_from_checkpoint=...)``: a resumed seeded run is identical to an uninterrupted one.
 * **Forward.** The training forwards are the private model's, compiled (``torch_compile``) and
-  autocast (``bf16``/``fp16``) as Accelerate prepares a ``Trainer``'s model, also on several
+  autocast (``bf16``) as Accelerate prepares a ``Trainer``'s model, also on several
   processes (:mod:`~opacus_dp.integrations.transformers_forward`).
 * The ``Trainer``'s own gradient clipping (``TrainingArguments.max_grad_norm``) is switched off,
   and the gradient norm is not logged (it would be computed from non-private gradients). The
@@ -39,7 +39,7 @@ callbacks, logging, checkpoints) with these changes:
 Several processes (``torchrun``): the model is wrapped in DPDDP (one all-reduce of the clipped
 sums per step, noise added once); each rank draws its part of the global Poisson sample. Not
 supported (refused up front): ``nn.DataParallel`` (several GPUs in one process), DeepSpeed, FSDP,
-``auto_find_batch_size``, iterable datasets, LOMO, layer-wise and schedule-free optimizers.
+``auto_find_batch_size``, ``fp16`` (loss scaling), iterable datasets, LOMO, layer-wise and schedule-free optimizers.
 """
 
 import copy
@@ -56,7 +56,8 @@ from opacus_dp.distributed import DifferentiallyPrivateDistributedDataParallel
 from opacus_dp.errors import PrivacyBudgetExceededError
 from opacus_dp.model_wrappers import unwrap_model
 from opacus_dp.integrations.transformers_batches import PerExampleLoss, batch_size_of, piece_losses, pieces
-from opacus_dp.integrations.transformers_checks import check_optimizer, refuse_trainer_loss, refuse_unsupported
+from opacus_dp.integrations.transformers_checks import (check_optimizer, refuse_loss_scaling, refuse_trainer_loss,
+                                                          refuse_unsupported)
 from opacus_dp.integrations.transformers_forward import compile_as_accelerate_would, mixed_precision_forward
 from opacus_dp.integrations.transformers_state import load_private_state, save_private_state
 from opacus_dp.engine.fast_noise import fast_noise_setting
@@ -169,6 +170,7 @@ class DPTrainer(Trainer):
         self._budget = None
         self._placeholder = None
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        refuse_loss_scaling(self.args, self.accelerator)
         if self.optimizer is not None:  # the user's, from optimizers=(optimizer, scheduler)
             check_optimizer(self.optimizer, self.model)
         self.add_callback(_BudgetStop(self))

@@ -51,12 +51,15 @@ def _rows(value, start: int, end: int, n: int):
     return value
 
 
-def per_example_loss(outputs, labels: torch.Tensor, *, shift: bool) -> torch.Tensor:
+def per_example_loss(outputs, labels: torch.Tensor, *, shift: bool,
+                     attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``ℓ_i`` for each row, in float32.
 
     * token logits ``[n, T, V]``: mean cross-entropy over the row's positions whose label is not
-      ``-100`` (``shift``: a causal LM, position ``t`` predicts label ``t+1``); 0 for a row
-      without such positions;
+      ``-100`` (``shift``: a causal LM, position ``t`` predicts label ``t+1``, and only from an input
+      that is not padding, ``attention_mask`` 1: a left-padded row's first token, predicted from
+      padding only when a longer row is in the batch, would tie the row's loss to the others); 0
+      for a row without such positions;
     * ``[n, 1]`` logits with float labels: squared error (regression);
     * ``[n, K]`` logits with float labels of the same shape: mean binary cross-entropy (multi-label);
     * ``[n, K]`` logits with integer labels: cross-entropy.
@@ -65,6 +68,8 @@ def per_example_loss(outputs, labels: torch.Tensor, *, shift: bool) -> torch.Ten
     if logits.dim() == 3:
         if shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
+            if attention_mask is not None:  # the inputs of a causal LM are its labels' positions
+                labels = labels.masked_fill(attention_mask[:, :-1] == 0, IGNORE_INDEX)
         losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                  ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
         counted = (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
@@ -83,8 +88,11 @@ def piece_losses(model, piece: dict, *, shift: bool, loss_fn: Optional[PerExampl
         raise ValueError("DPTrainer: the batch has no 'labels'; the private step needs one loss per example "
                          "(make the data collator return labels)")
     labels = piece.pop("labels")
+    mask = piece.get("attention_mask")
+    mask = mask if torch.is_tensor(mask) and mask.shape == labels.shape else None  # one entry per token
     outputs = model(**piece)
-    losses = loss_fn(outputs, labels) if loss_fn is not None else per_example_loss(outputs, labels, shift=shift)
+    losses = loss_fn(outputs, labels) if loss_fn is not None else \
+        per_example_loss(outputs, labels, shift=shift, attention_mask=mask)
     if losses.dim() != 1 or losses.shape[0] != labels.shape[0]:
         raise ValueError(f"DPTrainer: per_example_loss must return one loss per example (shape [{labels.shape[0]}]), "
                          f"got shape {tuple(losses.shape)}")

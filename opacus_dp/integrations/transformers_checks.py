@@ -1,5 +1,6 @@
 """What :class:`~opacus_dp.integrations.transformers.DPTrainer` refuses up front: ``TrainingArguments``
-it cannot train with, and optimizers (the ``Trainer``'s, from ``optim``, or the user's, from
+it cannot train with (``fp16``'s loss scaling, NEFTune's noise scaled by the batch's padded length,
+...), and optimizers (the ``Trainer``'s, from ``optim``, or the user's, from
 ``optimizers=(optimizer, scheduler)``) that the private step cannot drive.
 
 The private step wraps the optimizer: per-example clipping, noise, then the optimizer's own
@@ -54,9 +55,23 @@ def refuse_unsupported(args: TrainingArguments) -> None:
             "once per batch (optim='adamw_torch', 'sgd', 'adafactor', ...)")
     if name.startswith("schedule_free"):
         raise ValueError(f"DPTrainer does not support optim={name!r}: {_MODES}")
+    if getattr(args, "neftune_noise_alpha", None):
+        raise ValueError(f"DPTrainer does not support neftune_noise_alpha={args.neftune_noise_alpha}: NEFTune scales "
+                         "its embedding noise by the padded length of the batch, so one example's gradient would "
+                         "depend on the lengths of the others. Leave neftune_noise_alpha=None")
     if getattr(args, "label_smoothing_factor", 0):
         raise ValueError(f"DPTrainer: label_smoothing_factor={args.label_smoothing_factor} would not be applied: "
                          f"the private step trains on one loss per example. {_OWN_LOSS}")
+
+
+def refuse_loss_scaling(args: TrainingArguments, accelerator) -> None:
+    """Refuse ``fp16=True`` (Accelerate's ``GradScaler``): Accelerate calls the private step through
+    a wrapper that hides its ``grad_scaler`` argument, so the step cannot undo the loss scale
+    (:mod:`~opacus_dp.optim.amp_scaling`) and fails, nor could the pieces of a logical batch."""
+    if args.fp16 or getattr(accelerator, "scaler", None) is not None:
+        raise ValueError("DPTrainer does not support fp16=True (float16 with Accelerate's GradScaler): the private "
+                         "step would see the loss scale in each example's gradient. Use bf16=True (no loss "
+                         "scaling), or write the loop with make_private and torch.amp.GradScaler (docs/precision.md)")
 
 
 def refuse_trainer_loss(compute_loss_func) -> None:

@@ -76,7 +76,9 @@ class DPOptimizerParts(WrappedOptimizer):
             ``clipping="per_layer"``. ``float("inf")`` disables clipping (only with σ = 0).
         expected_batch_size: divisor of the ``mean`` reduction (``q · N`` under Poisson
             sampling). ``None`` divides by the number of samples actually accumulated
-            (Opacus 0.x behaviour; sound only for batches of fixed, public size).
+            (Opacus 0.x behaviour; sound only for batches of fixed, public size): with the
+            ``mean`` reduction only for an engine that declares ``batching`` (as Opacus 1.x,
+            a ``DPOptimizer`` built by hand must be given it).
         loss_reduction: "mean" or "sum", as used by the loss.
         generator: ``torch.Generator`` for the noise; default: one seeded from the global RNG.
         secure_mode: OS-seeded noise robust to floating-point attacks (see :mod:`noise`).
@@ -104,6 +106,7 @@ class DPOptimizerParts(WrappedOptimizer):
                  grad_source: Optional[GradSource] = None, param_names: Optional[Dict[torch.Tensor, str]] = None,
                  batching: Optional[BatchingPolicy] = None, noise=None, state_views: StateViews = OPACUS_1X):
         super().__init__(optimizer)
+        self._mean_needs_expected_size = batching is None  # built by hand, as Opacus 1.x's
         settle_heap_for(self.params)  # CPU: the step's large tensors reuse their pages (glibc)
         self.noise_multiplier = noise_multiplier  # checked by the setter
         if clipping is None:
@@ -119,7 +122,7 @@ class DPOptimizerParts(WrappedOptimizer):
                                    NoiseMechanism, "noise")
         self.reducer = _checked_part(reducer if reducer is not None else LocalReducer(), Reducer, "reducer")
         self.param_names = dict(param_names or {})
-        self._use_source(grad_source or AttributeGradSource())
+        self._use_source(grad_source or AttributeGradSource(lambda: self.params))
         self.batching = batching if batching is not None else BatchingPolicy()
         self.logical_batch = LogicalBatch(self.batching)
         self.scaler = ScalerBridge()
@@ -245,6 +248,12 @@ class DPOptimizerParts(WrappedOptimizer):
 
     @expected_batch_size.setter
     def expected_batch_size(self, value) -> None:
+        if value is None and self.loss_reduction == "mean" and self._mean_needs_expected_size:
+            raise ValueError(
+                "expected_batch_size=None with loss_reduction='mean': pass expected_batch_size, the "
+                "expected batch size that divides the sum of clipped gradients (q * len(dataset) for "
+                "Poisson batches, e.g. a DPDataLoader's sample_rate * len(dataset); the batch size for "
+                "fixed batches), or use loss_reduction='sum'")
         self._expected_batch_size = _check_expected_batch_size(value, self.loss_reduction)
 
     @property

@@ -212,3 +212,81 @@ def test_opacus_optimizer_module_paths():
 
     assert (plain, per_layer, adaclip, fgc) == (DPOptimizer, DPPerLayerOptimizer, AdaClipDPOptimizer,
                                                 DPOptimizerFastGradientClipping)
+
+
+def _two_passes(library, split_grad_samples):
+    """A hand-built GradSampleModule and DPOptimizer (no make_private) with a hand-attached
+    accountant; two backward passes before one step. Returns the update, k and the history."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    wrapped = library.GradSampleModule(model)
+    optimizer = library.optimizers.DPOptimizer(torch.optim.SGD(wrapped.parameters(), lr=1.0), noise_multiplier=0.0,
+                                               max_grad_norm=0.05, expected_batch_size=4)
+    accountant = library.accountants.RDPAccountant()
+    optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=0.1))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        wrapped(torch.randn(3, 3, generator=g, dtype=torch.float64)).pow(2).sum().backward()
+    if split_grad_samples:  # Opacus 1.x's form of two passes: a list, one tensor per pass
+        for p in model.parameters():
+            p.grad_sample = list(torch.as_tensor(p.grad_sample).split(3)) if torch.is_tensor(p.grad_sample) \
+                else p.grad_sample
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    update = [b - p.detach() for b, p in zip(before, model.parameters())]
+    return update, optimizer.accumulated_iterations, accountant.history
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # Opacus's hooks on an input without grad
+@pytest.mark.parametrize("split_grad_samples", [False, True])
+def test_backward_passes_merged_without_make_private_count_as_batches_like_opacus(split_grad_samples):
+    """Opacus 1.x: k backward passes before a step divide the mean by k·B and the accountant's
+    hook records k·q; the same with opacus_dp's classes built by hand."""
+    import opacus
+
+    import opacus_dp
+
+    ours = _two_passes(opacus_dp, split_grad_samples)
+    theirs = _two_passes(opacus, split_grad_samples)
+    assert ours[1:] == theirs[1:]
+    for a, b in zip(ours[0], theirs[0]):
+        assert a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", ["DPOptimizer", "DPPerLayerOptimizer"])
+def test_mean_without_expected_batch_size_is_refused_like_opacus(name):
+    """Opacus 1.x refuses ``expected_batch_size=None`` with the mean reduction (the mean would
+    divide by the sampled batch's size); ``loss_reduction='sum'`` needs none."""
+    import opacus.optimizers
+
+    import opacus_dp.optimizers
+
+    for library in (opacus.optimizers, opacus_dp.optimizers):
+        params = list(nn.Linear(3, 2).parameters())
+        bound = 1.0 if name == "DPOptimizer" else [1.0, 1.0]
+        with pytest.raises(ValueError, match="expected.batch.size"):
+            getattr(library, name)(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=bound,
+                                   expected_batch_size=None)
+        optimizer = getattr(library, name)(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0,
+                                           max_grad_norm=bound, expected_batch_size=None, loss_reduction="sum")
+        assert optimizer.expected_batch_size is None
+
+
+def test_expected_batch_size_set_to_none_later_never_steps_like_opacus():
+    """Opacus 1.x cannot step after ``optimizer.expected_batch_size = None`` (mean reduction);
+    opacus_dp refuses the assignment itself, keeping the divisor it had."""
+    import opacus.optimizers
+
+    import opacus_dp.optimizers
+
+    for library in (opacus.optimizers, opacus_dp.optimizers):
+        model = nn.Linear(3, 2)
+        optimizer = library.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                                        max_grad_norm=1.0, expected_batch_size=4)
+        with pytest.raises((TypeError, ValueError), match="expected_batch_size|NoneType"):
+            optimizer.expected_batch_size = None
+            for p in model.parameters():
+                p.grad_sample = torch.randn(3, *p.shape)
+                p.grad = p.grad_sample.sum(0)
+            optimizer.step()
