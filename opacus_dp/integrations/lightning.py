@@ -36,7 +36,8 @@ Refused up front (:class:`UnsupportedLightningSetupError`): several optimizers, 
 ``GradientAccumulationScheduler``), ``reload_dataloaders_every_n_epochs``, ``gradient_clip_val``
 (clipping is per example here), ``min_epochs``/``min_steps`` with a budget (they override the
 stop), a train loader that is not a :class:`PrivateDataLoader`, correlated noise mechanisms
-(Lightning fetches the next batch before the step, which their schedule forbids).
+(Lightning fetches the next batch before the step, which their schedule forbids). A
+``training_step`` returning ``None`` (a skipped batch) is refused at its step.
 """
 
 import inspect
@@ -123,6 +124,7 @@ class DPCallback(pl.Callback):
         self._taps: Optional[CompiledStepTaps] = None
         self._budget: Optional[BudgetGuard] = None
         self._resumed_state: Optional[dict] = None
+        self._backward_seen = False  # whether this batch's training_step gave a loss
 
     # ------------------------------------------------------------------ making the run private
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -175,10 +177,20 @@ class DPCallback(pl.Callback):
                 "of an epoch (ModelCheckpoint(every_n_train_steps=...) or its default)")
         self._checks.batch_starts()
         self._taps.before_step(batch)
+        self._backward_seen = False
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self._taps.after_step()
         self._checks.before_backward()
+        self._backward_seen = True
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """Refuse a step whose ``training_step`` returned no loss (a skipped batch)."""
+        if not self._backward_seen:
+            raise UnsupportedLightningSetupError(
+                "DPCallback: training_step returned None, which skips the batch; whether a Poisson batch "
+                "is skipped depends on its data, so every batch must be a private step. Return the loss "
+                "of every batch (an empty batch gives a loss whose gradient is zero)")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._taps.after_step(completed=False)  # no backward pass followed the step (no loss)

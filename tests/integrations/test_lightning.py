@@ -277,6 +277,26 @@ def test_a_gradient_accumulation_scheduler_is_refused_before_the_first_step():
     assert private.privacy_engine is None or len(private.privacy_engine.accountant) == 0
 
 
+class SkipsSecondBatch(Recorder):
+    """Returns None (Lightning's "skip this batch") from the second training_step."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 1 else loss
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_skipped_batch_is_refused_at_its_step(scaled):
+    """A batch skipped by its data would be an unaccounted, data-dependent release: refused when
+    it reaches its step (float32, and float16 with Lightning's GradScaler), after one trained step."""
+    from lightning.pytorch.plugins import MixedPrecision
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if scaled else []
+    private, module = callback(), SkipsSecondBatch(*data())
+    with pytest.raises(UnsupportedLightningSetupError, match="training_step returned None"):
+        fit(module, [private], plugins=plugins)
+    assert len(module.records) == 2 and private.privacy_engine.accountant.history == [(0.0, Q, 1)]
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(UnsupportedLightningSetupError, match="noise_mechanism='tree'"):
         callback(noise_mechanism="tree")
