@@ -65,8 +65,8 @@ def check_clock(columns: torch.Tensor) -> None:
     of ``columns`` (shape ``(W, 3)``) is the same."""
     if bool((columns == columns[0]).all()):
         return
-    _check_shards(columns)
     readings = {rank: (int(phase), int(batches)) for rank, (phase, batches, _) in enumerate(columns.tolist())}
+    _check_shards(columns, readings)
     values = list(readings.values())
     # the most common reading; on a tie the one with fewer batches (a skipping rank has more)
     common = max(set(values), key=lambda r: (values.count(r), -r[1], r == readings[0]))
@@ -91,12 +91,11 @@ def _message(readings: Dict[int, Tuple[int, int]]) -> str:
         "or seed the DPDataLoader's generator alike on every rank)")
 
 
-def _check_shards(columns: torch.Tensor) -> None:
-    """Raise :class:`RanksOutOfStepError` if the ranks agree on phase and batches but drew their
-    batches from different shard assignments (``set_epoch`` called on some ranks only)."""
-    if not bool((columns[:, :2] == columns[0, :2]).all()):
+def _check_shards(columns: torch.Tensor, readings: Dict[int, Tuple[int, int]]) -> None:
+    """Raise :class:`RanksOutOfStepError` if the ranks agree on phase and batches (``readings``) but
+    drew their batches from different shard assignments (``set_epoch`` called on some ranks only)."""
+    if len(set(readings.values())) != 1:
         return
-    readings = {rank: (int(phase), int(batches)) for rank, (phase, batches, _) in enumerate(columns.tolist())}
     seeds = columns[:, 2].tolist()
     common = max(set(seeds), key=lambda seed: (seeds.count(seed), seed == seeds[0]))
     odd = {rank: OUT_OF_STEP for rank, seed in enumerate(seeds) if seed != common}

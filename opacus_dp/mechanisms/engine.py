@@ -165,7 +165,7 @@ def connect_mechanism(plan: Optional[MechanismPlan], dp_optimizer, accountant) -
         return None
     plan.schedule.follow(lambda: dp_optimizer.steps_taken)
     dp_optimizer.attach_pre_step_hook(_schedule_check)
-    dp_optimizer.noise.analyse_with(*_noise_settings(dp_optimizer))
+    dp_optimizer.noise.analyse_with(_noise_settings(dp_optimizer))
     dp_optimizer.attach_pre_step_hook(_fixed_noise_check)
     return hooks_for(accountant, plan.reduction, dp_optimizer)
 

@@ -180,9 +180,9 @@ class CorrelatedNoise:
         self.step_index = int(state.get("mechanism_steps", 0)) - 1
         self._pending, self._slot, self._open = {}, 0, False
 
-    def analyse_with(self, noise_multiplier: float, max_grad_norms) -> None:
-        """The σ and clipping bounds of every step of the run (its analysis; kept in checkpoints)."""
-        self.analysed = (float(noise_multiplier), tuple(float(c) for c in max_grad_norms))
+    def analyse_with(self, settings: tuple) -> None:
+        """``(σ, clipping bounds)`` of every step of the run (its analysis; kept in checkpoints)."""
+        self.analysed = settings
 
     def _check_settings(self, saved) -> None:
         """Refuse a state saved by a run noised with another σ or other clipping bounds: the
