@@ -66,8 +66,15 @@ def check_draws_each_example_once(data_loader: DataLoader, where: str) -> None:
     dataset has, for a loader kept as it is (``q = 1/len(loader)``): with replacement an example
     can fill two rows of one batch (clipped twice: 2C, noised for C), and ``k·N`` draws per pass
     put each example in about ``k`` batches per pass, ``k`` times the rate ``1/len(loader)`` the
-    accountant would record."""
+    accountant would record. A ``WeightedRandomSampler`` drawing with replacement (its default) is
+    refused for the first reason."""
     sampler = getattr(_logical_batch_sampler(data_loader), "sampler", None)
+    if isinstance(sampler, WeightedRandomSampler) and sampler.replacement:
+        raise ValueError(
+            f"{where}: WeightedRandomSampler(replacement=True) draws with replacement, so an example can "
+            "fill two rows of one batch (clipped twice, a sensitivity of 2C, while the noise covers C). "
+            "Use poisson_sampling=True (every example at the same rate q; to rebalance classes, weight "
+            "the loss per example instead), or WeightedRandomSampler(..., replacement=False)")
     if not isinstance(sampler, RandomSampler):
         return
     n, draws = len(sampler.data_source), sampler.num_samples

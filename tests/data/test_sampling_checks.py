@@ -89,6 +89,16 @@ def test_a_random_sampler_drawing_examples_more_than_once_per_pass_is_refused(re
     assert words in str(refused.value)
 
 
+def test_a_weighted_sampler_drawing_with_replacement_is_refused():
+    """Its default draws with replacement: an example can fill two rows of one batch (2C)."""
+    weights = torch.ones(20)
+    assert len(set(WeightedRandomSampler(weights, 20, generator=torch.Generator().manual_seed(0)))) < 20
+    with pytest.raises(ValueError, match=r"WeightedRandomSampler\(replacement=True\).*poisson_sampling=True"):
+        _make_private_without_poisson(WeightedRandomSampler(weights, num_samples=20))
+    _, _, loader = _make_private_without_poisson(WeightedRandomSampler(weights, 20, replacement=False))
+    assert loader.batch_sampler.sampler.replacement is False
+
+
 def test_a_shuffling_or_subsampling_random_sampler_is_accepted():
     data = TensorDataset(torch.randn(20, 2))
     for sampler in (torch.utils.data.RandomSampler(data), torch.utils.data.RandomSampler(data, num_samples=10)):
