@@ -82,7 +82,20 @@ def unsupported_reason(module: nn.Module) -> Optional[str]:
         )
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
         return _embedding_reason(module)
+    if isinstance(module, (nn.ParameterDict, nn.ParameterList)):
+        return PARAMETER_CONTAINER
     return None
+
+
+PARAMETER_CONTAINER_CAUSE = (
+    "a ParameterDict or ParameterList has no forward of its own: its trainable parameters are used "
+    "by another module's forward, where no per-sample gradient is taken of them (per-sample "
+    "gradients are formed per module, for the parameters it holds directly)")
+PARAMETER_CONTAINER_FIX = (
+    "register each parameter on the module that uses it (self.name = nn.Parameter(...)) or freeze it "
+    "(requires_grad_(False)); PEFT's LoRA on an embedding (lora.Embedding keeps lora_embedding_A/B "
+    "in ParameterDicts) is such a case: leave embedding layers out of target_modules")
+PARAMETER_CONTAINER = f"{PARAMETER_CONTAINER_CAUSE}. {PARAMETER_CONTAINER_FIX[0].upper()}{PARAMETER_CONTAINER_FIX[1:]}"
 
 
 def rewrites_parameters_from_data(module: nn.Module) -> bool:

@@ -15,7 +15,8 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import UninitializedParameter
 
 from opacus_dp.grad_sample.running_statistics import needs_replacement
-from opacus_dp.grad_sample.support import PARAMETRIZATION_CAUSE, PARAMETRIZATION_FIX, is_parametrization
+from opacus_dp.grad_sample.support import (PARAMETER_CONTAINER_CAUSE, PARAMETER_CONTAINER_FIX, PARAMETRIZATION_CAUSE,
+                                          PARAMETRIZATION_FIX, is_parametrization)
 from opacus_dp.module_parameters import has_trainable_parameters, trains_anything
 from opacus_dp.validators.module_errors import (
     IllegalModuleConfigurationError,
@@ -110,6 +111,14 @@ def check_parametrization(module: nn.Module) -> Optional[Problem]:
                    UnsupportedModuleError)
 
 
+def check_parameter_container(module: nn.Module) -> Optional[Problem]:
+    """A ``ParameterDict``/``ParameterList`` holding trainable parameters: another module's forward
+    uses them, and per-sample gradients are formed per module for its own parameters."""
+    if not isinstance(module, (nn.ParameterDict, nn.ParameterList)) or not has_trainable_parameters(module):
+        return None
+    return Problem(PARAMETER_CONTAINER_CAUSE, PARAMETER_CONTAINER_FIX, UnsupportedModuleError)
+
+
 def check_embedding_options(module: nn.Module) -> Optional[Problem]:
     """``max_norm`` rewrites the looked-up rows in place (no noise, even when frozen);
     ``sparse=True`` gradients have no per-sample form."""
@@ -138,6 +147,7 @@ MODULE_RULES: List[Callable[[nn.Module], Optional[Problem]]] = [
     check_uninitialized,
     check_embedding_options,
     check_parametrization,
+    check_parameter_container,
 ]
 
 

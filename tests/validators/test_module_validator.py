@@ -289,3 +289,60 @@ def test_removed_parametrization_validates_clean():
     model = _parametrized("weight_norm")
     parametrize.remove_parametrizations(model[0], "weight")
     assert ModuleValidator.validate(model) == []
+
+
+class _ScaledByContainer(nn.Module):
+    """Its forward uses a parameter held by a ParameterDict child, which has no forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 4)
+        self.scales = nn.ParameterDict({"a": nn.Parameter(torch.ones(4))})
+
+    def forward(self, x):
+        return self.linear(x) * self.scales["a"]
+
+
+@pytest.mark.filterwarnings("ignore::opacus_dp.engine.private_step.SecureModeNotice")
+def test_trainable_parameters_in_a_parameter_container_are_refused_early():
+    """No hook sees a ParameterDict's parameter, whose user is its parent's forward: validation
+    names the container and make_private refuses it in every mode (it failed at the first step,
+    naming only the parameter); frozen, the container is accepted."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opacus_dp import PrivacyEngine
+    from opacus_dp.errors import UnsupportedModuleError as EngineUnsupported
+    from opacus_dp.validators import ModuleValidator
+
+    model = nn.Sequential(_ScaledByContainer(), nn.Linear(4, 2))
+    messages = [str(e) for e in ModuleValidator.validate(model)]
+    assert len(messages) == 1 and messages[0].startswith("model.0.scales (ParameterDict)")
+    assert "register each parameter on the module that uses it" in messages[0]
+    data = DataLoader(TensorDataset(torch.randn(4, 6)), batch_size=4)
+    for mode in ("hooks", "functorch", "bk", "ghost", "auto"):
+        with pytest.raises(EngineUnsupported, match=r"0\.scales \(ParameterDict\).*target_modules"):
+            PrivacyEngine().make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=data,
+                noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode,
+                criterion=nn.MSELoss() if mode == "ghost" else None)
+    model[0].scales["a"].requires_grad_(False)
+    assert ModuleValidator.validate(model) == []
+
+
+@pytest.mark.filterwarnings("ignore::opacus_dp.engine.private_step.SecureModeNotice")
+def test_peft_lora_on_an_embedding_is_refused_at_make_private():
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opacus_dp import PrivacyEngine
+    from opacus_dp.errors import UnsupportedModuleError as EngineUnsupported
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config),
+                                peft.LoraConfig(r=2, target_modules=["c_attn", "wte"], fan_in_fan_out=True))
+    with pytest.raises(EngineUnsupported, match=r"transformer\.wte\.lora_embedding_A \(ParameterDict\).*target_modules"):
+        PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0),
+            data_loader=DataLoader(TensorDataset(torch.randint(0, 50, (4, 8))), batch_size=4),
+            noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="bk")
