@@ -11,9 +11,13 @@ steps, interleaved with the non-private step (``--timer wall``: wall-clock milli
 several threads, where process CPU time sums the threads' work and hides what runs on one).
 ``--batch-size 2`` keeps the first two samples of each batch: the per-sample work is then
 negligible and what remains above the non-private step is the step's fixed cost (hooks,
-bookkeeping, clip factors, noise of the model's size).
+bookkeeping, clip factors, noise of the model's size). ``--compile BACKEND`` compiles every
+setting's model in place (``model.compile(backend=...)``, after ``make_private`` for the private
+ones, as ``scripts/benchmark.py --compile`` does): ``forward`` and ``backward`` are then the
+compiled graphs with the per-sample work the backward pass does eagerly (docs/compile.md).
 
     OMP_NUM_THREADS=1 python scripts/profile_models.py --steps 9 [--fast-noise philox] [--batch-size 2]
+    OMP_NUM_THREADS=1 python scripts/profile_models.py --models convnet,lstm --compile inductor
     OMP_NUM_THREADS=2 python scripts/profile_models.py --models llama --threads 2 --timer wall
 """
 
@@ -38,8 +42,9 @@ from profile_step import instrument, step_phases, table  # noqa: E402
 CLOCKS = {"cpu": (time.process_time, "process CPU"), "wall": (time.perf_counter, "wall-clock")}
 
 
-def build(workload, mode, x, y, fast_noise):
-    """``(model, optimizer, criterion, phase times)`` of the non-private (``mode=None``) or private step."""
+def build(workload, mode, x, y, fast_noise, backend=None):
+    """``(model, optimizer, criterion, phase times)`` of the non-private (``mode=None``) or private
+    step, its model compiled by ``backend`` if given."""
     import opacus_dp.layers as layers
 
     torch.manual_seed(0)
@@ -51,6 +56,8 @@ def build(workload, mode, x, y, fast_noise):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, optimizer, criterion = _ours(model, optimizer, loader, mode, criterion, fast_noise)
+    if backend:
+        model.compile(backend=backend)
     private = instrument(optimizer, times)
     return model, optimizer, criterion, times, private
 
@@ -58,8 +65,9 @@ def build(workload, mode, x, y, fast_noise):
 def profile_model(name: str, args) -> dict:
     workload = WORKLOADS[name]
     x, y = _batch(workload, args)  # the benchmark's batch (seed 1), its first --batch-size samples
-    settings = {"non-private": build(workload, None, x, y, False)}
-    settings.update({mode: build(workload, mode, x, y, FAST_NOISE_NAMES[args.fast_noise]) for mode in args.modes})
+    noise = FAST_NOISE_NAMES[args.fast_noise]
+    settings = {"non-private": build(workload, None, x, y, False, args.compile)}
+    settings.update({mode: build(workload, mode, x, y, noise, args.compile) for mode in args.modes})
     rows = {setting: defaultdict(list) for setting in settings}
     for step in range(args.warmup + args.steps):
         for setting, (model, optimizer, criterion, times, private) in settings.items():
@@ -80,6 +88,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fast-noise", choices=tuple(FAST_NOISE_NAMES), default="off")
+    parser.add_argument("--compile", metavar="BACKEND", help="compile every model in place with this backend")
     parser.add_argument("--timer", choices=sorted(CLOCKS), default="cpu",
                         help="cpu: process CPU time (one thread); wall: wall clock (several threads)")
     args = parser.parse_args(argv)
@@ -88,6 +97,7 @@ def main(argv=None) -> dict:
     for name in args.models.split(","):
         results[name] = profile_model(name, args)
         batch = f" (its first {args.batch_size} samples)" if args.batch_size else ""
+        batch += f", compiled by {args.compile}" if args.compile else ""
         print(f"\n{name}: {WORKLOADS[name].description}{batch}; noise {args.fast_noise}, {args.threads} thread(s), "
               f"median {CLOCKS[args.timer][1]} ms over {args.steps} steps\n")
         print(table(results[name], {mode: "non-private" for mode in args.modes}))

@@ -12,7 +12,7 @@ The layers never import the wrappers: this module is the whole interface between
 """
 
 import weakref
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -25,12 +25,19 @@ _TRACED = "_dp_traced_joined_steps"  # mark_traced
 class JoinedSteps:
     """One run's steps: :meth:`project` replaces ``hh``'s call; :meth:`keep` copies step ``t``'s
     input ``h_{t-1}`` into one ``(B, T, H)`` tensor (a copy: the recorded call holds no step's own
-    state); ``finish(H, gates)`` is the recorder's."""
+    state); ``finish(H, gates)`` is the recorder's.
+
+    Eagerly each step is written into its slice of ``H`` at once. In a compiled forward the steps'
+    inputs are stacked after the last step instead: ``T`` writes into slices of one tensor become
+    a chain of ``T`` scatters there, which the compiler fused into one kernel that reads every
+    step's input for every entry of ``H`` (``T²`` work), while a stack compiles to each step
+    writing its own slice."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], steps: int,
                  finish: Callable[[torch.Tensor, torch.Tensor], None]):
         self.weight, self.bias, self.steps = weight, bias, steps
         self.inputs: Optional[torch.Tensor] = None
+        self._traced_inputs: List[Optional[torch.Tensor]] = []  # by step (a reverse run keeps T-1 first)
         self._finish = finish
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
@@ -38,12 +45,19 @@ class JoinedSteps:
 
     def keep(self, t: int, h: torch.Tensor) -> None:
         """Step ``t``'s input (before the step runs)."""
+        if torch.compiler.is_compiling():
+            if not self._traced_inputs:
+                self._traced_inputs = [None] * self.steps
+            self._traced_inputs[t] = h.detach()
+            return
         if self.inputs is None:
             self.inputs = h.new_empty(h.shape[0], self.steps, h.shape[1])
         self.inputs[:, t] = h.detach()
 
     def finish(self, gates: torch.Tensor) -> None:
         """After the last step: ``gates`` is ``ih``'s output that the steps added into ``z_t``."""
+        if self._traced_inputs:
+            self.inputs, self._traced_inputs = torch.stack(self._traced_inputs, dim=1), []
         self._finish(self.inputs, gates)
 
 
