@@ -56,3 +56,24 @@ def test_timer_chooses_the_clock_of_every_phase(capsys, monkeypatch, timer, cloc
     module.main(["--models", "lstm", "--steps", "1", "--warmup", "0", "--batch-size", "2", "--timer", timer])
     assert [c.__name__ for c in clocks] == [clock, clock]
     assert f"median {'wall-clock' if timer == 'wall' else 'process CPU'} ms" in capsys.readouterr().out
+
+
+def test_compile_compiles_every_setting_in_place(capsys, monkeypatch):
+    """``--compile BACKEND``: the non-private and the private model are compiled in place with it
+    (the private one after make_private), and the header says so."""
+    module = load()
+    backends = []
+    build = module.build
+
+    def recording(workload, mode, x, y, fast_noise, backend=None):
+        model, *rest = build(workload, mode, x, y, fast_noise, backend)
+        compiled = getattr(model, "_compiled_model_call", None) or model._compiled_call_impl  # private: the wrapped call
+        backends.append((mode, backend, compiled is not None))
+        return (model, *rest)
+
+    monkeypatch.setattr(module, "build", recording)
+    rows = module.main(["--models", "lstm", "--steps", "1", "--warmup", "1", "--batch-size", "2",
+                        "--compile", "eager"])["lstm"]
+    assert backends == [(None, "eager", True), ("bk", "eager", True)]
+    assert rows["bk"]["clip"] > 0 and rows["non-private"]["clip"] == 0
+    assert "compiled by eager" in capsys.readouterr().out
