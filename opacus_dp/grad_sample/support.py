@@ -95,7 +95,7 @@ PARAMETER_CONTAINER_FIX = (
     "register each parameter on the module that uses it (self.name = nn.Parameter(...)) or freeze it "
     "(requires_grad_(False)); PEFT's LoRA on an embedding (lora.Embedding keeps lora_embedding_A/B "
     "in ParameterDicts) is such a case: leave embedding layers out of target_modules")
-PARAMETER_CONTAINER = f"{PARAMETER_CONTAINER_CAUSE}. {PARAMETER_CONTAINER_FIX[0].upper()}{PARAMETER_CONTAINER_FIX[1:]}"
+PARAMETER_CONTAINER = f"{PARAMETER_CONTAINER_CAUSE}; {PARAMETER_CONTAINER_FIX}"
 
 
 def rewrites_parameters_from_data(module: nn.Module) -> bool:
